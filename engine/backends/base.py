@@ -1,0 +1,66 @@
+"""The Backend protocol: the few operations the model code is written against.
+
+The model file (engine/model.py) calls only these, so the same code runs on numpy (the reference and CPU
+default) and, later, on CUDA. Arrays are backend-owned handles; `to_host` brings one back as numpy.
+Weights are uploaded once in the backend's preferred form (`upload_linear` takes the [out, in] float32
+matrix as stored in GGUF; a backend may keep it transposed, quantised or on a device).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine.batch import BatchMeta
+from engine.kv import KVLayout
+
+Array = Any  # a backend's activation handle (numpy: np.ndarray)
+
+
+class Backend(Protocol):
+    name: str
+
+    # -- weights and memory ------------------------------------------------------------------------
+    def upload(self, array: np.ndarray) -> Array:
+        """A small float32 tensor (norm weights, biases, embedding table)."""
+
+    def upload_linear(self, weight: np.ndarray) -> Array:
+        """A matrix [out, in] used as y = x @ weight.T."""
+
+    def create_kv_pool(self, layout: KVLayout) -> Any:
+        """Allocate the paged K/V pool for every layer."""
+
+    def to_host(self, x: Array) -> np.ndarray: ...
+
+    # -- ops (x rows are the flat batch rows of BatchMeta) -----------------------------------------
+    def embedding(self, table: Array, token_ids: np.ndarray, scale: float) -> Array:
+        """[T] ids -> [T, d] rows of table, times scale."""
+
+    def rms_norm(self, x: Array, weight: Array, eps: float) -> Array:
+        """RMS-normalise the last axis of x ([..., n]) and multiply by weight [n]."""
+
+    def add_rms_norm(self, x: Array, delta: Array, weight: Array, eps: float) -> tuple[Array, Array]:
+        """Residual add fused with the next norm: returns (x + delta, rms_norm(x + delta))."""
+
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
+        """[T, in] -> [T, out]."""
+
+    def split_heads(self, x: Array, sizes: tuple[int, ...], head_dim: int) -> tuple[Array, ...]:
+        """Split [T, sum(sizes)] along columns and view each part as [T, size // head_dim, head_dim]."""
+
+    def rope(self, x: Array, positions: np.ndarray, cos_sin: tuple[Array, Array], rope_dims: int) -> Array:
+        """Rotate the first rope_dims of each head ([T, H, hd]) by position, half-split (NeoX) layout."""
+
+    def store_kv(self, pool: Any, layer: int, k: Array, v: Array, batch: BatchMeta) -> None:
+        """Write the new tokens' K/V ([T, KVH, hd]) to their slots."""
+
+    def attention(self, q: Array, pool: Any, layer: int, batch: BatchMeta, scale: float, window: int) -> Array:
+        """Causal paged attention of q [T, H, hd] over each sequence's context -> [T, H * hd].
+
+        window > 0 limits each query to the last `window` positions (its own included).
+        """
+
+    def gated_activation(self, gate_up: Array, kind: str) -> Array:
+        """[T, 2F] (gate | up) -> act(gate) * up, [T, F]."""
+
+    def gather_rows(self, x: Array, rows: np.ndarray) -> Array: ...

@@ -1,0 +1,164 @@
+"""The numpy backend: the reference implementation of every op, float32 throughout.
+
+Speed notes (2-core CPU, OpenBLAS): weights are kept transposed ([in, out], C-contiguous) so a step is
+one sgemm per projection; Q/K/V and gate/up are fused by the model loader. Attention reads each
+sequence's context as a few contiguous views of the pool (one per run of consecutive blocks) and merges
+them with an online softmax, so a decode step copies nothing proportional to the context length.
+Every scalar is np.float32: a Python float times a float32 array stays float32, but a float64 numpy
+scalar would silently promote the whole activation to float64.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from engine.batch import BatchMeta, SeqSlice
+from engine.kv import KVLayout
+
+_F32 = np.float32
+_GELU_C = _F32(math.sqrt(2.0 / math.pi))
+
+
+class NumpyKVPool:
+    """K and V for all layers: k[layer] is [KVH, num_slots, hd] so a run of blocks is one view per head."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        shape = (layout.n_layers, layout.n_kv_heads, layout.num_slots, layout.head_dim)
+        self.k = np.zeros(shape, dtype=layout.dtype)
+        self.v = np.zeros(shape, dtype=layout.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class NumpyBackend:
+    """Backend protocol on numpy arrays (see engine/backends/base.py)."""
+
+    name = "numpy"
+
+    def upload(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array, dtype=_F32)
+
+    def upload_linear(self, weight: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(weight, dtype=_F32).T)  # [in, out]
+
+    def create_kv_pool(self, layout: KVLayout) -> NumpyKVPool:
+        return NumpyKVPool(layout)
+
+    def to_host(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x)
+
+    def embedding(self, table: np.ndarray, token_ids: np.ndarray, scale: float) -> np.ndarray:
+        rows = table[token_ids]  # [T, d]
+        if scale != 1.0:
+            rows *= _F32(scale)
+        return rows
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        mean_sq = np.einsum("...i,...i->...", x, x)[..., None] / _F32(x.shape[-1])
+        return x * (1.0 / np.sqrt(mean_sq + _F32(eps))) * weight
+
+    def add_rms_norm(self, x, delta, weight, eps):
+        total = x + delta
+        return total, self.rms_norm(total, weight, eps)
+
+    def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+        y = x @ weight
+        if bias is not None:
+            y += bias
+        return y
+
+    def split_heads(self, x: np.ndarray, sizes: tuple[int, ...], head_dim: int) -> tuple[np.ndarray, ...]:
+        bounds = np.cumsum((0,) + tuple(sizes))
+        return tuple(x[:, a:b].reshape(x.shape[0], (b - a) // head_dim, head_dim) for a, b in zip(bounds, bounds[1:]))
+
+    def rope(self, x: np.ndarray, positions: np.ndarray, cos_sin, rope_dims: int) -> np.ndarray:
+        cos_table, sin_table = cos_sin
+        half = rope_dims // 2
+        cos = cos_table[positions][:, None, :]  # [T, 1, half]
+        sin = sin_table[positions][:, None, :]
+        x1, x2 = x[..., :half], x[..., half:rope_dims]
+        rotated = np.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)
+        if rope_dims == x.shape[-1]:
+            return rotated
+        return np.concatenate((rotated, x[..., rope_dims:]), axis=-1)
+
+    def store_kv(self, pool: NumpyKVPool, layer: int, k: np.ndarray, v: np.ndarray, batch: BatchMeta) -> None:
+        # k, v: [T, KVH, hd] -> pool[layer][:, slot, :]
+        pool.k[layer][:, batch.slot_mapping, :] = k.transpose(1, 0, 2)
+        pool.v[layer][:, batch.slot_mapping, :] = v.transpose(1, 0, 2)
+
+    def attention(self, q, pool: NumpyKVPool, layer: int, batch: BatchMeta, scale: float, window: int):
+        out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=_F32)
+        k_layer, v_layer = pool.k[layer], pool.v[layer]
+        for seq in batch.seqs:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[rows] = _attend_one(q[rows], k_layer, v_layer, seq, batch.block_size, _F32(scale), window)
+        return out
+
+    def gated_activation(self, gate_up: np.ndarray, kind: str) -> np.ndarray:
+        half = gate_up.shape[-1] // 2
+        gate, up = gate_up[:, :half], gate_up[:, half:]
+        if kind == "silu":
+            return gate / (1.0 + np.exp(-gate)) * up
+        if kind == "gelu_tanh":
+            return 0.5 * gate * (1.0 + np.tanh(_GELU_C * (gate + _F32(0.044715) * gate * gate * gate))) * up
+        raise ValueError(f"unknown activation {kind!r}")
+
+    def gather_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        if len(rows) == x.shape[0]:
+            return x
+        return x[rows]
+
+
+def _attend_one(q, k_layer, v_layer, seq: SeqSlice, block_size: int, scale, window: int) -> np.ndarray:
+    """Attention for one sequence's new tokens q [n, H, hd] -> [n, H * hd], online softmax over key runs."""
+    n, n_heads, head_dim = q.shape
+    n_kv = k_layer.shape[0]
+    group = n_heads // n_kv
+    # Head h reads KV head h // group: lay queries out as [KVH, group * n, hd] for one batched matmul.
+    qh = (q * scale).reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, group * n, head_dim)
+    q_pos = np.arange(seq.start_pos, seq.context_len)
+    first_key = max(0, seq.start_pos - window + 1) if window else 0
+    runs = seq.key_runs(block_size, first_key)
+    m = l = acc = None
+    for key_start, key_len, slot in runs:
+        keys = k_layer[:, slot : slot + key_len, :]  # [KVH, L, hd] view
+        values = v_layer[:, slot : slot + key_len, :]
+        scores = qh @ keys.transpose(0, 2, 1)  # [KVH, group * n, L]
+        _mask_in_place(scores, q_pos, key_start, key_len, window, group)
+        run_max = scores.max(axis=-1, keepdims=True)
+        if m is None:
+            m_new = run_max
+        else:
+            m_new = np.maximum(m, run_max)
+        m_safe = np.where(np.isneginf(m_new), _F32(0.0), m_new)
+        probs = np.exp(scores - m_safe, out=scores)
+        if m is None:
+            l, acc = probs.sum(axis=-1, keepdims=True), probs @ values
+        else:
+            correction = np.exp(m - m_safe)
+            l = l * correction + probs.sum(axis=-1, keepdims=True)
+            acc = acc * correction + probs @ values
+        m = m_new
+    out = acc / l  # [KVH, group * n, hd]
+    return out.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
+
+
+def _mask_in_place(scores, q_pos, key_start: int, key_len: int, window: int, group: int) -> None:
+    """Set scores of keys after the query (causal) or outside its window to -inf. No-op when none are."""
+    key_last = key_start + key_len - 1
+    needs_causal = key_last > q_pos[0]
+    needs_window = window and key_start <= q_pos[-1] - window
+    if not (needs_causal or needs_window):
+        return
+    k_pos = np.arange(key_start, key_start + key_len)
+    hidden = k_pos[None, :] > q_pos[:, None]  # [n, L]
+    if window:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - window
+    n = len(q_pos)
+    view = scores.reshape(scores.shape[0], group, n, key_len)
+    view[:, :, hidden] = -np.inf

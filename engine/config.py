@@ -1,0 +1,127 @@
+"""Model configuration read from GGUF metadata into one frozen dataclass per model.
+
+One config shape covers every supported architecture; per-architecture differences are flags
+(qk norm, qkv bias, post norms, activation, sliding-window layers) so the model code stays a single file.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+
+# llama.cpp marks every 6th gemma3 layer global and the rest sliding-window (set_swa_pattern(6)).
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the forward pass needs to know about a model's shape and arithmetic."""
+
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    context_length: int
+    rms_eps: float
+    rope_base: float  # rope base of global layers
+    rope_base_local: float  # rope base of sliding-window layers (== rope_base where there are none)
+    rope_dims: int  # rotated dims per head (partial rotary when < head_dim)
+    rope_linear_scale: float  # positions are divided by this on global layers (1.0 = none)
+    sliding_window: int  # 0 = no sliding-window layers
+    layer_is_sliding: tuple[bool, ...]
+    attn_scale: float
+    embed_scale: float
+    activation: str  # "silu" or "gelu_tanh"
+    has_qkv_bias: bool
+    has_qk_norm: bool
+    has_post_norms: bool  # gemma3: norms on the attention and MLP outputs before the residual add
+    permuted_qk: bool  # llama.cpp's converter interleaved the Q/K rows of this arch for its RoPE
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
+        return 2 * self.n_layers * self.kv_dim * itemsize
+
+
+def config_from_gguf(fields: dict[str, Any], vocab_size: int) -> ModelConfig:
+    """Build a ModelConfig from GGUF metadata; raise ValueError naming anything unsupported."""
+    arch = str(fields.get("general.architecture", ""))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+        return value
+
+    n_layers = int(get("block_count"))
+    d_model = int(get("embedding_length"))
+    n_heads = _first_int(get("attention.head_count"))
+    n_kv_heads = _first_int(get("attention.head_count_kv", n_heads))
+    head_dim = int(get("attention.key_length", d_model // n_heads))
+    if n_heads % n_kv_heads:
+        raise ValueError(f"{n_heads} attention heads are not a multiple of {n_kv_heads} KV heads")
+    rope_base = float(get("rope.freq_base", 10_000.0))
+    is_gemma3 = arch == "gemma3"
+    sliding_window = int(fields.get(f"{arch}.attention.sliding_window", 0) or 0) if is_gemma3 else 0
+    layer_is_sliding = tuple(
+        bool(sliding_window) and (i + 1) % GEMMA3_SWA_PATTERN != 0 for i in range(n_layers)
+    )
+    scaling_type = fields.get(f"{arch}.rope.scaling.type", "none")
+    rope_linear_scale = float(fields.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    if scaling_type not in ("none", "linear") and rope_linear_scale != 1.0:
+        raise ValueError(f"unsupported rope scaling type {scaling_type!r}")
+    return ModelConfig(
+        arch=arch,
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        ffn_dim=_first_int(get("feed_forward_length")),
+        vocab_size=vocab_size,
+        context_length=int(get("context_length", 4096)),
+        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_base=rope_base,
+        rope_base_local=GEMMA3_LOCAL_ROPE_BASE if sliding_window else rope_base,
+        rope_dims=int(fields.get(f"{arch}.rope.dimension_count", head_dim) or head_dim),
+        rope_linear_scale=rope_linear_scale,
+        sliding_window=sliding_window,
+        layer_is_sliding=layer_is_sliding,
+        attn_scale=1.0 / math.sqrt(head_dim),
+        embed_scale=math.sqrt(d_model) if is_gemma3 else 1.0,
+        activation="gelu_tanh" if is_gemma3 else "silu",
+        has_qkv_bias=arch == "qwen2",
+        has_qk_norm=arch in ("qwen3", "gemma3"),
+        has_post_norms=is_gemma3,
+        permuted_qk=arch == "llama",
+    )
+
+
+def _first_int(value: Any) -> int:
+    # Some GGUFs store per-layer lists (e.g. head counts); the supported archs are uniform.
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise ValueError(f"per-layer varying value {value!r} is not supported")
+        return int(value[0])
+    return int(value)

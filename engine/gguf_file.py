@@ -1,0 +1,102 @@
+"""Reading a GGUF file: metadata as plain Python values, tensors dequantised to float32.
+
+Dequantisation is delegated to the `gguf` package (the reference Python implementation maintained next to
+llama.cpp), so every quant type it knows is supported; anything else fails at open time, naming the tensor.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf import quants as gguf_quants
+
+log = logging.getLogger("strata.gguf")
+
+# Types stored as plain floats; everything else must have a dequantiser in the gguf package.
+_PLAIN_FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64}
+
+
+def supported_quant_types() -> set[GGMLQuantizationType]:
+    """All tensor types this engine can load (plain floats + every type gguf can dequantise)."""
+    return _PLAIN_FLOAT_TYPES | set(gguf_quants._type_traits.keys())
+
+
+class GGUFFile:
+    """An opened GGUF file (memory-mapped, read-only).
+
+    `fields` maps every metadata key to a Python value (str, int, float, bool or list of them).
+    `tensor(name)` returns the dequantised float32 array in numpy order ([rows, cols] = [out, in]).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._reader = GGUFReader(self.path, "r")
+        except Exception as exc:  # the gguf reader raises bare ValueErrors on bad magic / truncation
+            raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+        self.fields: dict[str, Any] = {
+            key: _field_value(field) for key, field in self._reader.fields.items() if not key.startswith("GGUF.")
+        }
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._check_tensor_types()
+
+    @property
+    def architecture(self) -> str:
+        return str(self.fields.get("general.architecture", ""))
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensors
+
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        return self._tensors[name].tensor_type
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """Numpy-order shape of a tensor, without reading its data."""
+        return tuple(int(d) for d in reversed(self._tensors[name].shape.tolist()))
+
+    def tensor_nbytes(self, name: str) -> int:
+        return int(self._tensors[name].n_bytes)
+
+    def tensor(self, name: str) -> np.ndarray:
+        """Dequantised float32 copy of tensor `name`, shaped like numpy expects ([out, in] for matrices)."""
+        if name not in self._tensors:
+            raise KeyError(f"tensor {name!r} not found in {self.path.name}")
+        t = self._tensors[name]
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64):
+            data = np.asarray(t.data, dtype=np.float32)
+        else:
+            data = gguf_quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        # GGUF lists dims innermost-first; numpy wants them outermost-first.
+        return np.ascontiguousarray(data.reshape(self.tensor_shape(name)))
+
+    def _check_tensor_types(self) -> None:
+        supported = supported_quant_types()
+        bad = [(n, t.tensor_type) for n, t in self._tensors.items() if t.tensor_type not in supported]
+        if bad:
+            listing = ", ".join(f"{n} ({_type_name(tt)})" for n, tt in bad[:5])
+            raise ValueError(
+                f"{self.path.name}: unsupported tensor type(s): {listing}"
+                + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                + f". Supported: {', '.join(sorted(_type_name(s) for s in supported))}"
+            )
+
+
+def _type_name(tensor_type: Any) -> str:
+    return getattr(tensor_type, "name", str(tensor_type))
+
+
+def _field_value(field: Any) -> Any:
+    """Convert a gguf ReaderField to a plain Python value."""
+    try:
+        value = field.contents()
+    except Exception:  # very old gguf versions: fall back to the raw parts
+        value = [field.parts[i].tolist() for i in field.data]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

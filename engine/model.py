@@ -1,0 +1,104 @@
+"""The transformer forward pass, written once against the Backend protocol.
+
+Covers llama (SmolLM2, Llama 3), qwen2 (QKV bias), qwen3 (QK-norm) and gemma3 (QK-norm, post norms,
+sliding-window layers with their own RoPE base, GELU gating, embedding scale) through config flags.
+Shapes: T = tokens in the batch (all sequences, flat), d = model width, H/KVH = query/KV heads.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.backends.base import Backend
+from engine.batch import BatchMeta
+from engine.config import ModelConfig, config_from_gguf
+from engine.gguf_file import GGUFFile
+from engine.weights import ModelWeights, load_weights
+
+log = logging.getLogger("strata.model")
+
+
+class Model:
+    """A loaded model: config + weights on a backend. `forward` runs one batched step."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, backend: Backend):
+        self.config = config
+        self.weights = weights
+        self.backend = backend
+
+    def forward(self, batch: BatchMeta, kv_pool) -> np.ndarray:
+        """Run every new token of the batch through the model, writing its K/V into kv_pool.
+
+        Returns float32 logits [len(batch.logit_rows), vocab] on the host.
+        """
+        c, w, b = self.config, self.weights, self.backend
+        x = b.embedding(w.embedding, batch.token_ids, c.embed_scale)  # [T, d]
+        h = b.rms_norm(x, w.layers[0].attn_norm, c.rms_eps)
+        for i, lw in enumerate(w.layers):
+            attn = self._attention(i, h, batch, kv_pool)  # [T, d]
+            if lw.post_attn_norm is not None:
+                attn = b.rms_norm(attn, lw.post_attn_norm, c.rms_eps)
+            x, h = b.add_rms_norm(x, attn, lw.ffn_norm, c.rms_eps)
+            mlp = b.linear(b.gated_activation(b.linear(h, lw.w_gate_up), c.activation), lw.w_down)
+            if lw.post_ffn_norm is not None:
+                mlp = b.rms_norm(mlp, lw.post_ffn_norm, c.rms_eps)
+            next_norm = w.layers[i + 1].attn_norm if i + 1 < c.n_layers else None
+            if next_norm is not None:
+                x, h = b.add_rms_norm(x, mlp, next_norm, c.rms_eps)
+            else:
+                x = b.gather_rows(x + mlp, batch.logit_rows)  # only rows whose logits are wanted
+        h = b.rms_norm(x, w.output_norm, c.rms_eps)
+        return b.to_host(b.linear(h, w.output))  # [rows, vocab]
+
+    def _attention(self, i: int, h, batch: BatchMeta, kv_pool):
+        c, lw, b = self.config, self.weights.layers[i], self.backend
+        qkv = b.linear(h, lw.wqkv, lw.bqkv)  # [T, (H + 2 KVH) hd]
+        q, k, v = b.split_heads(qkv, (c.q_dim, c.kv_dim, c.kv_dim), c.head_dim)  # [T, H|KVH, hd]
+        if lw.q_norm is not None:
+            q = b.rms_norm(q, lw.q_norm, c.rms_eps)
+            k = b.rms_norm(k, lw.k_norm, c.rms_eps)
+        sliding = c.layer_is_sliding[i]
+        cos_sin = self.weights.rope_local if sliding else self.weights.rope_global
+        q = b.rope(q, batch.positions, cos_sin, c.rope_dims)
+        k = b.rope(k, batch.positions, cos_sin, c.rope_dims)
+        b.store_kv(kv_pool, i, k, v, batch)
+        window = c.sliding_window if sliding else 0
+        out = b.attention(q, kv_pool, i, batch, c.attn_scale, window)  # [T, H hd]
+        return b.linear(out, lw.wo)
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    path: Path
+    load_seconds: float
+    weight_bytes: int  # float32 bytes held by the backend for weights
+
+
+def load_model(path: str | Path, backend: Backend, max_positions: int | None = None):
+    """Open a GGUF, build its config and upload its weights. Returns (Model, GGUFFile, LoadInfo)."""
+    started = time.perf_counter()
+    gguf = GGUFFile(path)
+    config = config_from_gguf(gguf.fields, vocab_size=gguf.tensor_shape("token_embd.weight")[0])
+    positions = max_positions or config.context_length
+    weights = load_weights(gguf, config, backend, positions)
+    weight_bytes = _count_bytes(weights)
+    info = LoadInfo(Path(path), time.perf_counter() - started, weight_bytes)
+    log.info(
+        "loaded %s: arch=%s layers=%d d=%d heads=%d/%d in %.1f s (%.0f MiB of weights)",
+        Path(path).name, config.arch, config.n_layers, config.d_model, config.n_heads, config.n_kv_heads,
+        info.load_seconds, weight_bytes / 2**20,
+    )
+    return Model(config, weights, backend), gguf, info
+
+
+def _count_bytes(weights: ModelWeights) -> int:
+    total = 0
+    for value in [weights.embedding, weights.output, weights.output_norm]:
+        total += getattr(value, "nbytes", 0)
+    for layer in weights.layers:
+        total += sum(getattr(v, "nbytes", 0) for v in vars(layer).values() if v is not None)
+    return total

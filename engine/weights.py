@@ -1,0 +1,110 @@
+"""Loading a model's tensors from GGUF into a backend, in the layout the model code expects.
+
+Two conversions happen here, once, so the forward pass stays the plain math:
+- llama.cpp's converter interleaves the rows of Q and K for the llama arch (its RoPE rotates adjacent
+  pairs); we undo that permutation so every arch uses the half-split (NeoX) rotation.
+- Q/K/V and gate/up are fused into one matrix each (one matmul instead of three / two per layer).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import numpy as np
+
+from engine.backends.base import Array, Backend
+from engine.config import ModelConfig
+from engine.gguf_file import GGUFFile
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Array
+    wqkv: Array
+    bqkv: Array | None
+    q_norm: Array | None
+    k_norm: Array | None
+    wo: Array
+    post_attn_norm: Array | None
+    ffn_norm: Array
+    w_gate_up: Array
+    w_down: Array
+    post_ffn_norm: Array | None
+
+
+@dataclass
+class ModelWeights:
+    embedding: Array  # [vocab, d]
+    layers: list[LayerWeights]
+    output_norm: Array
+    output: Array  # lm head (the embedding when tied)
+    rope_global: tuple[Array, Array]  # cos, sin tables [context, rope_dims / 2]
+    rope_local: tuple[Array, Array]
+
+
+def unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row interleave: per head, rows (pair, 2) -> (2, pair)."""
+    out_dim, in_dim = weight.shape
+    head_dim = out_dim // n_heads
+    return weight.reshape(n_heads, head_dim // 2, 2, in_dim).swapaxes(1, 2).reshape(out_dim, in_dim)
+
+
+def rope_tables(base: float, rope_dims: int, max_positions: int, linear_scale: float, freq_factors=None):
+    """cos/sin tables [max_positions, rope_dims / 2] in float32 (computed in float64 for accuracy)."""
+    inv_freq = 1.0 / (base ** (np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims))
+    if freq_factors is not None:  # llama 3.1-style per-frequency divisors stored as rope_freqs.weight
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
+    # Match the reference: inv_freq and positions multiply in float32.
+    inv_freq = inv_freq.astype(np.float32)
+    positions = (np.arange(max_positions, dtype=np.float32) / np.float32(linear_scale)).astype(np.float32)
+    angles = np.outer(positions, inv_freq).astype(np.float32)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_positions: int) -> ModelWeights:
+    """Dequantise every tensor to float32 and hand it to the backend in model layout."""
+    c = config
+
+    def t(name: str) -> np.ndarray:
+        return gguf.tensor(name)
+
+    def opt(name: str) -> np.ndarray | None:
+        return gguf.tensor(name) if gguf.has_tensor(name) else None
+
+    layers = []
+    for i in range(c.n_layers):
+        p = f"blk.{i}."
+        wq, wk, wv = t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")
+        if c.permuted_qk:
+            wq, wk = unpermute_qk(wq, c.n_heads), unpermute_qk(wk, c.n_kv_heads)
+        bias = None
+        if c.has_qkv_bias:
+            bias = np.concatenate([t(p + "attn_q.bias"), t(p + "attn_k.bias"), t(p + "attn_v.bias")])
+        layers.append(
+            LayerWeights(
+                attn_norm=backend.upload(t(p + "attn_norm.weight")),
+                wqkv=backend.upload_linear(np.concatenate([wq, wk, wv], axis=0)),
+                bqkv=None if bias is None else backend.upload(bias),
+                q_norm=backend.upload(t(p + "attn_q_norm.weight")) if c.has_qk_norm else None,
+                k_norm=backend.upload(t(p + "attn_k_norm.weight")) if c.has_qk_norm else None,
+                wo=backend.upload_linear(t(p + "attn_output.weight")),
+                post_attn_norm=backend.upload(t(p + "post_attention_norm.weight")) if c.has_post_norms else None,
+                ffn_norm=backend.upload(t(p + "ffn_norm.weight")),
+                w_gate_up=backend.upload_linear(np.concatenate([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")])),
+                w_down=backend.upload_linear(t(p + "ffn_down.weight")),
+                post_ffn_norm=backend.upload(t(p + "post_ffw_norm.weight")) if c.has_post_norms else None,
+            )
+        )
+    embedding = t("token_embd.weight")
+    output = opt("output.weight")
+    freq_factors = opt("rope_freqs.weight")
+    rope_global = rope_tables(c.rope_base, c.rope_dims, max_positions, c.rope_linear_scale, freq_factors)
+    rope_local = rope_global
+    if c.sliding_window:
+        rope_local = rope_tables(c.rope_base_local, c.rope_dims, max_positions, 1.0)
+    return ModelWeights(
+        embedding=backend.upload(embedding),
+        layers=layers,
+        output_norm=backend.upload(t("output_norm.weight")),
+        output=backend.upload_linear(embedding if output is None else output),
+        rope_global=(backend.upload(rope_global[0]), backend.upload(rope_global[1])),
+        rope_local=(backend.upload(rope_local[0]), backend.upload(rope_local[1])),
+    )
