@@ -1,0 +1,109 @@
+"""The `strata` command line: pull a model, generate a completion (and, later, serve)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from engine.model_store import ModelFetchError, default_model_name, resolve_model
+
+_USER_ERRORS = (ValueError, FileNotFoundError, ModelFetchError, MemoryError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except _USER_ERRORS as exc:
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="LLM inference server for local GGUF models")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    pull = sub.add_parser("pull", help="fetch a model into $STRATA_HOME and print its path")
+    pull.add_argument("name", nargs="?", default=default_model_name(), help="smollm2, gemma3-270m or a .gguf path")
+    pull.set_defaults(func=_cmd_pull)
+
+    gen = sub.add_parser("generate", help="print the completion of one prompt")
+    gen.add_argument("--model", default=default_model_name(), help="model name or path to a .gguf")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="render the prompt as one user message")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--chat-template", default=None, help="jinja file overriding the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ctx-size", type=int, default=4096, help="tokens of KV memory to reserve")
+    gen.add_argument("--prefill-chunk", type=int, default=256)
+    gen.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def _cmd_pull(args) -> int:
+    print(resolve_model(args.name))
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    from threadpoolctl import threadpool_limits
+
+    from engine.generate import Completion, generate_stream
+    from engine.loader import encode_chat_prompt, open_model
+    from engine.sampling import SamplingParams
+    from engine.sequence import ModelRunner
+
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+    )
+    with threadpool_limits(limits=args.threads or os.cpu_count() or 1, user_api="blas"):
+        loaded = open_model(args.model, chat_template_path=args.chat_template, max_positions=args.ctx_size)
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": args.prompt})
+            text = loaded.chat_template.render(messages, add_generation_prompt=True)
+            prompt_ids = encode_chat_prompt(loaded.tokenizer, text)
+        else:
+            prompt_ids = loaded.tokenizer.encode(args.prompt, add_special=True, parse_special=False)
+        block_size = 16
+        runner = ModelRunner(loaded.model, num_blocks=-(-args.ctx_size // block_size), block_size=block_size)
+        completion = Completion(prompt_ids)
+        started = time.perf_counter()
+        for delta in generate_stream(runner, loaded.tokenizer, prompt_ids, params, args.prefill_chunk, completion):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        elapsed = time.perf_counter() - started
+    n_out = len(completion.token_ids)
+    print(
+        f"prompt {len(prompt_ids)} tokens, {n_out} generated in {elapsed:.2f} s "
+        f"({n_out / max(elapsed, 1e-9):.1f} tok/s overall), finish_reason={completion.finish_reason}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

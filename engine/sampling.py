@@ -1,0 +1,94 @@
+"""Token sampling on host logits: penalties, temperature, top-k, top-p, min-p, a seeded generator.
+
+Order (as vLLM and the OpenAI API document it): presence/frequency penalties on the raw logits, then
+temperature, then top-k, top-p and min-p filters on the tempered distribution, then one draw.
+temperature == 0 is greedy (argmax after penalties; ties go to the lowest id, as in llama.cpp).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; validated at construction (ValueError names the field)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (self.max_tokens >= 1, "max_tokens must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """Samples one sequence's tokens; owns its random generator so a seed reproduces the sequence."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+        self._counts: dict[int, int] = {}  # generated token -> occurrences, for the penalties
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Pick the next token from logits [vocab] (float32); records it for the penalties."""
+        p = self.params
+        logits = self._apply_penalties(logits)
+        if p.is_greedy:
+            token = int(np.argmax(logits))
+        else:
+            token = self._draw(logits)
+        self._counts[token] = self._counts.get(token, 0) + 1
+        return token
+
+    def _apply_penalties(self, logits: np.ndarray) -> np.ndarray:
+        p = self.params
+        if not self._counts or (p.presence_penalty == 0 and p.frequency_penalty == 0):
+            return logits
+        ids = np.fromiter(self._counts.keys(), dtype=np.int64)
+        counts = np.fromiter(self._counts.values(), dtype=np.float32)
+        out = logits.astype(np.float32, copy=True)
+        out[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts
+        return out
+
+    def _draw(self, logits: np.ndarray) -> int:
+        p = self.params
+        scaled = logits.astype(np.float64) / p.temperature
+        candidates = np.arange(scaled.shape[0])
+        if 0 < p.top_k < scaled.shape[0]:
+            candidates = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
+        # Sort the surviving candidates by descending logit (stable: ties keep id order).
+        order = candidates[np.argsort(-scaled[candidates], kind="stable")]
+        probs = np.exp(scaled[order] - scaled[order[0]])
+        probs /= probs.sum()
+        keep = len(order)
+        if p.top_p < 1.0:
+            # Smallest prefix whose mass reaches top_p (always at least one token).
+            keep = min(keep, int(np.searchsorted(np.cumsum(probs), p.top_p) + 1))
+        if p.min_p > 0.0:
+            keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
+        probs = probs[:keep] / probs[:keep].sum()
+        return int(order[self._rng.choice(keep, p=probs)])

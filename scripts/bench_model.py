@@ -1,0 +1,117 @@
+"""Benchmark of the numpy backend on one model: load time, prefill and decode throughput, peak RSS.
+
+    .venv/bin/python scripts/bench_model.py [--model smollm2] [--threads 2] [--repeats 3]
+
+Prints a markdown table (medians over repeats) and the BLAS setup, so runs are comparable. Decode at
+batch B runs B sequences of 128 context tokens through one batched step per token. The machine is
+shared: the load average is printed beside the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
+
+from engine.loader import open_model  # noqa: E402
+from engine.sequence import ModelRunner, Sequence  # noqa: E402
+
+
+def bench_prefill(runner: ModelRunner, n_tokens: int, chunk: int, repeats: int) -> float:
+    times = []
+    for r in range(repeats):
+        seq = Sequence([(i * 7 + r) % 1000 + 10 for i in range(n_tokens)])
+        runner.ensure_blocks(seq, n_tokens)
+        t0 = time.perf_counter()
+        while seq.num_pending:
+            runner.step([(seq, min(chunk, seq.num_pending))])
+        times.append(time.perf_counter() - t0)
+        runner.release(seq)
+    return n_tokens / statistics.median(times)
+
+
+def bench_decode(runner: ModelRunner, batch: int, steps: int, repeats: int, context: int = 128) -> float:
+    rates = []
+    for r in range(repeats):
+        seqs = [Sequence([(i * 13 + b + r) % 1000 + 10 for i in range(context)]) for b in range(batch)]
+        for seq in seqs:
+            runner.ensure_blocks(seq, context + steps)
+        runner.step([(s, context) for s in seqs])
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for s in seqs:
+                s.token_ids.append(42)
+            runner.step([(s, 1) for s in seqs])
+        rates.append(batch * steps / (time.perf_counter() - t0))
+        for s in seqs:
+            runner.release(s)
+    return statistics.median(rates)
+
+
+def copy_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
+    """Read + write bandwidth of one large array copy (GB/s of bytes moved), the machine's practical limit."""
+    src = np.ones(mib * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.nbytes / min(times) / 1e9
+
+
+def bytes_read_per_decode_step(weights) -> int:
+    """Weight bytes every decode step streams: each layer's matrices and the output head."""
+    per_layer = sum(m.nbytes for lw in weights.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+    return per_layer + weights.output.nbytes
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    args = ap.parse_args()
+
+    with threadpool_limits(limits=args.threads, user_api="blas"):
+        t0 = time.perf_counter()
+        loaded = open_model(args.model, max_positions=4096)
+        load_s = time.perf_counter() - t0
+        runner = ModelRunner(loaded.model, num_blocks=4096 // 16 * 3, block_size=16)
+        bench_prefill(runner, 64, args.chunk, 1)  # warm-up
+        rows = [("load (s)", f"{load_s:.2f}")]
+        for n in (128, 512, 2048):
+            rows.append((f"prefill {n} tok (tok/s, chunk {args.chunk})", f"{bench_prefill(runner, n, args.chunk, args.repeats):.0f}"))
+        step_bytes = bytes_read_per_decode_step(loaded.model.weights)
+        for b in (1, 4, 8):
+            rate = bench_decode(runner, b, args.decode_steps, args.repeats)
+            rows.append((f"decode batch {b} (tok/s)", f"{rate:.1f}"))
+            rows.append((f"decode batch {b}: weight bytes streamed (GB/s)", f"{step_bytes * rate / b / 1e9:.1f}"))
+        rows.append(("copy bandwidth, np.copyto 512 MiB (GB/s)", f"{copy_bandwidth_gbs():.1f}"))
+        rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rows.append(("peak RSS (MiB)", f"{rss_mib:.0f}"))
+        blas = [(i.get("internal_api"), i.get("num_threads"), i.get("architecture")) for i in threadpool_info()]
+
+    weight_mib = loaded.info.weight_bytes / 2**20
+    print(f"model {loaded.path.name}: {weight_mib:.0f} MiB float32 weights; BLAS {blas}")
+    print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')} OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE')}"
+          f" load average {os.getloadavg()[0]:.2f}")
+    print("| measure | value |\n| --- | --- |")
+    for name, value in rows:
+        print(f"| {name} | {value} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Sets up a fresh clone: a .venv in the repo root with strata installed (editable, with test extras),
+# and the default model fetched into $STRATA_HOME (default ~/.cache/strata). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)'; then
+  echo "setup: strata needs Python >= 3.11; $PYTHON is $("$PYTHON" --version 2>&1). Set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+# Reinstall only when pyproject.toml changed since the last successful install.
+stamp=.venv/.strata-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install --quiet -e '.[test]'
+  touch "$stamp"
+fi
+.venv/bin/strata pull "${STRATA_DEFAULT_MODEL:-smollm2}" >/dev/null
