@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from api.config import add_serve_arguments, config_from_args
 from engine.model_store import ModelFetchError, default_model_name, resolve_model
 
 _USER_ERRORS = (ValueError, FileNotFoundError, ModelFetchError, MemoryError)
@@ -38,6 +39,10 @@ def _build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", nargs="?", default=default_model_name(), help="smollm2, gemma3-270m or a .gguf path")
     pull.set_defaults(func=_cmd_pull)
 
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
+
     gen = sub.add_parser("generate", help="print the completion of one prompt")
     gen.add_argument("--model", default=default_model_name(), help="model name or path to a .gguf")
     gen.add_argument("--prompt", required=True)
@@ -58,6 +63,15 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
     gen.set_defaults(func=_cmd_generate)
     return parser
+
+
+def _cmd_serve(args) -> int:
+    from api.logging_setup import configure_logging
+    from api.serve import run_server
+
+    config = config_from_args(args)
+    configure_logging(config.log_format, config.log_level)
+    return run_server(config)
 
 
 def _cmd_pull(args) -> int:

@@ -1,0 +1,245 @@
+"""`strata serve` configuration: one frozen ServerConfig from defaults, a JSON file, STRATA_* and flags.
+
+Precedence, lowest first: field defaults < `--config FILE` (or $STRATA_CONFIG) < environment variables
+`STRATA_<FIELD>` < command-line flags actually given. Every source is converted to the field's type here,
+and every error is a ValueError naming where the bad value came from and what to change.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOG_FORMATS = ("kv", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# The cuda backend adds itself here when it exists; accepting it earlier would fail later, at model load.
+BACKENDS = ("numpy",)
+MIN_CTX_SIZE = 16
+ENV_PREFIX = "STRATA_"
+# Names the config file path, like --config; not a field, so it never reaches ServerConfig.
+CONFIG_ENV = "STRATA_CONFIG"
+
+
+def _opt(default: Any, help_text: str, choices: tuple[str, ...] | None = None, metavar: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help_text, "choices": choices, "metavar": metavar})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything `strata serve` is told at start. Validated on construction, never mutated afterwards.
+
+    Values found at start-up (the model path, the number of KV blocks) are not written back here; callers
+    pass them on explicitly (see `public_model_name`).
+    """
+
+    model: str = _opt("smollm2", "model name (smollm2, gemma3-270m) or path to a .gguf", metavar="NAME|PATH")
+    host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)", metavar="ADDR")
+    port: int = _opt(8100, "TCP port to listen on (0 picks a free one)")
+    batch: int = _opt(4, "number of slots: conversations decoded together")
+    prefill_chunk: int = _opt(512, "prompt tokens computed per prefill step")
+    max_queue: int = _opt(64, "requests allowed to wait for a slot; more get 503")
+    ctx_size: int = _opt(8192, f"tokens of context per slot (>= {MIN_CTX_SIZE})")
+    kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
+    max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication)", metavar="KEY")
+    served_model_name: str | None = _opt(None, "model id shown by the API (unset: the model file's stem)",
+                                         metavar="NAME")
+    chat_template: str | None = _opt(None, "jinja file overriding the model's chat template", metavar="FILE")
+    log_format: str = _opt("kv", "log line format", LOG_FORMATS)
+    log_level: str = _opt("info", "lowest level logged", LOG_LEVELS)
+    threads: int | None = _opt(None, "BLAS threads (unset: all cores)")
+    backend: str = _opt("numpy", "compute backend", BACKENDS)
+    shutdown_timeout_s: float = _opt(30.0, "on SIGTERM/Ctrl+C, seconds to finish in-flight requests before "
+                                           "cancelling them")
+    progress_interval_s: float = _opt(5.0, "seconds between progress lines of a long prefill")
+    seed: int | None = _opt(None, "sampling seed for requests that give none (unset: random)")
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def as_log_dict(self) -> dict[str, Any]:
+        """All fields as a dict for the start-up log line, with api_key shown as "***" when set."""
+        values = dataclasses.asdict(self)
+        if values["api_key"] is not None:
+            values["api_key"] = "***"
+        return values
+
+    def public_model_name(self, model_path: str | os.PathLike[str]) -> str:
+        """The model id the API shows: served_model_name, else the stem of the resolved model file."""
+        return self.served_model_name or Path(model_path).stem
+
+
+def flag_name(name: str) -> str:
+    """`prefill_chunk` -> `--prefill-chunk`."""
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    """`prefill_chunk` -> `STRATA_PREFILL_CHUNK`."""
+    return ENV_PREFIX + name.upper()
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds `--config` and one flag per ServerConfig field to `parser` (mutates it) and returns it.
+
+    Flags default to argparse.SUPPRESS, so the parsed namespace holds only the flags actually given, which
+    is what lets them override the file and the environment. Values stay strings until `config_from_args`.
+    """
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help=f"JSON file whose keys are these flags' names (default: ${CONFIG_ENV})")
+    for f in dataclasses.fields(ServerConfig):
+        shown = "" if f.default is None else f"default: {f.default}; "
+        parser.add_argument(flag_name(f.name), dest=f.name, default=argparse.SUPPRESS, metavar=_metavar(f),
+                            help=f"{f.metadata['help']} ({shown}env {env_name(f.name)})")
+    return parser
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """A stand-alone parser with the `serve` flags (the CLI attaches the same flags to its subcommand)."""
+    parser = argparse.ArgumentParser(prog="strata serve", description="OpenAI-compatible server for a GGUF model")
+    return add_serve_arguments(parser)
+
+
+def load_config(argv: list[str] | None, environ: Mapping[str, str] = os.environ) -> ServerConfig:
+    """Parses `argv` (None: sys.argv[1:]) and merges it with the config file and `environ`."""
+    return config_from_args(build_arg_parser().parse_args(argv), environ)
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServerConfig:
+    """Builds the ServerConfig from a namespace parsed by a parser that `add_serve_arguments` set up.
+
+    Other attributes of the namespace (the CLI's own options) are ignored.
+    """
+    values: dict[str, Any] = {}
+    config_path = getattr(args, "config", None) or environ.get(CONFIG_ENV) or None
+    if config_path:
+        values.update(read_config_file(config_path))
+    for name in _FIELD_TYPES:
+        if env_name(name) in environ:  # unrelated STRATA_* variables (STRATA_HOME) are never looked at
+            values[name] = _convert(name, environ[env_name(name)], env_name(name))
+    for name in _FIELD_TYPES:
+        if hasattr(args, name):
+            values[name] = _convert(name, getattr(args, name), flag_name(name))
+    return ServerConfig(**values)
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads a JSON object of field values; keys are field names ("prefill_chunk") or flag names
+    ("prefill-chunk"). Returns them by field name, typed. Raises ValueError on any bad key or value."""
+    source = f"--config {path}"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{source}: cannot read the file ({exc.strerror or exc})") from exc
+    try:
+        data = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a JSON object of settings, got {type(data).__name__}")
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        name = key.replace("-", "_")
+        if name not in _FIELD_TYPES:
+            valid = ", ".join(_FIELD_TYPES)
+            raise ValueError(f"{source}: unknown key {key!r}; valid keys are: {valid}")
+        if name in values:
+            raise ValueError(f"{source}: {key!r} is given twice (with '-' and with '_'); keep one")
+        values[name] = _convert(name, raw, f"{source}: key {key!r}")
+    return values
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"duplicate keys in the config file: {', '.join(repeated)}")
+    return dict(pairs)
+
+
+def _field_types() -> dict[str, tuple[type, bool]]:
+    """Field name -> (base type, accepts None), read from the annotations so they cannot drift."""
+    hints = typing.get_type_hints(ServerConfig)
+    result = {}
+    for f in dataclasses.fields(ServerConfig):
+        hint = hints[f.name]
+        if isinstance(hint, types.UnionType):
+            base = [a for a in typing.get_args(hint) if a is not type(None)]
+            result[f.name] = (base[0], True)
+        else:
+            result[f.name] = (hint, False)
+    return result
+
+
+_FIELD_TYPES = _field_types()
+
+
+def _convert(name: str, raw: Any, source: str) -> Any:
+    """Converts a string (flag, env) or JSON value to the field's type; "" or null means None where allowed."""
+    kind, nullable = _FIELD_TYPES[name]
+    if raw is None or (nullable and raw == ""):
+        if nullable:
+            return None
+        raise ValueError(f"{source}: needs a value, {name} cannot be null")
+    if isinstance(raw, str):
+        raw = raw.strip()
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise ValueError(f"{source}: {raw!r} is not {_KIND_WORDS[kind]}") from None
+    elif kind is float and isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        value = float(raw)
+    elif isinstance(raw, kind) and not isinstance(raw, bool):
+        value = raw
+    else:
+        raise ValueError(f"{source}: {raw!r} is not {_KIND_WORDS[kind]}")
+    choices = ServerConfig.__dataclass_fields__[name].metadata["choices"]
+    return value.lower() if choices else value
+
+
+_KIND_WORDS = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _metavar(f: dataclasses.Field) -> str:
+    if f.metadata["choices"]:
+        return "{" + ",".join(f.metadata["choices"]) + "}"
+    return f.metadata["metavar"] or {int: "N", float: "X"}.get(_FIELD_TYPES[f.name][0], "TEXT")
+
+
+def _validate(cfg: ServerConfig) -> None:
+    """Raises ValueError naming the flag and what to change. Called on every construction."""
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ValueError(message)
+
+    for name in ("model", "host"):
+        need(bool(getattr(cfg, name)), f"{flag_name(name)} must not be empty")
+    need(0 <= cfg.port <= 65535, f"--port {cfg.port} is out of range; use 1-65535 (or 0 for a free port)")
+    need(cfg.batch >= 1, f"--batch must be >= 1 (got {cfg.batch})")
+    need(cfg.prefill_chunk >= 1, f"--prefill-chunk must be >= 1 (got {cfg.prefill_chunk})")
+    need(cfg.max_queue >= 0,
+         f"--max-queue must be >= 0 (got {cfg.max_queue}; 0 rejects requests when every slot is busy)")
+    need(cfg.ctx_size >= MIN_CTX_SIZE, f"--ctx-size must be >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
+    need(cfg.kv_cache_mib >= 0,
+         f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
+    for name in ("max_body_mib", "progress_interval_s"):
+        value = getattr(cfg, name)
+        need(math.isfinite(value) and value > 0, f"{flag_name(name)} must be a number > 0 (got {value})")
+    need(math.isfinite(cfg.shutdown_timeout_s) and cfg.shutdown_timeout_s >= 0,
+         f"--shutdown-timeout-s must be a number >= 0 (got {cfg.shutdown_timeout_s})")
+    for name in ("api_key", "served_model_name", "chat_template"):
+        need(getattr(cfg, name) != "", f"{flag_name(name)} must not be empty; leave it unset instead")
+    need(cfg.threads is None or cfg.threads >= 1, f"--threads must be >= 1 (got {cfg.threads}; unset uses every core)")
+    need(cfg.seed is None or 0 <= cfg.seed < 2**64, f"--seed must be in 0..2**64-1 (got {cfg.seed})")
+    for name in ("log_format", "log_level", "backend"):
+        choices = ServerConfig.__dataclass_fields__[name].metadata["choices"]
+        value = getattr(cfg, name)
+        need(value in choices, f"{flag_name(name)} {value!r} is not one of: {', '.join(choices)}")

@@ -1,0 +1,275 @@
+"""Request bodies of the OpenAI-style routes (and the tokenizer routes), validated with pydantic.
+
+Import everything from here: the shared pieces (``RequestBody``, ``ChatMessage``, ``parse_body``,
+``usage_dict``) live in ``api.schemas_base`` and are re-exported. Besides the conventions described
+there (extra fields ignored, null = default, strict types), fields we cannot honour are rejected by name:
+``n`` != 1, and for completions ``best_of`` != 1 and ``suffix``.
+
+Tokenizer routes, in both dialects clients use:
+- POST /tokenize: vLLM's ``{model?, prompt}`` or ``{model?, messages, tools?, add_generation_prompt?,
+  add_special_tokens?}``, or llama-server's ``{content, add_special?, with_pieces?}``.
+- POST /detokenize: ``{model?, tokens: [int]}`` (the same in both servers).
+- POST /apply-template: llama-server's ``{messages, tools?}``.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from api.errors import bad_request
+from api.schemas_base import ChatMessage, Messages, RequestBody, parse_body, usage_dict
+from engine.sampling import SamplingParams
+
+__all__ = [
+    "ApplyTemplateRequest", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",
+    "Messages", "RequestBody", "SamplingFields", "StreamOptions", "TokenizeRequest", "parse_body", "usage_dict",
+]
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20  # chat completions
+MAX_LEGACY_LOGPROBS = 5  # completions: `logprobs` is itself the number of alternatives
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
+class StreamOptions(RequestBody):
+    """``stream_options``: whether the last SSE chunk carries ``usage``."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(RequestBody):
+    """Fields common to chat and text completions: model, sampling, stop strings, streaming."""
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1.0, as in OpenAI
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=-1, lt=2**64)  # -1: unset (llama.cpp's "random")
+    stop: tuple[str, ...] = ()  # a string or a list of strings in the body
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None  # ignored unless stream is true
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    ignore_eos: bool = False  # vLLM extension
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> tuple[str, ...]:
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return tuple(stops)
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling(self, max_tokens: int, default_seed: int | None) -> SamplingParams:
+        seed = default_seed if self.seed in (None, -1) else self.seed
+        try:
+            return SamplingParams(
+                temperature=_default(self.temperature, 1.0),
+                top_k=max(0, _default(self.top_k, 0)),
+                top_p=_default(self.top_p, 1.0),
+                min_p=_default(self.min_p, 0.0),
+                presence_penalty=_default(self.presence_penalty, 0.0),
+                frequency_penalty=_default(self.frequency_penalty, 0.0),
+                seed=seed,
+                max_tokens=max_tokens,
+                stop=self.stop,
+                ignore_eos=self.ignore_eos,
+            )
+        except ValueError as exc:  # SamplingParams messages start with the field's name
+            raise bad_request(str(exc), param=str(exc).split()[0]) from exc
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class ChatCompletionRequest(SamplingFields):
+    """Body of POST /v1/chat/completions."""
+
+    messages: Messages
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True  # llama-server / vLLM extension
+    chat_template_kwargs: dict[str, Any] | None = None  # llama-server / vLLM extension
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice(cls, value: Any) -> str | dict[str, Any]:
+        if not isinstance(value, dict) and value not in TOOL_CHOICE_MODES:
+            raise ValueError(f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or an object")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _check_top_logprobs(cls, value: int, info: ValidationInfo) -> int:
+        if not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The client's limit (max_completion_tokens, else max_tokens), or None when it set neither."""
+        return _default(self.max_completion_tokens, self.max_tokens)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them."""
+        return [message.as_template_dict() for message in self.messages]
+
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives to report per token: None without ``logprobs``, else ``top_logprobs`` (default 0)."""
+        return _default(self.top_logprobs, 0) if self.logprobs else None
+
+    def sampling_params(self, default_max_tokens: int, default_seed: int | None = None) -> SamplingParams:
+        """Engine sampling settings; the server's defaults fill what the client left out. Raises APIError."""
+        return self._sampling(_default(self.requested_max_tokens, default_max_tokens), default_seed)
+
+
+def _single_prompt(value: Any) -> str | list[int]:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError("prompt must be a string or a non-empty list of token ids")
+    if all(isinstance(item, (str, list)) for item in value):
+        if len(value) > 1:
+            raise ValueError("only one prompt per request is supported")
+        return _single_prompt(value[0]) if isinstance(value[0], str) else _token_ids(value[0])
+    return _token_ids(value)
+
+
+def _token_ids(value: Any) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise ValueError("a token-id prompt must be a non-empty list of integers")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ValueError("prompt token ids must be integers >= 0")
+    return value
+
+
+class CompletionRequest(SamplingFields):
+    """Body of POST /v1/completions. ``prompt`` is normalised to one string or one list of token ids."""
+
+    prompt: str | list[int]
+    max_tokens: int | None = Field(default=16, ge=1)  # 16 like OpenAI
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LEGACY_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> str | list[int]:
+        return _single_prompt(value)
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, value: str) -> str:
+        raise ValueError("suffix is not supported")
+
+    @field_validator("best_of")
+    @classmethod
+    def _check_best_of(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only best_of=1 is supported")
+        return value
+
+    def prompt_ids_or_text(self) -> str | list[int]:
+        """The one prompt: text to tokenize, or token ids to use as they are."""
+        return self.prompt
+
+    def top_logprobs_count(self) -> int | None:
+        """Alternatives to report per token: the legacy ``logprobs`` integer, None when absent."""
+        return self.logprobs
+
+    def sampling_params(self, default_max_tokens: int, default_seed: int | None = None) -> SamplingParams:
+        """Engine sampling settings. ``default_max_tokens`` applies only when max_tokens is None, which a
+        parsed body never has (null means OpenAI's default, 16). Raises APIError."""
+        return self._sampling(_default(self.max_tokens, default_max_tokens), default_seed)
+
+
+TokenizeKind = Literal["prompt", "messages", "content"]
+
+
+class TokenizeRequest(RequestBody):
+    """A tokenize body; exactly one of ``prompt``, ``messages`` or ``content`` is set, and ``kind`` says which."""
+
+    model: str | None = None
+    prompt: str | None = None  # vLLM, completion form
+    messages: Messages | None = None  # vLLM, chat form: rendered by the chat template first
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = True  # vLLM
+    content: str | None = None  # llama-server
+    add_special: bool = False  # llama-server
+    with_pieces: bool = False  # llama-server: answer [{id, piece}] instead of [id]
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TokenizeRequest:
+        forms = [name for name in ("prompt", "messages", "content") if getattr(self, name) is not None]
+        if len(forms) != 1:
+            got = " and ".join(forms) or "none of them"
+            raise ValueError(f"tokenize takes exactly one of 'prompt', 'messages' or 'content' (got {got})")
+        return self
+
+    @property
+    def kind(self) -> TokenizeKind:
+        """Which form the body used."""
+        if self.messages is not None:
+            return "messages"
+        return "prompt" if self.prompt is not None else "content"
+
+    @property
+    def use_special_tokens(self) -> bool:
+        """Whether the tokenizer adds BOS/EOS: ``add_special`` (default False, llama-server) for ``content``,
+        ``add_special_tokens`` (default True, vLLM) for ``prompt``. For ``messages`` the server should
+        encode as a chat completion does, whatever this says."""
+        return self.add_special if self.kind == "content" else self.add_special_tokens
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (empty for the other forms)."""
+        return [message.as_template_dict() for message in self.messages or []]
+
+
+class DetokenizeRequest(RequestBody):
+    """A detokenize body: the ids to turn back into text (range-checked against the vocabulary by the server)."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class ApplyTemplateRequest(RequestBody):
+    """An apply-template body (llama-server): render the conversation without generating."""
+
+    model: str | None = None
+    messages: Messages
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them."""
+        return [message.as_template_dict() for message in self.messages]

@@ -1,0 +1,99 @@
+"""`strata serve`: load the model, start the engine loop and uvicorn on one event loop, stop gracefully.
+
+On SIGTERM / Ctrl+C the server stops admitting (503 and /health says so), lets in-flight requests finish
+for up to --shutdown-timeout-s, then cancels what is left and exits.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+
+import uvicorn
+
+from api.config import ServerConfig
+from api.server import ServerState, create_app
+from engine.loader import LoadedModel, open_model
+from engine.sequence import ModelRunner
+from scheduler.engine_loop import EngineLoop
+from scheduler.metrics import Metrics
+
+log = logging.getLogger("strata.serve")
+BLOCK_SIZE = 16
+
+
+def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
+    """Load the model (unless given) and wire runner, engine loop and metrics for one server."""
+    loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
+                                  max_positions=config.ctx_size)
+    if config.ctx_size > loaded.model.config.context_length:
+        log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
+                    config.ctx_size, loaded.model.config.context_length)
+    per_slot_blocks = -(-config.ctx_size // BLOCK_SIZE)
+    num_blocks = per_slot_blocks * config.batch
+    if config.kv_cache_mib:
+        bytes_per_block = loaded.model.config.kv_bytes_per_token() * BLOCK_SIZE
+        num_blocks = max(per_slot_blocks, int(config.kv_cache_mib * 2**20) // bytes_per_block)
+    runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE)
+    metrics = Metrics()
+    engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
+                        max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s)
+    served = config.served_model_name or loaded.path.stem
+    aliases = {served, config.model, loaded.path.name, loaded.path.stem}
+    log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens", num_blocks, BLOCK_SIZE,
+             runner.layout.total_bytes / 2**20, config.batch, config.ctx_size)
+    return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases)
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app):
+    state: ServerState = app.state.strata
+    state.engine.start()
+    log.info("serving %s on http://%s:%d", state.served_name, state.config.host, state.config.port)
+    yield
+    state.is_shutting_down = True
+    await state.engine.shutdown(timeout_s=1.0)  # uvicorn already waited --shutdown-timeout-s for requests
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn server that flips /health to 503 and refuses new work as soon as a stop is asked for."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.strata_state = state
+
+    def handle_exit(self, sig, frame) -> None:
+        state = self.strata_state
+        if not state.is_shutting_down:
+            log.info("stopping: finishing in-flight requests for up to %.0f s", state.config.shutdown_timeout_s)
+            state.is_shutting_down = True
+            state.engine.stop_admitting()
+            # Cancel what is still running a little before uvicorn's own deadline, through the engine, so
+            # every stream gets its final chunk and [DONE] instead of a cut connection.
+            grace_s = max(0.0, state.config.shutdown_timeout_s - 1.0)
+            loop = state.engine.event_loop
+            if loop is not None:
+                loop.call_soon_threadsafe(loop.call_later, grace_s, state.engine.cancel_all)
+        super().handle_exit(sig, frame)
+
+
+def create_server(state: ServerState, port: int | None = None) -> _GracefulServer:
+    config = state.config
+    loop = "uvloop" if sys.platform != "win32" else "asyncio"
+    uv_config = uvicorn.Config(
+        create_app(state, lifespan=_lifespan), host=config.host, port=config.port if port is None else port,
+        loop=loop, log_config=None, access_log=False, timeout_graceful_shutdown=config.shutdown_timeout_s,
+    )
+    return _GracefulServer(uv_config, state)
+
+
+def run_server(config: ServerConfig) -> int:
+    """Blocking entry point of `strata serve`."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=config.threads or os.cpu_count() or 1, user_api="blas")
+    log.info("effective configuration", extra={"fields": config.as_log_dict()})
+    state = build_state(config)
+    create_server(state).run()
+    return 0

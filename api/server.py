@@ -1,0 +1,180 @@
+"""The HTTP application: OpenAI-style routes plus the llama-server / vLLM utility routes.
+
+Every handler runs on the server's one event loop and talks to the scheduler through the narrow
+EngineLoop interface (submit -> async iterator of deltas, abort). Every failure becomes an OpenAI error
+object with the right status; the request id travels in the X-Request-Id header of every response.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from api import completions
+from api.config import ServerConfig
+from api.errors import APIError, too_large, unauthorized
+from api.logging_setup import new_request_id, request_id_var
+from api.schemas import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, parse_body
+from engine.loader import LoadedModel, encode_chat_prompt
+from scheduler.engine_loop import EngineLoop
+from scheduler.metrics import Metrics
+
+log = logging.getLogger("strata.api")
+_OPEN_PATHS = {"/health", "/metrics"}  # answer without the API key (load balancers, scrapers)
+
+
+@dataclass
+class ServerState:
+    """What the handlers share: configuration, the model, the engine loop."""
+
+    config: ServerConfig
+    loaded: LoadedModel
+    engine: EngineLoop
+    metrics: Metrics
+    ctx_size: int
+    served_name: str
+    model_aliases: set[str] = field(default_factory=set)
+    is_shutting_down: bool = False
+
+
+def endpoint(handler):
+    """Request id, API key, and error objects for a handler(state, http_request, request_id)."""
+
+    @functools.wraps(handler)
+    async def wrapped(http_request: HTTPRequest) -> Response:
+        state: ServerState = http_request.app.state.strata
+        request_id = new_request_id()
+        token = request_id_var.set(request_id)
+        try:
+            _check_api_key(state, http_request)
+            response = await handler(state, http_request, request_id)
+        except APIError as exc:
+            response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        except Exception:  # a bug: still an OpenAI-shaped answer, and the traceback in the log
+            log.exception("unhandled error in %s", http_request.url.path)
+            body = {"error": {"message": "internal server error", "type": "server_error", "param": None,
+                              "code": None}}
+            response = JSONResponse(body, status_code=500)
+        finally:
+            request_id_var.reset(token)
+        response.headers["X-Request-Id"] = request_id
+        return response
+
+    return wrapped
+
+
+def _check_api_key(state: ServerState, http_request: HTTPRequest) -> None:
+    key = state.config.api_key
+    if not key or http_request.url.path in _OPEN_PATHS:
+        return
+    given = http_request.headers.get("authorization", "")
+    if given != f"Bearer {key}":
+        raise unauthorized()
+
+
+async def read_body(state: ServerState, http_request: HTTPRequest) -> bytes:
+    """The raw body, refused with 413 as soon as it exceeds --max-body-mib."""
+    limit = int(state.config.max_body_mib * 2**20)
+    declared = http_request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large(state.config.max_body_mib)
+    body = bytearray()
+    async for chunk in http_request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large(state.config.max_body_mib)
+    return bytes(body)
+
+
+@endpoint
+async def health(state: ServerState, http_request, request_id) -> Response:
+    if state.is_shutting_down:
+        return JSONResponse({"status": "shutting down"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@endpoint
+async def metrics(state: ServerState, http_request, request_id) -> Response:
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@endpoint
+async def slots(state: ServerState, http_request, request_id) -> Response:
+    return JSONResponse(state.engine.slots_snapshot())
+
+
+@endpoint
+async def models(state: ServerState, http_request, request_id) -> Response:
+    created = int(state.loaded.info.path.stat().st_mtime)
+    card = {"id": state.served_name, "object": "model", "created": created, "owned_by": "strata",
+            "max_model_len": state.ctx_size}
+    return JSONResponse({"object": "list", "data": [card]})
+
+
+@endpoint
+async def tokenize(state: ServerState, http_request, request_id) -> Response:
+    body = parse_body(TokenizeRequest, await read_body(state, http_request))
+    tokenizer = state.loaded.tokenizer
+    if body.kind == "content":  # llama-server: {content, add_special, with_pieces}
+        ids = tokenizer.encode(body.content, add_special=bool(body.add_special), parse_special=True)
+        if body.with_pieces:
+            pieces = [{"id": i, "piece": tokenizer.token_piece(i).decode("utf-8", errors="replace")} for i in ids]
+            return JSONResponse({"tokens": pieces})
+        return JSONResponse({"tokens": ids})
+    if body.kind == "messages":  # vLLM chat form
+        prompt = completions.render_chat(state, body.messages, body.tools, body.add_generation_prompt)
+        ids = encode_chat_prompt(tokenizer, prompt)
+    else:
+        ids = tokenizer.encode(body.prompt, add_special=body.add_special_tokens, parse_special=True)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.ctx_size})
+
+
+@endpoint
+async def detokenize(state: ServerState, http_request, request_id) -> Response:
+    body = parse_body(DetokenizeRequest, await read_body(state, http_request))
+    vocab = state.loaded.tokenizer.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+    text = state.loaded.tokenizer.decode(body.tokens)
+    return JSONResponse({"prompt": text, "content": text})  # vLLM's and llama-server's key
+
+
+@endpoint
+async def apply_template(state: ServerState, http_request, request_id) -> Response:
+    body = parse_body(ApplyTemplateRequest, await read_body(state, http_request))
+    return JSONResponse({"prompt": completions.render_chat(state, body.messages, body.tools, True)})
+
+
+@endpoint
+async def chat_completions(state: ServerState, http_request, request_id) -> Response:
+    return await completions.handle(state, http_request, request_id, "chat", await read_body(state, http_request))
+
+
+@endpoint
+async def text_completions(state: ServerState, http_request, request_id) -> Response:
+    return await completions.handle(state, http_request, request_id, "completion",
+                                    await read_body(state, http_request))
+
+
+def create_app(state: ServerState, lifespan=None) -> Starlette:
+    """The ASGI app; `lifespan` starts and stops the engine loop (see api/serve.py)."""
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", text_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/slots", slots, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/apply-template", apply_template, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.strata = state
+    return app

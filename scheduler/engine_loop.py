@@ -1,0 +1,234 @@
+"""The engine loop: continuous batching over slots, on the server's one event loop.
+
+Each step packs every decoding request's next token plus at most one prefill chunk into one batched
+forward, so a long prompt delays the others' decode by at most one chunk. The forward (and sampling)
+runs on a single compute thread while the event loop keeps serving HTTP; everything else (admission,
+detokenisation, stop strings, finishing) happens on the loop between steps.
+
+    submit(request) -> async iterator of Delta      abort(request_id)      shutdown(timeout_s)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from engine.kv import blocks_needed
+from engine.sampling import Sampler
+from engine.sequence import ModelRunner, Sequence
+from engine.tokenizer import Tokenizer
+from scheduler.metrics import Metrics
+from scheduler.output import OutputProcessor
+from scheduler.request import Delta, Request
+from scheduler.step import StepResult, run_step
+
+log = logging.getLogger("strata.scheduler")
+
+
+class QueueFullError(RuntimeError):
+    """The wait queue is at --max-queue; the API answers 503 with Retry-After."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is stopping and admits nothing new."""
+
+
+class EngineLoop:
+    """Owns the slots, the wait queue and the compute thread of one model."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
+                 max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0):
+        self.runner = runner
+        self.num_slots = num_slots
+        self.prefill_chunk = prefill_chunk
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self.output = OutputProcessor(tokenizer, progress_interval_s)
+        self._slots: list[Request | None] = [None] * num_slots
+        self._waiting: deque[Request] = deque()
+        self._by_id: dict[str, Request] = {}
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="strata-compute")
+        self._task: asyncio.Task | None = None
+        self._accepting = True
+        self.num_steps = 0
+        self.event_loop: asyncio.AbstractEventLoop | None = None
+
+    # -- public interface ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.event_loop = asyncio.get_running_loop()
+        self._task = self.event_loop.create_task(self._run(), name="strata-engine-loop")
+
+    def submit(self, request: Request) -> AsyncIterator[Delta]:
+        """Queue a request; returns its delta stream. Raises QueueFullError / ShuttingDownError at once.
+
+        Closing the iterator early (a client that went away) aborts the request.
+        """
+        if not self._accepting:
+            raise ShuttingDownError("the server is shutting down")
+        if len(self._waiting) >= self.max_queue:
+            raise QueueFullError(f"{len(self._waiting)} requests are already waiting (--max-queue {self.max_queue})")
+        self._waiting.append(request)
+        self._by_id[request.request_id] = request
+        self.metrics.queue_depth.set(len(self._waiting))
+        self._wake.set()
+        return self._stream(request)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its slot is freed before the next step starts."""
+        request = self._by_id.get(request_id)
+        if request is not None and not request.is_finished:
+            request.is_cancelled = True
+            self._wake.set()
+
+    def stop_admitting(self) -> None:
+        """From now on submit() raises ShuttingDownError; queued and running requests go on."""
+        self._accepting = False
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Stop admitting, let running requests finish for up to timeout_s, then cancel the rest."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout_s
+        while self._by_id and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.cancel_all()
+        while self._by_id and self._task and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task:
+            self._task.cancel()
+        self._executor.shutdown(wait=True)
+
+    def cancel_all(self) -> None:
+        """Abort every queued and running request (each stream still gets its final delta)."""
+        for request in list(self._by_id.values()):
+            request.is_cancelled = True
+        self._wake.set()
+
+    def slots_snapshot(self) -> list[dict]:
+        """State of every slot for GET /slots."""
+        return [self._slot_info(i, r) for i, r in enumerate(self._slots)]
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    async def _stream(self, request: Request) -> AsyncIterator[Delta]:
+        try:
+            while True:
+                delta = await request.outbox.get()
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            if not request.is_finished:
+                self.abort(request.request_id)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._drop_cancelled()
+            self._admit()
+            work = self._schedule()
+            if not work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = time.perf_counter()
+            try:
+                results = await loop.run_in_executor(self._executor, run_step, self.runner, work)
+            except Exception as exc:  # a failed step fails its requests, never the server
+                log.exception("engine step failed")
+                for request, _ in work:
+                    self._finish(request, "error", error=f"engine step failed: {exc}")
+                continue
+            kind = "prefill" if any(n > 1 for _, n in work) else "decode"
+            self.metrics.step_seconds.labels(kind).observe(time.perf_counter() - started)
+            self.num_steps += 1
+            self._postprocess(results)
+
+    def _drop_cancelled(self) -> None:
+        for request in [r for r in self._waiting if r.is_cancelled]:
+            self._waiting.remove(request)
+            self._finish(request, "abort")
+        for request in [r for r in self._slots if r is not None and r.is_cancelled]:
+            self._finish(request, "abort")
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots while their KV blocks can be reserved."""
+        while self._waiting and None in self._slots:
+            request = self._waiting[0]
+            seq = Sequence(list(request.prompt_ids))
+            total = request.prompt_len + request.params.max_tokens
+            if not self.runner.ensure_blocks(seq, total):
+                if self.runner.allocator.num_free == self.runner.allocator.num_blocks:
+                    self._waiting.popleft()  # can never fit: the API checks this, so this is a bug guard
+                    self._finish(request, "error", error=f"{total} tokens do not fit the KV pool")
+                    continue
+                break
+            self._waiting.popleft()
+            request.seq, request.sampler = seq, Sampler(request.params)
+            request.slot_id = self._slots.index(None)
+            request.admitted_s = time.perf_counter()
+            self._slots[request.slot_id] = request
+            assert blocks_needed(total, self.runner.block_size) == len(seq.block_table)
+        self.metrics.queue_depth.set(len(self._waiting))
+        self.metrics.slots_in_use.set(sum(r is not None for r in self._slots))
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """Every decoding request's next token, plus one prefill chunk of the oldest admitted prompt."""
+        running = sorted((r for r in self._slots if r is not None), key=lambda r: r.admitted_s)
+        work = [(r, 1) for r in running if not r.is_prefilling]
+        prefilling = next((r for r in running if r.is_prefilling), None)
+        if prefilling is not None:
+            work.append((prefilling, min(self.prefill_chunk, prefilling.seq.num_pending)))
+        return work
+
+    def _postprocess(self, results: list[StepResult]) -> None:
+        now = time.perf_counter()
+        for result in results:
+            request = result.request
+            if result.token is None:
+                self.output.report_progress(request, now)
+                continue
+            if request.prefill_done_s is None:
+                request.prefill_done_s = now
+                self.metrics.ttft_seconds.observe(now - request.arrival_s)
+            finish_reason = self.output.accept_token(request, result)
+            if finish_reason is not None:
+                self._finish(request, finish_reason)
+            else:
+                request.seq.token_ids.append(result.token)
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        request.is_finished = True
+        if request.slot_id is not None:
+            self._slots[request.slot_id] = None
+            self.runner.release(request.seq)
+        self._by_id.pop(request.request_id, None)
+        self.output.finish(request, reason, error)
+        m = self.metrics
+        m.requests.labels(reason).inc()
+        m.prompt_tokens.inc(request.prompt_len)
+        m.reused_tokens.inc(request.cached_tokens)
+        m.computed_tokens.inc(request.prompt_len - request.cached_tokens if request.prefill_done_s else 0)
+        m.generated_tokens.inc(len(request.output_ids))
+        m.request_seconds.observe(time.perf_counter() - request.arrival_s)
+        m.slots_in_use.set(sum(r is not None for r in self._slots))
+
+    def _slot_info(self, slot_id: int, request: Request | None) -> dict:
+        if request is None:
+            return {"id": slot_id, "state": "idle"}
+        return {
+            "id": slot_id,
+            "state": "prefill" if request.is_prefilling else "decode",
+            "request_id": request.request_id,
+            "prompt_tokens": request.prompt_len,
+            "tokens_computed": request.seq.num_computed,
+            "generated": len(request.output_ids),
+            "kv_blocks": len(request.seq.block_table),
+            "tokens_held": len(request.seq.block_table) * self.runner.block_size,
+        }

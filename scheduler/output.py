@@ -1,0 +1,89 @@
+"""Turning sampled tokens into the deltas a client sees, and the per-request log lines.
+
+Runs on the event loop: incremental detokenisation (never splitting a UTF-8 character), stop strings
+(never emitting half of one), EOS, max_tokens, and the one summary line per request that operators
+grep for: `prompt N tokens = R reused + M read in T ms (X tok/s), G generated`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.stop import StopStringMatcher
+from engine.tokenizer import IncrementalDecoder, Tokenizer
+from scheduler.request import Delta, Request
+from scheduler.step import StepResult
+
+log = logging.getLogger("strata.requests")
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, progress_interval_s: float = 5.0):
+        self.tokenizer = tokenizer
+        self.progress_interval_s = progress_interval_s
+        self._text_state: dict[str, tuple[IncrementalDecoder, StopStringMatcher]] = {}
+
+    def accept_token(self, request: Request, result: StepResult) -> str | None:
+        """Record a sampled token and stream its text; returns a finish reason when the request is done."""
+        params = request.params
+        if result.token in self.tokenizer.eos_ids and not params.ignore_eos:
+            return "stop"
+        decoder, stops = self._state(request)
+        request.output_ids.append(result.token)
+        text = stops.push(decoder.push(result.token))
+        logprobs = [result.logprob] if result.logprob is not None else []
+        if text or logprobs or not stops.stopped:
+            request.outbox.put_nowait(Delta(text=text, token_ids=[result.token], logprobs=logprobs))
+        if stops.stopped:
+            return "stop"
+        if len(request.output_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """Flush held-back text, send the final delta with usage, and log the request's summary."""
+        decoder, stops = self._text_state.pop(request.request_id, (None, None))
+        tail = ""
+        if decoder is not None and reason != "stop":
+            tail = stops.push(decoder.flush()) + stops.flush()
+        usage = request.usage()
+        request.outbox.put_nowait(Delta(text=tail, finish_reason=reason, usage=usage, error=error))
+        self._log_summary(request, reason, error)
+
+    def report_progress(self, request: Request, now: float) -> None:
+        """At most every progress_interval_s, say how far a long prompt has been read."""
+        since = request.last_progress_s or request.admitted_s or now
+        if now - since < self.progress_interval_s:
+            return
+        request.last_progress_s = now
+        log.info(
+            "reading the prompt: %d of %d tokens, %.0f s so far",
+            request.seq.num_computed, request.prompt_len, now - (request.admitted_s or now),
+            extra={"fields": {"request_id": request.request_id}},
+        )
+
+    def _state(self, request: Request):
+        state = self._text_state.get(request.request_id)
+        if state is None:
+            state = (IncrementalDecoder(self.tokenizer), StopStringMatcher(request.params.stop))
+            self._text_state[request.request_id] = state
+        return state
+
+    def _log_summary(self, request: Request, reason: str, error: str | None) -> None:
+        reused = request.cached_tokens
+        computed = request.prompt_len - reused if request.prefill_done_s else 0
+        read_ms = ((request.prefill_done_s or time.perf_counter()) - (request.admitted_s or request.arrival_s)) * 1e3
+        rate = computed / (read_ms / 1e3) if read_ms > 0 else 0.0
+        fields = {
+            "request_id": request.request_id, "finish_reason": reason, "prompt_tokens": request.prompt_len,
+            "reused_tokens": reused, "computed_tokens": computed, "generated_tokens": len(request.output_ids),
+            "queue_ms": round(((request.admitted_s or time.perf_counter()) - request.arrival_s) * 1e3, 1),
+            "total_ms": round((time.perf_counter() - request.arrival_s) * 1e3, 1),
+        }
+        if error:
+            fields["error"] = error
+        log.info(
+            "prompt %d tokens = %d reused + %d read in %.0f ms (%.0f tok/s), %d generated",
+            request.prompt_len, reused, computed, read_ms, rate, len(request.output_ids),
+            extra={"fields": fields},
+        )

@@ -1,0 +1,74 @@
+"""A generation request as the scheduler tracks it, and the deltas it streams back to the API."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling import Sampler, SamplingParams
+from engine.sequence import Sequence
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class Delta:
+    """One piece of a request's output. The last delta has finish_reason set and carries the usage."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    usage: "Usage | None" = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Request:
+    """Everything the scheduler knows about one request. Mutated only on the event loop, except
+    `sampler`, `seq.num_computed` and `pending_samples`, which the compute worker touches during a step
+    while the loop waits for it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    top_logprobs: int | None = None  # None: no logprobs; 0..20: how many alternatives per token
+    arrival_s: float = field(default_factory=time.perf_counter)
+    seq: Sequence | None = None
+    sampler: Sampler | None = None
+    output_ids: list[int] = field(default_factory=list)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    is_cancelled: bool = False
+    is_finished: bool = False
+    slot_id: int | None = None
+    admitted_s: float | None = None
+    prefill_done_s: float | None = None
+    last_progress_s: float | None = None
+    cached_tokens: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.seq is not None and self.seq.num_computed < self.prompt_len
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_len, len(self.output_ids), self.cached_tokens)

@@ -1,0 +1,46 @@
+"""One engine step as it runs on the compute thread: the batched forward, then sampling.
+
+Sampling runs here too (not on the event loop) because sorting a 50K-entry distribution for top-p is
+milliseconds of numpy that would otherwise stall HTTP handling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.sequence import ModelRunner
+from scheduler.request import Request, TokenLogprob
+
+
+@dataclass
+class StepResult:
+    request: Request
+    token: int | None  # None: the request is still reading its prompt
+    logprob: TokenLogprob | None = None
+
+
+def run_step(runner: ModelRunner, work: list[tuple[Request, int]]) -> list[StepResult]:
+    """Compute work [(request, new tokens)] and sample a token for every request whose prompt is done."""
+    logits = runner.step([(request.seq, n) for request, n in work])  # [len(work), vocab]
+    results = []
+    for row, (request, _) in zip(logits, work):
+        if request.seq.num_pending:  # prompt chunk that did not reach the end of the prompt
+            results.append(StepResult(request, None))
+            continue
+        token = request.sampler.sample(row)
+        logprob = _logprob(row, token, request.top_logprobs) if request.top_logprobs is not None else None
+        results.append(StepResult(request, token, logprob))
+    return results
+
+
+def _logprob(row: np.ndarray, token: int, top_n: int) -> TokenLogprob:
+    """Log-probabilities under the model's raw distribution (before penalties and temperature)."""
+    shifted = row.astype(np.float64) - float(row.max())
+    logprobs = shifted - np.log(np.exp(shifted).sum())
+    top: list[tuple[int, float]] = []
+    if top_n > 0:
+        best = np.argpartition(-logprobs, top_n - 1)[:top_n]
+        best = best[np.argsort(-logprobs[best], kind="stable")]
+        top = [(int(i), float(logprobs[i])) for i in best]
+    return TokenLogprob(token, float(logprobs[token]), top)

@@ -1,0 +1,31 @@
+"""Run the real server (uvicorn + uvloop + engine loop) in-process on a free port, in a background thread."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import replace
+
+from api.config import ServerConfig
+from api.serve import build_state, create_server
+
+
+@contextlib.contextmanager
+def running_server(loaded, **config_fields):
+    """Yield (base_url, state) of a server on 127.0.0.1:<free port>; stops it gracefully afterwards."""
+    config = replace(ServerConfig(port=0), **config_fields)
+    state = build_state(config, loaded)
+    server = create_server(state, port=0)
+    thread = threading.Thread(target=server.run, name="strata-test-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("test server did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -1,0 +1,151 @@
+"""The engine loop on a tiny random model: batching, chunked prefill, cancellation, queue limits, faults."""
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine.backends.numpy_backend import NumpyBackend
+from engine.generate import generate
+from engine.gguf_file import GGUFFile
+from engine.model import load_model
+from engine.sampling import SamplingParams
+from engine.sequence import ModelRunner
+from engine.tokenizer import Tokenizer
+from scheduler import step as step_module
+from scheduler.engine_loop import EngineLoop, QueueFullError
+from scheduler.request import Request
+from tests.tiny_gguf import write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "llama.gguf"
+    write_tiny_gguf(path, "llama", seed=3, n_ctx=512)
+    model, _, _ = load_model(path, NumpyBackend())
+    return model, Tokenizer.from_gguf_fields(GGUFFile(path).fields)
+
+
+def _loop(tiny, slots=4, chunk=8, max_queue=8, blocks=256):
+    model, tokenizer = tiny
+    return EngineLoop(ModelRunner(model, blocks, 4), tokenizer, num_slots=slots, prefill_chunk=chunk,
+                      max_queue=max_queue)
+
+
+def _prompt(n, seed):
+    return np.random.default_rng(seed).integers(3, 250, size=n).tolist()
+
+
+def _greedy(max_tokens=12):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def _collect(stream):
+    tokens, last = [], None
+    async for delta in stream:
+        tokens += delta.token_ids
+        last = delta
+    return tokens, last
+
+
+def test_concurrent_requests_produce_the_tokens_they_produce_alone(tiny):
+    model, tokenizer = tiny
+    prompts = [_prompt(n, seed=n) for n in (3, 17, 30, 9)]
+    alone = [generate(ModelRunner(model, 64, 4), tokenizer, p, _greedy()).token_ids for p in prompts]
+
+    async def main():
+        loop = _loop(tiny)
+        loop.start()
+        streams = [loop.submit(Request(f"r{i}", p, _greedy())) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*[_collect(s) for s in streams])
+        await loop.shutdown(1)
+        return results
+
+    results = asyncio.run(main())
+    assert [tokens for tokens, _ in results] == alone
+    assert all(last.finish_reason == "length" and last.usage.completion_tokens == 12 for _, last in results)
+
+
+def test_each_step_carries_at_most_one_prefill_chunk_and_all_decodes(tiny, monkeypatch):
+    seen = []
+    real = step_module.run_step
+
+    def spy(runner, work):
+        seen.append([(r.request_id, n, r.is_prefilling) for r, n in work])
+        return real(runner, work)
+
+    monkeypatch.setattr("scheduler.engine_loop.run_step", spy)
+
+    async def main():
+        loop = _loop(tiny, chunk=8)
+        loop.start()
+        short = loop.submit(Request("short", _prompt(4, 1), _greedy(100)))
+        await short.__anext__()  # short is decoding now
+        long = loop.submit(Request("long", _prompt(60, 2), _greedy(2)))
+        await asyncio.gather(_collect(short), _collect(long))
+        await loop.shutdown(1)
+
+    asyncio.run(main())
+    for work in seen:
+        assert sum(1 for _, n, prefilling in work if prefilling) <= 1
+        assert all(n <= 8 for _, n, _ in work)
+    long_steps = [w for w in seen if any(rid == "long" and prefilling for rid, _, prefilling in w)]
+    assert len(long_steps) == 60 // 8 + 1  # ceil(60 / 8) chunks
+    assert all(any(rid == "short" for rid, _, _ in w) for w in long_steps[:-1])  # short kept decoding
+
+
+def test_abort_frees_the_slot_and_blocks_within_one_step(tiny):
+    async def main():
+        loop = _loop(tiny, slots=1)
+        loop.start()
+        stream = loop.submit(Request("victim", _prompt(5, 3), _greedy(10_000 // 100)))
+        await stream.__anext__()
+        steps_at_abort = loop.num_steps
+        await stream.aclose()  # the client went away
+        while loop.slots_snapshot()[0]["state"] != "idle":
+            await asyncio.sleep(0.001)
+        steps_taken = loop.num_steps - steps_at_abort
+        free = loop.runner.allocator.num_free
+        await loop.shutdown(1)
+        return steps_taken, free
+
+    steps_taken, free = asyncio.run(main())
+    assert steps_taken <= 1
+    assert free == 256
+
+
+def test_queue_overflow_raises_queue_full(tiny):
+    async def main():
+        loop = _loop(tiny, slots=1, max_queue=2)  # not started: nothing leaves the queue
+        loop.submit(Request("a", _prompt(3, 1), _greedy()))
+        loop.submit(Request("b", _prompt(3, 2), _greedy()))
+        with pytest.raises(QueueFullError):
+            loop.submit(Request("c", _prompt(3, 3), _greedy()))
+
+    asyncio.run(main())
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(tiny, monkeypatch):
+    real = step_module.run_step
+    calls = {"n": 0}
+
+    def flaky(runner, work):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real(runner, work)
+
+    monkeypatch.setattr("scheduler.engine_loop.run_step", flaky)
+
+    async def main():
+        loop = _loop(tiny)
+        loop.start()
+        _, first = await _collect(loop.submit(Request("a", _prompt(3, 1), _greedy(3))))
+        tokens, second = await _collect(loop.submit(Request("b", _prompt(3, 2), _greedy(3))))
+        free = loop.runner.allocator.num_free
+        await loop.shutdown(1)
+        return first, second, tokens, free
+
+    first, second, tokens, free = asyncio.run(main())
+    assert first.finish_reason == "error" and "injected fault" in first.error
+    assert second.finish_reason == "length" and len(tokens) == 3
+    assert free == 256
