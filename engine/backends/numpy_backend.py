@@ -1,7 +1,10 @@
 """The numpy backend: the reference implementation of every op, float32 throughout.
 
-Speed notes (2-core CPU, OpenBLAS): weights are kept transposed ([in, out], C-contiguous) so a step is
-one sgemm per projection; Q/K/V and gate/up are fused by the model loader. Attention reads each
+Speed notes (2-core CPU, OpenBLAS): weights stay [out, in] (C-contiguous); Q/K/V and gate/up are fused
+by the model loader, so a step is one BLAS call per projection. For a few rows (decode) the product is
+computed as W @ x.T: OpenBLAS's sgemm micro-kernels tile the M dimension by 16 or more, so x @ W.T with
+M = 2..8 wastes most of each tile and runs 3-5x slower than M = 1, while W @ x.T puts the few rows on
+the narrow side of the tile (measured in docs/BENCHMARKS.md). Large M (prefill) uses x @ W.T. Attention reads each
 sequence's context as a few contiguous views of the pool (one per run of consecutive blocks) and merges
 them with an online softmax, so a decode step copies nothing proportional to the context length.
 Every scalar is np.float32: a Python float times a float32 array stays float32, but a float64 numpy
@@ -18,6 +21,7 @@ from engine.kv import KVLayout
 
 _F32 = np.float32
 _GELU_C = _F32(math.sqrt(2.0 / math.pi))
+_FEW_ROWS = 16  # up to this many rows a linear runs as W @ x.T (see the module docstring)
 
 
 class NumpyKVPool:
@@ -43,7 +47,7 @@ class NumpyBackend:
         return np.ascontiguousarray(array, dtype=_F32)
 
     def upload_linear(self, weight: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(np.asarray(weight, dtype=_F32).T)  # [in, out]
+        return np.ascontiguousarray(weight, dtype=_F32)  # [out, in]
 
     def create_kv_pool(self, layout: KVLayout) -> NumpyKVPool:
         return NumpyKVPool(layout)
@@ -66,7 +70,10 @@ class NumpyBackend:
         return total, self.rms_norm(total, weight, eps)
 
     def linear(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-        y = x @ weight
+        if 1 < x.shape[0] <= _FEW_ROWS:
+            y = np.ascontiguousarray((weight @ x.T).T)
+        else:
+            y = x @ weight.T
         if bias is not None:
             y += bias
         return y
