@@ -49,6 +49,11 @@ class ModelRunner:
         seq.block_table.extend(fresh)
         return True
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination); only between steps, never while one runs."""
+        if pairs:
+            self.model.backend.copy_blocks(self.kv_pool, pairs)
+
     def release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []

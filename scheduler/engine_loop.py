@@ -16,12 +16,12 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
-from engine.kv import blocks_needed
 from engine.sampling import Sampler
 from engine.sequence import ModelRunner, Sequence
 from engine.tokenizer import Tokenizer
 from scheduler.metrics import Metrics
 from scheduler.output import OutputProcessor
+from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Delta, Request
 from scheduler.step import StepResult, run_step
 
@@ -40,8 +40,11 @@ class EngineLoop:
     """Owns the slots, the wait queue and the compute thread of one model."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
-                 max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0):
+                 max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
+                 prefix_cache: bool = True, integrity_checks: bool = False):
         self.runner = runner
+        self.cache = PrefixCache(runner.layout.num_blocks, runner.block_size, enabled=prefix_cache)
+        self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step
         self.num_slots = num_slots
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
@@ -149,6 +152,8 @@ class EngineLoop:
             self.metrics.step_seconds.labels(kind).observe(time.perf_counter() - started)
             self.num_steps += 1
             self._postprocess(results)
+            if self.integrity_checks:
+                self.cache.check_integrity()
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._waiting if r.is_cancelled]:
@@ -158,25 +163,32 @@ class EngineLoop:
             self._finish(request, "abort")
 
     def _admit(self) -> None:
-        """Move waiting requests into free slots while their KV blocks can be reserved."""
+        """Move waiting requests into free slots: reuse their longest cached prefix, reserve the rest."""
         while self._waiting and None in self._slots:
             request = self._waiting[0]
-            seq = Sequence(list(request.prompt_ids))
             total = request.prompt_len + request.params.max_tokens
-            if not self.runner.ensure_blocks(seq, total):
-                if self.runner.allocator.num_free == self.runner.allocator.num_blocks:
+            # The last prompt token is always computed: its logits pick the first new token.
+            match = self.cache.match(request.prompt_ids, request.prompt_len - 1)
+            allocation = self.cache.allocate(match, total)
+            if allocation is None:
+                if -(-total // self.runner.block_size) > self.cache.num_blocks:
                     self._waiting.popleft()  # can never fit: the API checks this, so this is a bug guard
                     self._finish(request, "error", error=f"{total} tokens do not fit the KV pool")
                     continue
-                break
+                break  # wait for running requests to release blocks
             self._waiting.popleft()
-            request.seq, request.sampler = seq, Sampler(request.params)
+            self.runner.copy_blocks(allocation.copies)  # safe: no step is running between steps
+            request.allocation = allocation
+            request.cached_tokens = allocation.cached_tokens
+            request.seq = Sequence(list(request.prompt_ids), allocation.block_table, allocation.cached_tokens)
+            request.sampler = Sampler(request.params)
             request.slot_id = self._slots.index(None)
             request.admitted_s = time.perf_counter()
             self._slots[request.slot_id] = request
-            assert blocks_needed(total, self.runner.block_size) == len(seq.block_table)
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.slots_in_use.set(sum(r is not None for r in self._slots))
+        if self.integrity_checks:
+            self.cache.check_integrity()
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """Every decoding request's next token, plus one prefill chunk of the oldest admitted prompt."""
@@ -207,7 +219,7 @@ class EngineLoop:
         request.is_finished = True
         if request.slot_id is not None:
             self._slots[request.slot_id] = None
-            self.runner.release(request.seq)
+            self.cache.release(request.seq.token_ids, request.seq.num_computed, request.allocation)
         self._by_id.pop(request.request_id, None)
         self.output.finish(request, reason, error)
         m = self.metrics
@@ -230,5 +242,6 @@ class EngineLoop:
             "tokens_computed": request.seq.num_computed,
             "generated": len(request.output_ids),
             "kv_blocks": len(request.seq.block_table),
+            "cached_tokens": request.cached_tokens,
             "tokens_held": len(request.seq.block_table) * self.runner.block_size,
         }

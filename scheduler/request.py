@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import Sequence
+from scheduler.prefix_cache import Allocation
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Request:
     prefill_done_s: float | None = None
     last_progress_s: float | None = None
     cached_tokens: int = 0
+    allocation: "Allocation | None" = None
 
     @property
     def prompt_len(self) -> int:

@@ -104,7 +104,8 @@ def test_abort_frees_the_slot_and_blocks_within_one_step(tiny):
         while loop.slots_snapshot()[0]["state"] != "idle":
             await asyncio.sleep(0.001)
         steps_taken = loop.num_steps - steps_at_abort
-        free = loop.runner.allocator.num_free
+        loop.cache.check_integrity()
+        free = loop.cache.num_free
         await loop.shutdown(1)
         return steps_taken, free
 
@@ -141,7 +142,8 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(tiny, monk
         loop.start()
         _, first = await _collect(loop.submit(Request("a", _prompt(3, 1), _greedy(3))))
         tokens, second = await _collect(loop.submit(Request("b", _prompt(3, 2), _greedy(3))))
-        free = loop.runner.allocator.num_free
+        loop.cache.check_integrity()
+        free = loop.cache.num_free
         await loop.shutdown(1)
         return first, second, tokens, free
 

@@ -32,6 +32,9 @@ class Backend(Protocol):
 
     def to_host(self, x: Array) -> np.ndarray: ...
 
+    def copy_blocks(self, pool: Any, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer) from source to destination block ids (copy-on-write)."""
+
     # -- ops (x rows are the flat batch rows of BatchMeta) -----------------------------------------
     def embedding(self, table: Array, token_ids: np.ndarray, scale: float) -> Array:
         """[T] ids -> [T, d] rows of table, times scale."""

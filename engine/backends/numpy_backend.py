@@ -55,6 +55,12 @@ class NumpyBackend:
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x)
 
+    def copy_blocks(self, pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
+        B = pool.layout.block_size
+        for src, dst in pairs:
+            for arr in (pool.k, pool.v):
+                arr[:, :, dst * B : (dst + 1) * B, :] = arr[:, :, src * B : (src + 1) * B, :]
+
     def embedding(self, table: np.ndarray, token_ids: np.ndarray, scale: float) -> np.ndarray:
         rows = table[token_ids]  # [T, d]
         if scale != 1.0:

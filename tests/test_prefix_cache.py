@@ -1,0 +1,106 @@
+"""The device-tier prefix cache: exact block ids, pins, copy-on-write partial hits, eviction order."""
+import pytest
+
+from scheduler.prefix_cache import PrefixCache
+
+B = 4
+
+
+@pytest.fixture
+def cache():
+    c = PrefixCache(num_blocks=8, block_size=B)
+    yield c
+    c.check_integrity()
+
+
+def _run(cache, tokens, total_tokens, computed=None):
+    """Admit a request for `tokens`, pretend it computed `computed` tokens, release it."""
+    alloc = cache.allocate(cache.match(tokens, len(tokens) - 1), total_tokens)
+    cache.check_integrity()
+    cache.release(tokens, len(tokens) if computed is None else computed, alloc)
+    cache.check_integrity()
+    return alloc
+
+
+def test_first_request_gets_fresh_blocks_in_order_and_leaves_them_cached(cache):
+    alloc = _run(cache, list(range(11)), total_tokens=12, computed=11)
+    assert alloc.block_table == [0, 1, 2] and alloc.cached_tokens == 0 and alloc.copies == []
+    assert cache.num_cached == 3  # 0..3, 4..7 full; 8..10 partial
+    assert cache._free.num_free == 5
+
+
+def test_extension_shares_full_blocks_and_copies_the_partial_tail(cache):
+    _run(cache, list(range(11)), total_tokens=12, computed=11)
+    tokens = list(range(11)) + [99, 98]
+    match = cache.match(tokens, len(tokens) - 1)
+    assert [b.block_id for b in match.shared] == [0, 1] and match.cow_source.block_id == 2
+    alloc = cache.allocate(match, total_tokens=16)
+    assert alloc.cached_tokens == 11 and alloc.block_table[:2] == [0, 1]
+    assert alloc.copies == [(2, alloc.block_table[2])] and alloc.block_table[2] != 2
+    cache.check_integrity()
+
+
+def test_last_prompt_token_is_never_reused(cache):
+    _run(cache, list(range(8)), total_tokens=8)
+    match = cache.match(list(range(8)), 7)
+    assert match.num_tokens == 7
+    assert [b.block_id for b in match.shared] == [0] and match.cow_source.block_id == 1 and match.cow_tokens == 3
+
+
+def test_prompt_diverging_inside_a_block_reuses_the_matching_tokens(cache):
+    _run(cache, list(range(12)), total_tokens=12)
+    match = cache.match([0, 1, 2, 3, 4, 5, 77, 78, 79], 8)
+    assert match.num_tokens == 6 and match.cow_source.block_id == 1 and match.cow_tokens == 2
+
+
+def test_two_conversations_share_their_common_head(cache):
+    _run(cache, [1, 2, 3, 4, 10, 11, 12, 13, 14], total_tokens=9)
+    alloc = _run(cache, [1, 2, 3, 4, 20, 21, 22, 23, 24], total_tokens=9)
+    assert alloc.block_table[0] == 0 and alloc.cached_tokens == 4
+
+
+def test_toggling_head_hits_both_variants(cache):
+    tools_a, tools_b, rest = [1, 1, 1, 1], [2, 2, 2, 2], [5, 6, 7, 8, 9]
+    _run(cache, tools_a + rest, total_tokens=9)
+    _run(cache, tools_b + rest, total_tokens=9)
+    assert cache.match(tools_a + rest + [0], 9).num_tokens == 9
+    assert cache.match(tools_b + rest + [0], 9).num_tokens == 9
+
+
+def test_identical_content_is_stored_once(cache):
+    _run(cache, list(range(9)), total_tokens=9)
+    cached_before = cache.num_cached
+    _run(cache, list(range(9)), total_tokens=9)  # same prompt again: the copied tail dedupes into the old one
+    assert cache.num_cached == cached_before
+
+
+def test_pinned_blocks_are_never_evicted_and_failure_changes_nothing(cache):
+    held = cache.allocate(cache.match(list(range(20)), 19), total_tokens=24)  # 6 of 8 blocks pinned
+    assert held is not None
+    free_before, cached_before = cache._free.num_free, cache.num_cached
+    assert cache.allocate(cache.match([50, 51, 52], 2), total_tokens=12) is None  # needs 3, only 2 left
+    assert (cache._free.num_free, cache.num_cached) == (free_before, cached_before)
+    assert all(b.ref_count == 0 for b in cache._by_block.values())
+
+
+def test_eviction_takes_least_recently_used_leaves_first(cache):
+    _run(cache, [1] * 8, total_tokens=8)  # blocks 0, 1  (a 2-block chain)
+    _run(cache, [2] * 8, total_tokens=8)  # blocks 2, 3
+    _run(cache, [3] * 8, total_tokens=8)  # blocks 4, 5
+    _run(cache, [1] * 8 + [9], total_tokens=9)  # touches chain 1 again, block 6 for its tail
+    alloc = cache.allocate(cache.match([7] * 12, 11), total_tokens=12)  # needs 3: 1 free + 2 evicted
+    survivors = {b.tokens[0] for b in cache._by_block.values()}
+    assert 2 not in survivors and 1 in survivors and 3 in survivors  # chain 2 was least recently used
+    assert sorted(alloc.block_table) == [2, 3, 7]
+    assert cache.evictions == 2
+
+
+def test_superseded_tail_is_evicted_before_a_live_conversation(cache):
+    _run(cache, [1, 2, 3, 4, 5, 6], total_tokens=6)  # [1..4] + partial tail [5, 6]
+    _run(cache, [8, 8, 8, 8, 8], total_tokens=5)  # another conversation's live tip, older use than what follows
+    _run(cache, [1, 2, 3, 4, 5, 6, 7, 9], total_tokens=8)  # extends the tail: [5, 6] is superseded by [5, 6, 7, 9]
+    _run(cache, [8, 8, 8, 8, 8], total_tokens=5)  # the other conversation is used last
+    full = cache.allocate(cache.match([0] * 3, 2), total_tokens=4 * 4)  # forces one eviction
+    assert full is not None
+    tails = {b.tokens for b in cache._by_block.values()}
+    assert (5, 6) not in tails and (8,) in tails
