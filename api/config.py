@@ -48,6 +48,8 @@ class ServerConfig:
     max_queue: int = _opt(64, "requests allowed to wait for a slot; more get 503")
     ctx_size: int = _opt(8192, f"tokens of context per slot (>= {MIN_CTX_SIZE})")
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
+    conversation_cache_mib: int = _opt(8192, "host RAM reserved at start for parked conversation KV (0: none)")
+    conversation_cache_min_free_mib: int = _opt(1024, "RAM always left to the rest of the machine")
     max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication)", metavar="KEY")
     served_model_name: str | None = _opt(None, "model id shown by the API (unset: the model file's stem)",
@@ -230,6 +232,8 @@ def _validate(cfg: ServerConfig) -> None:
     need(cfg.ctx_size >= MIN_CTX_SIZE, f"--ctx-size must be >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
     need(cfg.kv_cache_mib >= 0,
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
+    for name in ("conversation_cache_mib", "conversation_cache_min_free_mib"):
+        need(getattr(cfg, name) >= 0, f"{flag_name(name)} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("max_body_mib", "progress_interval_s"):
         value = getattr(cfg, name)
         need(math.isfinite(value) and value > 0, f"{flag_name(name)} must be a number > 0 (got {value})")

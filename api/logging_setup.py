@@ -2,11 +2,11 @@
 
 Callers keep the human message readable and put machine fields beside it:
 
-    log.info("prompt 120 tokens = 0 reused + 120 read in 350 ms (343 tok/s), 40 generated",
+    log.info("prompt 120 tokens = 0 reused (device 0, host 0, disk 0) + 120 read in 350 ms (343 tok/s), 40 generated",
              extra={"fields": {"prompt_tokens": 120, "cached_tokens": 0}})
 
-kv:   ts=2025-01-01T12:00:00.123Z level=info logger=strata.api msg="prompt 120 ..." request_id=req-... prompt_tokens=120
-json: {"ts":"2025-01-01T12:00:00.123Z","level":"info","logger":"strata.api","msg":"prompt 120 tokens = ...",...}
+kv:   ts=2025-01-01T12:00:00.123Z level=info logger=strata.requests msg="prompt 120 ..." request_id=req-... prompt_tokens=120
+json: {"ts":"2025-01-01T12:00:00.123Z","level":"info","logger":"strata.requests","msg":"prompt 120 tokens = ...",...}
 
 The request id comes from `request_id_var` (set it once per request; asyncio tasks inherit it), or from a
 "request_id" entry in `fields`, which wins.

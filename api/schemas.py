@@ -2,8 +2,11 @@
 
 Import everything from here: the shared pieces (``RequestBody``, ``ChatMessage``, ``parse_body``,
 ``usage_dict``) live in ``api.schemas_base`` and are re-exported. Besides the conventions described
-there (extra fields ignored, null = default, strict types), fields we cannot honour are rejected by name:
-``n`` != 1, and for completions ``best_of`` != 1 and ``suffix``.
+there (extra fields ignored, null = default, strict types), fields we cannot honour are rejected by name
+rather than silently dropped: ``n`` != 1, ``response_format`` other than ``{"type": "text"}`` (JSON mode and
+json_schema are not implemented yet), a non-empty ``logit_bias``, for chat the legacy ``functions`` /
+``function_call`` (use ``tools`` / ``tool_choice``), and for completions ``best_of`` != 1 and ``suffix``.
+Harmless hints (``parallel_tool_calls``, ``store``, ``user``, ...) are accepted and ignored.
 
 Tokenizer routes, in both dialects clients use:
 - POST /tokenize: vLLM's ``{model?, prompt}`` or ``{model?, messages, tools?, add_generation_prompt?,
@@ -56,6 +59,32 @@ class SamplingFields(RequestBody):
     user: str | None = None
     prompt_cache_key: str | None = None
     ignore_eos: bool = False  # vLLM extension
+    response_format: dict[str, Any] | None = None  # only {"type": "text"} (the default) is accepted
+    logit_bias: dict[str, Any] | None = None  # only {} is accepted
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _check_response_format(cls, value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise ValueError("response_format must be an object like {'type': 'text'}")
+        kind = value.get("type")
+        if kind is None:
+            raise ValueError("a 'type' is required; only 'text' is supported")
+        if kind == "text":
+            return value
+        if kind in ("json_object", "json_schema"):
+            raise ValueError(f"type {kind!r} is not supported yet: this server has no JSON mode "
+                             "or json_schema structured output; omit response_format or use {'type': 'text'}")
+        raise ValueError(f"type {kind!r} is not supported; only 'text' is")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _check_logit_bias(cls, value: Any) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise ValueError("logit_bias must be an object mapping token ids to biases")
+        if value:
+            raise ValueError("not supported yet; omit logit_bias (or send an empty object)")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -116,6 +145,14 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True  # llama-server / vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # llama-server / vLLM extension
+    functions: Any = None  # legacy OpenAI function calling: always refused, pointing at tools
+    function_call: Any = None
+
+    @field_validator("functions", "function_call", mode="before")
+    @classmethod
+    def _refuse_legacy_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        modern = "tools" if info.field_name == "functions" else "tool_choice"
+        raise ValueError(f"the legacy form of function calling is not supported; send {modern} instead")
 
     @field_validator("tool_choice", mode="before")
     @classmethod

@@ -15,7 +15,9 @@ import uvicorn
 from api.config import ServerConfig
 from api.server import ServerState, create_app
 from engine.loader import LoadedModel, open_model
+from engine.kv import layout_for
 from engine.sequence import ModelRunner
+from scheduler.admission import plan_memory
 from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
 
@@ -35,7 +37,13 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     if config.kv_cache_mib:
         bytes_per_block = loaded.model.config.kv_bytes_per_token() * BLOCK_SIZE
         num_blocks = max(per_slot_blocks, int(config.kv_cache_mib * 2**20) // bytes_per_block)
-    runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE)
+    bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE).total_bytes
+    plan = plan_memory(loaded.info.weight_bytes + num_blocks * bytes_per_block, config.conversation_cache_mib,
+                       config.conversation_cache_min_free_mib, bytes_per_block)
+    runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=plan.host_blocks)
+    log.info("memory: engine %d MiB, host tier %d MiB reserved (%d blocks), limit %d MiB of which %d MiB in "
+             "use elsewhere (%s)", plan.engine_bytes // 2**20, plan.host_tier_bytes // 2**20, plan.host_blocks,
+             plan.machine.limit_bytes // 2**20, plan.machine.in_use_bytes // 2**20, plan.machine.source)
     metrics = Metrics()
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
                         max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s)
@@ -76,6 +84,9 @@ class _GracefulServer(uvicorn.Server):
             if loop is not None:
                 loop.call_soon_threadsafe(loop.call_later, grace_s, state.engine.cancel_all)
         super().handle_exit(sig, frame)
+        # uvicorn re-raises a captured signal after shutting down, which ends the process "killed by
+        # SIGTERM"; a stop that completed gracefully is a success, so exit with status 0 instead.
+        self._captured_signals.clear()
 
 
 def create_server(state: ServerState, port: int | None = None) -> _GracefulServer:

@@ -109,6 +109,14 @@ async def slots(state: ServerState, http_request, request_id) -> Response:
 
 
 @endpoint
+async def cache(state: ServerState, http_request, request_id) -> Response:
+    """The conversation cache per tier: blocks cached / in use / total, parks, restores, drops."""
+    usage = state.engine.cache.usage()
+    usage["block_size"] = state.engine.cache.block_size
+    return JSONResponse(usage)
+
+
+@endpoint
 async def models(state: ServerState, http_request, request_id) -> Response:
     created = int(state.loaded.info.path.stat().st_mtime)
     card = {"id": state.served_name, "object": "model", "created": created, "owned_by": "strata",
@@ -171,6 +179,7 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
+        Route("/cache", cache, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),

@@ -31,11 +31,13 @@ class Sequence:
 class ModelRunner:
     """Owns a model's KV pool and allocator; runs one batched forward over chosen sequences."""
 
-    def __init__(self, model: Model, num_blocks: int, block_size: int = 16):
+    def __init__(self, model: Model, num_blocks: int, block_size: int = 16, host_blocks: int = 0):
         self.model = model
         self.block_size = block_size
         self.layout = layout_for(model.config, num_blocks, block_size)
         self.kv_pool = model.backend.create_kv_pool(self.layout)
+        self.host_layout = layout_for(model.config, host_blocks, block_size)
+        self.host_pool = model.backend.create_host_pool(self.host_layout) if host_blocks else None
         self.allocator = BlockAllocator(num_blocks)
 
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
@@ -49,10 +51,16 @@ class ModelRunner:
         seq.block_table.extend(fresh)
         return True
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy KV blocks (source, destination); only between steps, never while one runs."""
-        if pairs:
-            self.model.backend.copy_blocks(self.kv_pool, pairs)
+    def move_blocks(self, parks, restores, copies) -> None:
+        """Run a cache allocation's copies in the order that keeps them safe: device -> host parks, then
+        host -> device restores, then device -> device copy-on-write. Only between steps."""
+        backend = self.model.backend
+        if parks:
+            backend.park_blocks(self.kv_pool, self.host_pool, parks)
+        if restores:
+            backend.restore_blocks(self.host_pool, self.kv_pool, restores)
+        if copies:
+            backend.copy_blocks(self.kv_pool, copies)
 
     def release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)

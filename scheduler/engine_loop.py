@@ -43,7 +43,8 @@ class EngineLoop:
                  max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
                  prefix_cache: bool = True, integrity_checks: bool = False):
         self.runner = runner
-        self.cache = PrefixCache(runner.layout.num_blocks, runner.block_size, enabled=prefix_cache)
+        self.cache = PrefixCache(runner.layout.num_blocks, runner.block_size, enabled=prefix_cache,
+                                 host_blocks=runner.host_layout.num_blocks)
         self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step
         self.num_slots = num_slots
         self.prefill_chunk = prefill_chunk
@@ -177,7 +178,7 @@ class EngineLoop:
                     continue
                 break  # wait for running requests to release blocks
             self._waiting.popleft()
-            self.runner.copy_blocks(allocation.copies)  # safe: no step is running between steps
+            self.runner.move_blocks(allocation.parks, allocation.restores, allocation.copies)  # between steps
             request.allocation = allocation
             request.cached_tokens = allocation.cached_tokens
             request.seq = Sequence(list(request.prompt_ids), allocation.block_table, allocation.cached_tokens)
@@ -187,6 +188,7 @@ class EngineLoop:
             self._slots[request.slot_id] = request
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.slots_in_use.set(sum(r is not None for r in self._slots))
+        self.metrics.observe_cache(self.cache.usage())
         if self.integrity_checks:
             self.cache.check_integrity()
 

@@ -28,5 +28,24 @@ class Metrics:
             "strata_request_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r
         )
 
+        self.cache_blocks = Gauge("strata_cache_blocks", "Conversation cache blocks by tier and state",
+                                  ["tier", "state"], registry=r)
+        self.cache_events = Counter("strata_cache_events", "Parks, restores and drops of cached blocks",
+                                    ["event"], registry=r)
+        self._last_cache_stats: dict[str, int] = {}
+
+    def observe_cache(self, usage: dict[str, int]) -> None:
+        """Mirror the cache's usage figures (from PrefixCache.usage()) into gauges and counters."""
+        self.cache_blocks.labels("device", "cached").set(usage["device_cached"])
+        self.cache_blocks.labels("device", "in_use").set(usage["device_in_use"])
+        self.cache_blocks.labels("device", "total").set(usage["device_total"])
+        self.cache_blocks.labels("host", "cached").set(usage["host_cached"])
+        self.cache_blocks.labels("host", "total").set(usage["host_total"])
+        for event in ("parks", "restores", "dropped_blocks", "dropped_tokens"):
+            delta = usage[event] - self._last_cache_stats.get(event, 0)
+            if delta:
+                self.cache_events.labels(event).inc(delta)
+            self._last_cache_stats[event] = usage[event]
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,7 +2,7 @@
 
 Runs on the event loop: incremental detokenisation (never splitting a UTF-8 character), stop strings
 (never emitting half of one), EOS, max_tokens, and the one summary line per request that operators
-grep for: `prompt N tokens = R reused + M read in T ms (X tok/s), G generated`.
+grep for: `prompt N tokens = R reused (device D, host H, disk K) + M read in T ms (X tok/s), G generated`.
 """
 from __future__ import annotations
 
@@ -74,16 +74,20 @@ class OutputProcessor:
         computed = request.prompt_len - reused if request.prefill_done_s else 0
         read_ms = ((request.prefill_done_s or time.perf_counter()) - (request.admitted_s or request.arrival_s)) * 1e3
         rate = computed / (read_ms / 1e3) if read_ms > 0 else 0.0
+        tiers = request.allocation.reused_by_tier if request.allocation is not None else {}
+        device, host, disk = (tiers.get(t, 0) for t in ("device", "host", "disk"))
         fields = {
             "request_id": request.request_id, "finish_reason": reason, "prompt_tokens": request.prompt_len,
-            "reused_tokens": reused, "computed_tokens": computed, "generated_tokens": len(request.output_ids),
+            "reused_tokens": reused, "reused_device": device, "reused_host": host, "reused_disk": disk,
+            "computed_tokens": computed, "generated_tokens": len(request.output_ids),
             "queue_ms": round(((request.admitted_s or time.perf_counter()) - request.arrival_s) * 1e3, 1),
             "total_ms": round((time.perf_counter() - request.arrival_s) * 1e3, 1),
         }
         if error:
             fields["error"] = error
         log.info(
-            "prompt %d tokens = %d reused + %d read in %.0f ms (%.0f tok/s), %d generated",
-            request.prompt_len, reused, computed, read_ms, rate, len(request.output_ids),
+            "prompt %d tokens = %d reused (device %d, host %d, disk %d) + %d read in %.0f ms (%.0f tok/s), "
+            "%d generated",
+            request.prompt_len, reused, device, host, disk, computed, read_ms, rate, len(request.output_ids),
             extra={"fields": fields},
         )

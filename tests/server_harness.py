@@ -11,8 +11,13 @@ from api.serve import build_state, create_server
 
 
 @contextlib.contextmanager
-def running_server(loaded, **config_fields):
-    """Yield (base_url, state) of a server on 127.0.0.1:<free port>; stops it gracefully afterwards."""
+def running_server(loaded, with_server: bool = False, **config_fields):
+    """Yield (base_url, state) of a server on 127.0.0.1:<free port>; stops it gracefully afterwards.
+
+    With ``with_server=True`` yield (base_url, state, server, thread) instead: the uvicorn server object
+    (to call ``server.handle_exit(signal.SIGTERM, None)`` as a signal would) and the thread running it.
+    """
+    config_fields.setdefault("conversation_cache_mib", 64)  # tests: keep the committed host tier small
     config = replace(ServerConfig(port=0), **config_fields)
     state = build_state(config, loaded)
     server = create_server(state, port=0)
@@ -24,8 +29,9 @@ def running_server(loaded, **config_fields):
             raise RuntimeError("test server did not start")
         time.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}", state
+        yield (url, state, server, thread) if with_server else (url, state)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
     return model, Tokenizer.from_gguf_fields(GGUFFile(path).fields)
 
 
-def _play(tiny, turns, cache_on, num_blocks=400, slots=3, concurrency=3):
+def _play(tiny, turns, cache_on, num_blocks=400, slots=3, concurrency=3, host_blocks=0):
     """Run the turns [(conversation, new user tokens, reply length)] `concurrency` at a time.
 
     Returns (replies, per-request (prompt_len, cached_tokens), the loop)."""
@@ -32,7 +32,7 @@ def _play(tiny, turns, cache_on, num_blocks=400, slots=3, concurrency=3):
     loop_holder = {}
 
     async def main():
-        loop = EngineLoop(ModelRunner(model, num_blocks, 4), tokenizer, num_slots=slots, prefill_chunk=16,
+        loop = EngineLoop(ModelRunner(model, num_blocks, 4, host_blocks=host_blocks), tokenizer, num_slots=slots, prefill_chunk=16,
                           max_queue=64, prefix_cache=cache_on, integrity_checks=True)
         loop_holder["loop"] = loop
         loop.start()
@@ -98,4 +98,21 @@ def test_memory_pressure_evicts_but_never_changes_replies(tiny):
     turns = _random_turns(7, conversations=5, count=24)
     small, _, loop = _play(tiny, turns, cache_on=True, num_blocks=70)
     off, _, _ = _play(tiny, turns, cache_on=False, num_blocks=70)
-    assert small == off and loop.cache.evictions > 0
+    assert small == off and loop.cache.stats["dropped_blocks"] > 0
+
+
+def test_device_pressure_with_a_host_tier_parks_and_restores_and_computes_the_ideal(tiny):
+    head = list(range(10, 40))
+    turns = []
+    for turn in range(4):
+        for conv in range(4):  # four conversations in rotation: the device cannot hold them all
+            user = (head if turn == 0 else []) + [60 + conv * 10 + turn] * (20 + turn)
+            turns.append((conv, user, 6))
+    replies, usage, loop = _play(tiny, turns, cache_on=True, num_blocks=60, concurrency=1, host_blocks=200)
+    off, _, _ = _play(tiny, turns, cache_on=False, num_blocks=60, concurrency=1)
+    assert replies == off
+    stats = loop.cache.stats
+    assert stats["parks"] > 0 and stats["restores"] > 0 and stats["dropped_blocks"] == 0
+    computed = [p - c for p, c in usage]
+    assert computed[0] == 50 and computed[1:4] == [20, 20, 20]  # later conversations reuse the head
+    assert computed[4:] == [len(user) + 1 for _, user, _ in turns[4:]]  # nothing cached is recomputed

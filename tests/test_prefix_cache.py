@@ -26,14 +26,14 @@ def test_first_request_gets_fresh_blocks_in_order_and_leaves_them_cached(cache):
     alloc = _run(cache, list(range(11)), total_tokens=12, computed=11)
     assert alloc.block_table == [0, 1, 2] and alloc.cached_tokens == 0 and alloc.copies == []
     assert cache.num_cached == 3  # 0..3, 4..7 full; 8..10 partial
-    assert cache._free.num_free == 5
+    assert cache._dev_free.num_free == 5
 
 
 def test_extension_shares_full_blocks_and_copies_the_partial_tail(cache):
     _run(cache, list(range(11)), total_tokens=12, computed=11)
     tokens = list(range(11)) + [99, 98]
     match = cache.match(tokens, len(tokens) - 1)
-    assert [b.block_id for b in match.shared] == [0, 1] and match.cow_source.block_id == 2
+    assert [b.device_id for b in match.shared] == [0, 1] and match.cow_source.device_id == 2
     alloc = cache.allocate(match, total_tokens=16)
     assert alloc.cached_tokens == 11 and alloc.block_table[:2] == [0, 1]
     assert alloc.copies == [(2, alloc.block_table[2])] and alloc.block_table[2] != 2
@@ -44,13 +44,13 @@ def test_last_prompt_token_is_never_reused(cache):
     _run(cache, list(range(8)), total_tokens=8)
     match = cache.match(list(range(8)), 7)
     assert match.num_tokens == 7
-    assert [b.block_id for b in match.shared] == [0] and match.cow_source.block_id == 1 and match.cow_tokens == 3
+    assert [b.device_id for b in match.shared] == [0] and match.cow_source.device_id == 1 and match.cow_tokens == 3
 
 
 def test_prompt_diverging_inside_a_block_reuses_the_matching_tokens(cache):
     _run(cache, list(range(12)), total_tokens=12)
     match = cache.match([0, 1, 2, 3, 4, 5, 77, 78, 79], 8)
-    assert match.num_tokens == 6 and match.cow_source.block_id == 1 and match.cow_tokens == 2
+    assert match.num_tokens == 6 and match.cow_source.device_id == 1 and match.cow_tokens == 2
 
 
 def test_two_conversations_share_their_common_head(cache):
@@ -77,10 +77,10 @@ def test_identical_content_is_stored_once(cache):
 def test_pinned_blocks_are_never_evicted_and_failure_changes_nothing(cache):
     held = cache.allocate(cache.match(list(range(20)), 19), total_tokens=24)  # 6 of 8 blocks pinned
     assert held is not None
-    free_before, cached_before = cache._free.num_free, cache.num_cached
+    free_before, cached_before = cache._dev_free.num_free, cache.num_cached
     assert cache.allocate(cache.match([50, 51, 52], 2), total_tokens=12) is None  # needs 3, only 2 left
-    assert (cache._free.num_free, cache.num_cached) == (free_before, cached_before)
-    assert all(b.ref_count == 0 for b in cache._by_block.values())
+    assert (cache._dev_free.num_free, cache.num_cached) == (free_before, cached_before)
+    assert all(b.ref_count == 0 for b in cache._on_device.values())
 
 
 def test_eviction_takes_least_recently_used_leaves_first(cache):
@@ -89,10 +89,10 @@ def test_eviction_takes_least_recently_used_leaves_first(cache):
     _run(cache, [3] * 8, total_tokens=8)  # blocks 4, 5
     _run(cache, [1] * 8 + [9], total_tokens=9)  # touches chain 1 again, block 6 for its tail
     alloc = cache.allocate(cache.match([7] * 12, 11), total_tokens=12)  # needs 3: 1 free + 2 evicted
-    survivors = {b.tokens[0] for b in cache._by_block.values()}
+    survivors = {b.tokens[0] for b in cache._on_device.values()}
     assert 2 not in survivors and 1 in survivors and 3 in survivors  # chain 2 was least recently used
     assert sorted(alloc.block_table) == [2, 3, 7]
-    assert cache.evictions == 2
+    assert cache.stats["dropped_blocks"] == 2
 
 
 def test_superseded_tail_is_evicted_before_a_live_conversation(cache):
@@ -102,5 +102,49 @@ def test_superseded_tail_is_evicted_before_a_live_conversation(cache):
     _run(cache, [8, 8, 8, 8, 8], total_tokens=5)  # the other conversation is used last
     full = cache.allocate(cache.match([0] * 3, 2), total_tokens=4 * 4)  # forces one eviction
     assert full is not None
-    tails = {b.tokens for b in cache._by_block.values()}
+    tails = {b.tokens for b in cache._on_device.values()}
     assert (5, 6) not in tails and (8,) in tails
+
+
+@pytest.fixture
+def tiered():
+    c = PrefixCache(num_blocks=4, block_size=B, host_blocks=3)
+    yield c
+    c.check_integrity()
+
+
+def test_pressure_parks_unpinned_blocks_in_host_ram_tail_first(tiered):
+    _run(tiered, [1] * 8, total_tokens=8)  # device blocks 0, 1
+    alloc = _run(tiered, [2] * 12, total_tokens=16)  # needs all 4: parks conv 1's tail then head
+    assert alloc.parks == [(1, 0), (0, 1)] and alloc.restores == []
+    assert {b.tokens[0]: b.tier for b in tiered._on_host.values()} == {1: "host"}
+    assert tiered.stats["dropped_blocks"] == 0
+
+
+def test_a_hit_on_parked_blocks_restores_them(tiered):
+    _run(tiered, [1] * 8, total_tokens=8)
+    _run(tiered, [2] * 12, total_tokens=16)
+    match = tiered.match([1] * 8 + [5], 8)
+    assert match.num_tokens == 8 and all(not b.on_device for b in match.shared)
+    alloc = tiered.allocate(match, total_tokens=12)
+    assert {h for h, _ in alloc.restores} == {0, 1} and alloc.reused_by_tier == {"device": 0, "host": 8}
+    assert alloc.block_table[:2] == [d for _, d in sorted(alloc.restores, key=lambda p: -p[0])]
+    tiered.check_integrity()
+
+
+def test_full_host_tier_drops_the_least_valuable_host_leaf_and_says_so(tiered, caplog):
+    _run(tiered, [1] * 8, total_tokens=8)
+    _run(tiered, [2] * 8, total_tokens=8)
+    with caplog.at_level("INFO", logger="strata.cache"):
+        _run(tiered, [3] * 16, total_tokens=16)  # 4 blocks to park, 3 host slots: one host leaf dropped
+    assert tiered.stats["parks"] == 4 and tiered.stats["dropped_blocks"] == 1
+    assert any("evicted 4 cached tokens of conv-" in r.getMessage() for r in caplog.records)
+
+
+def test_refused_allocation_leaves_every_block_where_it_was(tiered):
+    held = tiered.allocate(tiered.match([9] * 12, 11), total_tokens=12)  # 3 of 4 device blocks owned
+    _run(tiered, [1] * 3, total_tokens=4)  # fourth block cached, unpinned
+    before = (dict(tiered._on_device), dict(tiered._on_host), tiered.stats.copy())
+    assert tiered.allocate(tiered.match([7] * 8, 7), total_tokens=8) is None  # needs 2, only 1 movable
+    assert (dict(tiered._on_device), dict(tiered._on_host), tiered.stats) == before
+    assert held is not None

@@ -208,3 +208,61 @@ def test_overloaded_sets_retry_after():
 def test_usage_reports_cached_tokens():
     usage = usage_dict(prompt_tokens=10, completion_tokens=4, cached_tokens=6)
     assert usage["total_tokens"] == 14 and usage["prompt_tokens_details"] == {"cached_tokens": 6}
+
+
+# -- parameters we cannot honour are refused by name, never silently dropped ---------------------------------
+
+@pytest.mark.parametrize("kind", ["json_object", "json_schema"])
+def test_json_response_formats_are_rejected_as_not_supported_yet(kind):
+    fmt = {"type": kind} if kind == "json_object" else {"type": kind, "json_schema": {"name": "x", "schema": {}}}
+    for model_cls, raw in ((ChatCompletionRequest, chat(response_format=fmt)),
+                           (CompletionRequest, completion(response_format=fmt))):
+        error = reject(model_cls, raw)
+        assert error.param == "response_format"
+        assert f"'{kind}'" in error.message and "not supported yet" in error.message
+        assert "JSON mode" in error.message and "json_schema" in error.message
+
+
+def test_other_response_formats_are_rejected():
+    assert reject(ChatCompletionRequest, chat(response_format={"type": "grammar"})).param == "response_format"
+    assert "'type' is required" in reject(ChatCompletionRequest, chat(response_format={})).message
+    assert reject(ChatCompletionRequest, chat(response_format="json")).param == "response_format"
+
+
+def test_text_response_format_and_null_are_accepted():
+    assert parse_body(ChatCompletionRequest, chat(response_format={"type": "text"})).model == "m"
+    assert parse_body(ChatCompletionRequest, chat(response_format=None)).response_format is None
+    assert parse_body(CompletionRequest, completion(response_format={"type": "text"})).model == "m"
+
+
+def test_non_empty_logit_bias_is_rejected():
+    for model_cls, raw in ((ChatCompletionRequest, chat(logit_bias={"50256": -100})),
+                           (CompletionRequest, completion(logit_bias={"50256": -100}))):
+        error = reject(model_cls, raw)
+        assert error.param == "logit_bias" and "not supported" in error.message
+    assert reject(ChatCompletionRequest, chat(logit_bias=[1, 2])).param == "logit_bias"
+
+
+def test_empty_or_null_logit_bias_is_accepted():
+    assert parse_body(ChatCompletionRequest, chat(logit_bias={})).logit_bias == {}
+    assert parse_body(ChatCompletionRequest, chat(logit_bias=None)).logit_bias is None
+
+
+@pytest.mark.parametrize("field, value, modern", [
+    ("functions", [{"name": "f", "parameters": {"type": "object", "properties": {}}}], "tools"),
+    ("function_call", "auto", "tool_choice"),
+    ("function_call", {"name": "f"}, "tool_choice"),
+])
+def test_legacy_function_calling_is_rejected_pointing_at_tools(field, value, modern):
+    error = reject(ChatCompletionRequest, chat(**{field: value}))
+    assert error.param == field
+    assert "legacy" in error.message and f"send {modern} instead" in error.message
+
+
+def test_null_legacy_function_fields_are_accepted():
+    assert parse_body(ChatCompletionRequest, chat(functions=None, function_call=None)).model == "m"
+
+
+def test_parallel_tool_calls_is_accepted_either_way():
+    for value in (True, False):
+        assert parse_body(ChatCompletionRequest, chat(parallel_tool_calls=value)).model == "m"

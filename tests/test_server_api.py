@@ -102,7 +102,7 @@ def test_disconnect_frees_the_slot(server):
     body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 2000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as response:
         next(response.iter_lines())
-        assert any(s["state"] != "idle" for s in httpx.get(url + "/slots").json())
+        _wait_until(lambda: any(s["state"] != "idle" for s in httpx.get(url + "/slots").json()))
     deadline = time.monotonic() + 5
     while any(s["state"] != "idle" for s in httpx.get(url + "/slots").json()):
         assert time.monotonic() < deadline, "slot still busy after the client disconnected"

@@ -35,6 +35,15 @@ class Backend(Protocol):
     def copy_blocks(self, pool: Any, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer) from source to destination block ids (copy-on-write)."""
 
+    def create_host_pool(self, layout: KVLayout) -> Any:
+        """Host-RAM blocks for the conversation cache's host tier (pinned memory on CUDA), committed now."""
+
+    def park_blocks(self, pool: Any, host_pool: Any, pairs: list[tuple[int, int]]) -> None:
+        """Copy (device block, host slot) pairs from the device pool to the host pool."""
+
+    def restore_blocks(self, host_pool: Any, pool: Any, pairs: list[tuple[int, int]]) -> None:
+        """Copy (host slot, device block) pairs from the host pool back to the device pool."""
+
     # -- ops (x rows are the flat batch rows of BatchMeta) -----------------------------------------
     def embedding(self, table: Array, token_ids: np.ndarray, scale: float) -> Array:
         """[T] ids -> [T, d] rows of table, times scale."""

@@ -56,10 +56,19 @@ class NumpyBackend:
         return np.asarray(x)
 
     def copy_blocks(self, pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
-        B = pool.layout.block_size
-        for src, dst in pairs:
-            for arr in (pool.k, pool.v):
-                arr[:, :, dst * B : (dst + 1) * B, :] = arr[:, :, src * B : (src + 1) * B, :]
+        _copy_between(pool, pool, pairs)
+
+    def create_host_pool(self, layout: KVLayout) -> NumpyKVPool:
+        host = NumpyKVPool(layout)
+        host.k.fill(0)  # commit the pages now: a park inside the reservation must never meet a full RAM
+        host.v.fill(0)
+        return host
+
+    def park_blocks(self, pool: NumpyKVPool, host_pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
+        _copy_between(pool, host_pool, pairs)
+
+    def restore_blocks(self, host_pool: NumpyKVPool, pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
+        _copy_between(host_pool, pool, pairs)
 
     def embedding(self, table: np.ndarray, token_ids: np.ndarray, scale: float) -> np.ndarray:
         rows = table[token_ids]  # [T, d]
@@ -125,6 +134,14 @@ class NumpyBackend:
         if len(rows) == x.shape[0]:
             return x
         return x[rows]
+
+
+def _copy_between(src_pool: NumpyKVPool, dst_pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (all layers, K and V) from src_pool block a to dst_pool block b, per (a, b)."""
+    B = src_pool.layout.block_size
+    for src, dst in pairs:
+        for s_arr, d_arr in ((src_pool.k, dst_pool.k), (src_pool.v, dst_pool.v)):
+            d_arr[:, :, dst * B : (dst + 1) * B, :] = s_arr[:, :, src * B : (src + 1) * B, :]
 
 
 def _attend_one(q, k_layer, v_layer, seq: SeqSlice, block_size: int, scale, window: int) -> np.ndarray:

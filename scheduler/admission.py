@@ -1,0 +1,99 @@
+"""Memory admission: the one owner of the memory budget, decided at start-up and counted once.
+
+It knows the engine's own allocations (weights and the device KV pool, from the engine's own figures,
+not from a RAM sample that would count them again), the configured cap of the host tier, a floor left to
+the rest of the machine, and the machine's real limit: the container's (cgroup v2 `memory.max`, v1
+`memory.limit_in_bytes`) or else what the kernel says is available. A host tier that cannot fit is
+clamped to what fits, with a warning naming the flag and the value; a machine that cannot even hold the
+engine plus the floor is refused with a ValueError that says what to change. The host tier is then
+committed at once (engine/backends create_host_pool), so a park inside it is never refused later.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("strata.admission")
+MIB = 2**20
+_NO_LIMIT = 2**60  # cgroup v1 reports "no limit" as a huge number
+
+
+@dataclass(frozen=True)
+class MachineMemory:
+    limit_bytes: int  # total the process tree may use (container limit, or total RAM)
+    in_use_bytes: int  # already used by everything else in that scope, excluding this process
+    source: str
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.limit_bytes - self.in_use_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    engine_bytes: int
+    host_tier_bytes: int
+    host_blocks: int
+    machine: MachineMemory
+    clamped_from_mib: int | None = None
+
+
+def read_machine_memory(root: Path = Path("/")) -> MachineMemory:
+    """The limit that applies to this process: cgroup v2, then v1, then /proc/meminfo."""
+    own = _own_rss_bytes()
+    v2 = root / "sys/fs/cgroup/memory.max"
+    if v2.exists() and v2.read_text().strip() not in ("", "max"):
+        current = int((root / "sys/fs/cgroup/memory.current").read_text())
+        return MachineMemory(int(v2.read_text()), max(0, current - own), "cgroup v2 memory.max")
+    v1 = root / "sys/fs/cgroup/memory/memory.limit_in_bytes"
+    if v1.exists() and int(v1.read_text()) < _NO_LIMIT:
+        usage = int((root / "sys/fs/cgroup/memory/memory.usage_in_bytes").read_text())
+        return MachineMemory(int(v1.read_text()), max(0, usage - own), "cgroup v1 memory.limit_in_bytes")
+    info = _meminfo(root / "proc/meminfo")
+    total, available = info["MemTotal"], info["MemAvailable"]
+    # MemAvailable already excludes this process's own pages: add them back so they are counted once,
+    # as the engine's figure, and not a second time as "used by others".
+    return MachineMemory(total, max(0, total - available - own), "MemAvailable")
+
+
+def plan_memory(engine_bytes: int, host_tier_mib: int, min_free_mib: int, block_bytes: int,
+                machine: MachineMemory | None = None) -> MemoryPlan:
+    """Size the host tier of the conversation cache. Raises ValueError when nothing sensible fits."""
+    machine = machine or read_machine_memory()
+    spare = machine.headroom_bytes - engine_bytes - min_free_mib * MIB
+    if spare < 0:
+        raise ValueError(
+            f"the engine needs {engine_bytes // MIB} MiB (weights + KV pool) and "
+            f"--conversation-cache-min-free-mib keeps {min_free_mib} MiB free, but only "
+            f"{machine.headroom_bytes // MIB} MiB are available ({machine.source}); lower --kv-cache-mib, "
+            f"--batch or --ctx-size, or lower --conversation-cache-min-free-mib")
+    wanted = host_tier_mib * MIB
+    granted, clamped = wanted, None
+    if wanted > spare:
+        granted, clamped = spare, host_tier_mib
+        log.warning(
+            "--conversation-cache-mib %d does not fit: %d MiB available (%s) - %d MiB engine - %d MiB floor "
+            "(--conversation-cache-min-free-mib) leaves %d MiB; using --conversation-cache-mib %d",
+            host_tier_mib, machine.headroom_bytes // MIB, machine.source, engine_bytes // MIB, min_free_mib,
+            spare // MIB, spare // MIB)
+    blocks = granted // block_bytes if block_bytes else 0
+    return MemoryPlan(engine_bytes, blocks * block_bytes, blocks, machine, clamped)
+
+
+def _own_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the high-water mark is the best estimate there is
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _meminfo(path: Path) -> dict[str, int]:
+    out = {}
+    for line in path.read_text().splitlines():
+        key, _, rest = line.partition(":")
+        out[key] = int(rest.split()[0]) * 1024
+    return out

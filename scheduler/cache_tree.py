@@ -1,0 +1,102 @@
+"""The tree the conversation cache is made of: one node per KV block, child of the block before it.
+
+A node's identity is its parent + its tokens (kept, so a hit is verified, never trusted to a hash).
+Where its bytes live is per node: on the device (`device_id`), parked in host RAM (`host_slot`), or both
+during nothing but a copy. Policy (who moves, who is dropped) is in prefix_cache.py; this file only
+answers questions about the tree.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class CachedBlock:
+    tokens: tuple[int, ...]
+    parent: "CachedBlock | None"
+    children: dict[tuple[int, ...], "CachedBlock"] = field(default_factory=dict)
+    device_id: int = -1
+    host_slot: int = -1
+    ref_count: int = 0
+    last_used: int = 0
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_id >= 0
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_slot >= 0
+
+    @property
+    def tier(self) -> str:
+        return "device" if self.on_device else "host"
+
+    def path(self) -> list["CachedBlock"]:
+        """Blocks from the first one of the sequence down to this one."""
+        out, node = [], self
+        while node is not None and node.parent is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+    def subtree(self) -> list["CachedBlock"]:
+        out, stack = [], [self]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+
+@dataclass
+class PrefixMatch:
+    """Result of a match: shared full blocks, plus an optional block whose head is reused by copy."""
+
+    shared: list[CachedBlock]
+    cow_source: CachedBlock | None
+    cow_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(b.tokens) for b in self.shared) + self.cow_tokens
+
+
+def longest_match(root: CachedBlock, token_ids: list[int], limit: int, block_size: int) -> PrefixMatch:
+    """Walk full blocks while they match exactly, then take the child agreeing longest with the rest."""
+    node, shared, pos = root, [], 0
+    while pos + block_size <= limit:
+        child = node.children.get(tuple(token_ids[pos : pos + block_size]))
+        if child is None or len(child.tokens) != block_size:
+            break
+        shared.append(child)
+        node, pos = child, pos + block_size
+    best, best_len = None, 0
+    rest = token_ids[pos:limit]
+    for child in node.children.values():
+        common = common_prefix_len(child.tokens, rest)
+        if common > best_len:
+            best, best_len = child, common
+    return PrefixMatch(shared, best, best_len)
+
+
+def is_superseded(block: CachedBlock) -> bool:
+    """A sibling extends this block's tokens: a reply tail that the next turn of the conversation grew."""
+    n = len(block.tokens)
+    return any(len(t) > n and t[:n] == block.tokens for t in block.parent.children)
+
+
+def conversation_id(block: CachedBlock) -> str:
+    """A stable name for the conversation a block belongs to: a digest of its first block's tokens."""
+    first = block.path()[0]
+    data = b"".join(t.to_bytes(4, "little", signed=False) for t in first.tokens)
+    return "conv-" + hashlib.blake2b(data, digest_size=6).hexdigest()
+
+
+def common_prefix_len(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

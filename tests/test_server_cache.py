@@ -1,0 +1,77 @@
+"""Conversation workloads through the API on the real model: every turn computes only what is new.
+
+For each request, `computed = prompt_tokens - cached_tokens` must be the tokens its prompt does not share
+with any earlier prompt + reply of the run, plus at most the one token whose KV is never computed (the
+last token of a reply cut by max_tokens). Checked with ample memory and with a device pool so small that
+every turn parks the other conversations in host RAM and restores its own.
+"""
+import httpx
+import pytest
+
+from engine.loader import encode_chat_prompt
+from tests.server_harness import running_server
+
+pytestmark = pytest.mark.slow
+
+
+def _lcp(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _chat(url, messages, max_tokens=12):
+    body = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": max_tokens}
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    return reply["choices"][0]["message"]["content"], reply["usage"]
+
+
+def _workload(url, smollm2):
+    """Two conversations alternating, with a short unrelated request between turns."""
+    history = {"a": [{"role": "user", "content": "Tell me about the history of Rome."}],
+               "b": [{"role": "user", "content": "How do plants make food from sunlight?"}]}
+    seen, checks = [], []
+
+    def run(messages):
+        prompt = encode_chat_prompt(smollm2.tokenizer, smollm2.chat_template.render(messages))
+        text, usage = _chat(url, messages)
+        assert usage["prompt_tokens"] == len(prompt)
+        shared = max((_lcp(prompt, s) for s in seen), default=0)
+        computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+        checks.append((computed, len(prompt) - shared, len(prompt)))
+        reply_ids = smollm2.tokenizer.encode(text, add_special=False)
+        seen.append(prompt + reply_ids)
+        return text
+
+    for turn in range(3):
+        for name in ("a", "b"):
+            text = run(history[name])
+            history[name] += [{"role": "assistant", "content": text},
+                              {"role": "user", "content": f"Tell me more, part {turn + 2}."}]
+        run([{"role": "user", "content": f"Quick question {turn}: what is 2 plus 2?"}])
+    return checks
+
+
+def _assert_ideal(checks):
+    for computed, not_shared, _ in checks:
+        assert not_shared <= computed <= not_shared + 1, checks
+
+
+def test_alternating_conversations_with_short_requests_compute_only_what_is_new(smollm2):
+    with running_server(smollm2, batch=2, ctx_size=1024) as (url, state):
+        checks = _workload(url, smollm2)
+        state.engine.cache.check_integrity()
+    _assert_ideal(checks)
+    assert sum(c for c, _, _ in checks) < 0.5 * sum(n for _, _, n in checks)  # most of every prompt reused
+
+
+def test_a_tiny_device_pool_spills_to_host_ram_and_still_computes_only_what_is_new(smollm2):
+    with running_server(smollm2, batch=1, ctx_size=256, kv_cache_mib=1) as (url, state):
+        checks = _workload(url, smollm2)
+        usage = httpx.get(url + "/cache").json()
+        state.engine.cache.check_integrity()
+    _assert_ideal(checks)
+    assert usage["parks"] > 0 and usage["restores"] > 0 and usage["dropped_blocks"] == 0
