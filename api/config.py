@@ -50,6 +50,9 @@ class ServerConfig:
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
     conversation_cache_mib: int = _opt(8192, "host RAM reserved at start for parked conversation KV (0: none)")
     conversation_cache_min_free_mib: int = _opt(1024, "RAM always left to the rest of the machine")
+    conversation_cache_dir: str | None = _opt(None, "folder for the disk tier; the cache then survives "
+                                                    "restarts (unset: no disk tier)", metavar="DIR")
+    conversation_cache_disk_mib: int = _opt(32768, "disk space the disk tier may use")
     max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication)", metavar="KEY")
     served_model_name: str | None = _opt(None, "model id shown by the API (unset: the model file's stem)",
@@ -232,14 +235,14 @@ def _validate(cfg: ServerConfig) -> None:
     need(cfg.ctx_size >= MIN_CTX_SIZE, f"--ctx-size must be >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
     need(cfg.kv_cache_mib >= 0,
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
-    for name in ("conversation_cache_mib", "conversation_cache_min_free_mib"):
+    for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib"):
         need(getattr(cfg, name) >= 0, f"{flag_name(name)} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("max_body_mib", "progress_interval_s"):
         value = getattr(cfg, name)
         need(math.isfinite(value) and value > 0, f"{flag_name(name)} must be a number > 0 (got {value})")
     need(math.isfinite(cfg.shutdown_timeout_s) and cfg.shutdown_timeout_s >= 0,
          f"--shutdown-timeout-s must be a number >= 0 (got {cfg.shutdown_timeout_s})")
-    for name in ("api_key", "served_model_name", "chat_template"):
+    for name in ("api_key", "served_model_name", "chat_template", "conversation_cache_dir"):
         need(getattr(cfg, name) != "", f"{flag_name(name)} must not be empty; leave it unset instead")
     need(cfg.threads is None or cfg.threads >= 1, f"--threads must be >= 1 (got {cfg.threads}; unset uses every core)")
     need(cfg.seed is None or 0 <= cfg.seed < 2**64, f"--seed must be in 0..2**64-1 (got {cfg.seed})")

@@ -18,11 +18,13 @@ from engine.loader import LoadedModel, open_model
 from engine.kv import layout_for
 from engine.sequence import ModelRunner
 from scheduler.admission import plan_memory
+from scheduler.disk_tier import DiskTier, cache_key, model_file_identity
 from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
 
 log = logging.getLogger("strata.serve")
 BLOCK_SIZE = 16
+STEP_GRACE_S = 30.0  # after --shutdown-timeout-s, time for the engine step in flight to end its streams
 
 
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
@@ -45,13 +47,26 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
              "use elsewhere (%s)", plan.engine_bytes // 2**20, plan.host_tier_bytes // 2**20, plan.host_blocks,
              plan.machine.limit_bytes // 2**20, plan.machine.in_use_bytes // 2**20, plan.machine.source)
     metrics = Metrics()
+    disk = _disk_tier(config, loaded, runner) if config.conversation_cache_dir else None
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
-                        max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s)
+                        max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,
+                        disk=disk)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens", num_blocks, BLOCK_SIZE,
              runner.layout.total_bytes / 2**20, config.batch, config.ctx_size)
     return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases)
+
+
+def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:
+    """The disk tier, keyed by the model file's identity and everything that changes the KV bytes."""
+    layout = runner.layout
+    identity = model_file_identity(loaded.path)
+    key = cache_key(identity, (config.backend, layout.block_size, layout.n_layers, layout.n_kv_heads,
+                               layout.head_dim, layout.dtype))
+    block_shape = (layout.n_layers, layout.n_kv_heads, layout.block_size, layout.head_dim)
+    capacity = int(config.conversation_cache_disk_mib * 2**20) // layout.bytes_per_block
+    return DiskTier(config.conversation_cache_dir, key, block_shape, layout.dtype, capacity)
 
 
 @contextlib.asynccontextmanager
@@ -77,12 +92,12 @@ class _GracefulServer(uvicorn.Server):
             log.info("stopping: finishing in-flight requests for up to %.0f s", state.config.shutdown_timeout_s)
             state.is_shutting_down = True
             state.engine.stop_admitting()
-            # Cancel what is still running a little before uvicorn's own deadline, through the engine, so
-            # every stream gets its final chunk and [DONE] instead of a cut connection.
-            grace_s = max(0.0, state.config.shutdown_timeout_s - 1.0)
+            # At the deadline, cancel what is still running through the engine, so every stream gets its
+            # final chunk and [DONE] once the step in flight ends; uvicorn's own hard deadline comes
+            # STEP_GRACE_S later (create_server), room for that step even on a slow CPU.
             loop = state.engine.event_loop
             if loop is not None:
-                loop.call_soon_threadsafe(loop.call_later, grace_s, state.engine.cancel_all)
+                loop.call_soon_threadsafe(loop.call_later, state.config.shutdown_timeout_s, state.engine.cancel_all)
         super().handle_exit(sig, frame)
         # uvicorn re-raises a captured signal after shutting down, which ends the process "killed by
         # SIGTERM"; a stop that completed gracefully is a success, so exit with status 0 instead.
@@ -94,7 +109,8 @@ def create_server(state: ServerState, port: int | None = None) -> _GracefulServe
     loop = "uvloop" if sys.platform != "win32" else "asyncio"
     uv_config = uvicorn.Config(
         create_app(state, lifespan=_lifespan), host=config.host, port=config.port if port is None else port,
-        loop=loop, log_config=None, access_log=False, timeout_graceful_shutdown=config.shutdown_timeout_s,
+        loop=loop, log_config=None, access_log=False,
+        timeout_graceful_shutdown=config.shutdown_timeout_s + STEP_GRACE_S,
     )
     return _GracefulServer(uv_config, state)
 

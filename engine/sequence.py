@@ -62,6 +62,14 @@ class ModelRunner:
         if copies:
             backend.copy_blocks(self.kv_pool, copies)
 
+    def read_block(self, tier: str, index: int):
+        """Copy of one block's (K, V) from the device pool or the host pool, as numpy arrays."""
+        pool = self.kv_pool if tier == "device" else self.host_pool
+        return self.model.backend.read_block(pool, index)
+
+    def write_block(self, device_id: int, k, v) -> None:
+        self.model.backend.write_block(self.kv_pool, device_id, k, v)
+
     def release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []

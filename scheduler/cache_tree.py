@@ -20,6 +20,8 @@ class CachedBlock:
     host_slot: int = -1
     ref_count: int = 0
     last_used: int = 0
+    digest: bytes = b""  # chain digest of everything up to and including this block (names it on disk)
+    on_disk: bool = False
 
     @property
     def on_device(self) -> bool:
@@ -31,7 +33,7 @@ class CachedBlock:
 
     @property
     def tier(self) -> str:
-        return "device" if self.on_device else "host"
+        return "device" if self.on_device else "host" if self.on_host else "disk"
 
     def path(self) -> list["CachedBlock"]:
         """Blocks from the first one of the sequence down to this one."""
@@ -57,6 +59,7 @@ class PrefixMatch:
     shared: list[CachedBlock]
     cow_source: CachedBlock | None
     cow_tokens: int
+    salt: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +82,17 @@ def longest_match(root: CachedBlock, token_ids: list[int], limit: int, block_siz
         if common > best_len:
             best, best_len = child, common
     return PrefixMatch(shared, best, best_len)
+
+
+def block_digest(parent_digest: bytes, tokens: tuple[int, ...] | list[int]) -> bytes:
+    """Digest of a block given its parent's: the hash chain that names a prefix (tokens kept beside it)."""
+    data = parent_digest + b"".join(int(t).to_bytes(4, "little") for t in tokens)
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def root_digest(salt: str) -> bytes:
+    """Each cache_salt (or tenant key) has its own root, so different salts never share a block."""
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"strata-root").digest()
 
 
 def is_superseded(block: CachedBlock) -> bool:

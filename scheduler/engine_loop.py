@@ -19,6 +19,9 @@ from typing import AsyncIterator
 from engine.sampling import Sampler
 from engine.sequence import ModelRunner, Sequence
 from engine.tokenizer import Tokenizer
+from scheduler.block_mover import EngineBlockMover
+from scheduler.cache_persistence import flush_to_disk, load_disk_index
+from scheduler.disk_tier import DiskTier
 from scheduler.metrics import Metrics
 from scheduler.output import OutputProcessor
 from scheduler.prefix_cache import PrefixCache
@@ -41,10 +44,15 @@ class EngineLoop:
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
                  max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
-                 prefix_cache: bool = True, integrity_checks: bool = False):
+                 prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None):
         self.runner = runner
+        self.disk = disk
         self.cache = PrefixCache(runner.layout.num_blocks, runner.block_size, enabled=prefix_cache,
-                                 host_blocks=runner.host_layout.num_blocks)
+                                 host_blocks=runner.host_layout.num_blocks,
+                                 disk_blocks=disk.capacity_blocks if disk else 0,
+                                 mover=EngineBlockMover(runner, disk))
+        if disk is not None and prefix_cache:
+            load_disk_index(self.cache, disk.scan())
         self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step
         self.num_slots = num_slots
         self.prefill_chunk = prefill_chunk
@@ -104,6 +112,8 @@ class EngineLoop:
         if self._task:
             self._task.cancel()
         self._executor.shutdown(wait=True)
+        if self.disk is not None and self.cache.enabled:
+            flush_to_disk(self.cache)  # the next start reuses every conversation still cached
 
     def cancel_all(self) -> None:
         """Abort every queued and running request (each stream still gets its final delta)."""
@@ -169,7 +179,7 @@ class EngineLoop:
             request = self._waiting[0]
             total = request.prompt_len + request.params.max_tokens
             # The last prompt token is always computed: its logits pick the first new token.
-            match = self.cache.match(request.prompt_ids, request.prompt_len - 1)
+            match = self.cache.match(request.prompt_ids, request.prompt_len - 1, salt=request.cache_salt)
             allocation = self.cache.allocate(match, total)
             if allocation is None:
                 if -(-total // self.runner.block_size) > self.cache.num_blocks:
@@ -178,7 +188,7 @@ class EngineLoop:
                     continue
                 break  # wait for running requests to release blocks
             self._waiting.popleft()
-            self.runner.move_blocks(allocation.parks, allocation.restores, allocation.copies)  # between steps
+            self.output.report_miss(request, self.cache.explain_miss(request.prompt_ids, match))
             request.allocation = allocation
             request.cached_tokens = allocation.cached_tokens
             request.seq = Sequence(list(request.prompt_ids), allocation.block_table, allocation.cached_tokens)

@@ -62,6 +62,23 @@ class OutputProcessor:
             extra={"fields": {"request_id": request.request_id}},
         )
 
+    def report_miss(self, request: Request, miss: dict | None) -> None:
+        """One line when the cache once held more of this prompt than it reused: where and why."""
+        if miss is None:
+            return
+        position = miss["position"]
+        where = request.describe_position(position) if request.describe_position else ""
+        where = f" ({where})" if where else ""
+        if miss["cause"] == "evicted":
+            age_s = time.time() - miss["evicted_at"]
+            log.info("prompt diverged from the cache at token %d%s: the rest was evicted from the %s tier "
+                     "%.0f s ago (%s)", position, where, miss["tier"], age_s, miss["reason"],
+                     extra={"fields": {"request_id": request.request_id, "miss": "evicted", "position": position}})
+        else:
+            log.info("prompt diverged from the nearest cached sequence (%s) at token %d%s", miss["conversation"],
+                     position, where,
+                     extra={"fields": {"request_id": request.request_id, "miss": "diverged", "position": position}})
+
     def _state(self, request: Request):
         state = self._text_state.get(request.request_id)
         if state is None:

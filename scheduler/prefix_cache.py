@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.kv import BlockAllocator
-from scheduler.cache_tree import CachedBlock, PrefixMatch, conversation_id, is_superseded, longest_match
+from scheduler.block_mover import BlockMover, RecordingMover
+from scheduler.cache_tree import (CachedBlock, PrefixMatch, block_digest, common_prefix_len, conversation_id,
+                                  is_superseded, longest_match, root_digest)
 
 log = logging.getLogger("strata.cache")
 
@@ -35,6 +39,7 @@ class Allocation:
     num_shared: int
     cached_tokens: int
     reused_by_tier: dict[str, int] = field(default_factory=dict)
+    salt: str = ""
     parks: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     restores: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
@@ -43,26 +48,55 @@ class Allocation:
 class PrefixCache:
     """Owns every device block id and host slot: free, cached (unpinned) or in use (pinned / owned)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enabled: bool = True, host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enabled: bool = True, host_blocks: int = 0,
+                 disk_blocks: int = 0, mover: BlockMover | None = None):
         self.enabled = enabled  # off: nothing is ever matched or kept (the reference for tests)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.host_blocks = host_blocks
         self._dev_free = BlockAllocator(num_blocks)
         self._host_free = BlockAllocator(host_blocks)
-        self._root = CachedBlock((), None)
+        self._roots: dict[str, CachedBlock] = {}
+        self._roots_by_digest: dict[bytes, CachedBlock] = {}
+        self._dropped: OrderedDict[bytes, tuple[float, str, str]] = OrderedDict()  # digest -> when, tier, why
         self._on_device: dict[int, CachedBlock] = {}
         self._on_host: dict[int, CachedBlock] = {}
+        self._on_disk: dict[bytes, CachedBlock] = {}
+        self.disk_blocks = disk_blocks
+        self.mover = mover or RecordingMover()
         self._clock = itertools.count(1)
         self._num_owned = 0  # device blocks handed to running requests, not yet in the tree
-        self.stats = {"parks": 0, "restores": 0, "dropped_blocks": 0, "dropped_tokens": 0}
+        self.stats = {"parks": 0, "restores": 0, "spills": 0, "disk_loads": 0, "dropped_blocks": 0,
+                      "dropped_tokens": 0}
 
     # -- queries -------------------------------------------------------------------------------------
-    def match(self, token_ids: list[int], max_tokens: int | None = None) -> PrefixMatch:
+    def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "") -> PrefixMatch:
         """Longest cached prefix, at most max_tokens long (callers pass len - 1 so the last prompt token is
-        always computed). Changes nothing."""
+        always computed), among blocks cached under the same salt. Changes nothing."""
         limit = min(len(token_ids), len(token_ids) if max_tokens is None else max_tokens)
-        return longest_match(self._root, token_ids, limit if self.enabled else 0, self.block_size)
+        match = longest_match(self._root(salt), token_ids, limit if self.enabled else 0, self.block_size)
+        match.salt = salt
+        return match
+
+    def explain_miss(self, token_ids: list[int], match: PrefixMatch) -> dict | None:
+        """Why a prompt reused no more than `match`, when the cache once held more of it: the position where
+        it diverged from a cached sequence, or the eviction that took the rest. None for new content."""
+        B, pos = self.block_size, match.num_tokens
+        node = match.shared[-1] if match.shared else self._root(match.salt)
+        block_start = len(match.shared) * B
+        next_block = token_ids[block_start : block_start + B]
+        if len(next_block) == B:
+            dropped = self._dropped.get(block_digest(node.digest, next_block))
+            if dropped is not None:
+                when, tier, reason = dropped
+                return {"cause": "evicted", "position": block_start, "evicted_at": when, "tier": tier,
+                        "reason": reason}
+        if node.children and pos < len(token_ids) - 1:
+            nearest = max(node.children.values(), key=lambda c: common_prefix_len(c.tokens, next_block))
+            if len(nearest.tokens) > common_prefix_len(nearest.tokens, next_block):
+                return {"cause": "diverged", "position": block_start + common_prefix_len(nearest.tokens, next_block),
+                        "conversation": conversation_id(nearest)}
+        return None
 
     @property
     def num_free(self) -> int:
@@ -71,12 +105,13 @@ class PrefixCache:
 
     @property
     def num_cached(self) -> int:
-        return len(self._on_device) + len(self._on_host)
+        return len(self._on_device) + len(self._on_host) + len(self._on_disk)
 
     def usage(self) -> dict[str, int]:
         return {"device_cached": len(self._on_device), "device_in_use": self._num_owned
                 + sum(1 for b in self._on_device.values() if b.ref_count), "device_total": self.num_blocks,
-                "host_cached": len(self._on_host), "host_total": self.host_blocks, **self.stats}
+                "host_cached": len(self._on_host), "host_total": self.host_blocks,
+                "disk_cached": len(self._on_disk), "disk_total": self.disk_blocks, **self.stats}
 
     # -- mutations -----------------------------------------------------------------------------------
     def allocate(self, match: PrefixMatch, total_tokens: int) -> Allocation | None:
@@ -84,42 +119,80 @@ class PrefixCache:
 
         Returns None, with nothing changed, when the device cannot make room without moving pinned blocks.
         """
+        payloads = self._read_disk_blocks(match)  # first, so an unreadable file only shortens the match
         fresh_count = -(-total_tokens // self.block_size) - len(match.shared)
         to_restore = [b for b in match.shared if not b.on_device]
         pinned = match.shared + ([match.cow_source] if match.cow_source is not None else [])
         for block in pinned:
             self._pin(block)
-        alloc = Allocation([], len(match.shared), match.num_tokens)
+        alloc = Allocation([], len(match.shared), match.num_tokens, salt=match.salt)
         movable = sum(1 for b in self._on_device.values() if b.ref_count == 0)
         if self._dev_free.num_free + movable < fresh_count + len(to_restore):
             for block in pinned:
                 self._unpin(block)
             return None
         self._make_device_room(fresh_count + len(to_restore), alloc)
-        for block in to_restore:  # move back: the host slot is released once the copy is done
+        self._count_reuse(alloc, match, to_restore)
+        for block in to_restore:  # move back to the device; the lower tier's copy is released
             block.device_id = self._dev_free.allocate(1)[0]
-            alloc.restores.append((block.host_slot, block.device_id))
-            self._host_free.free([block.host_slot])
-            del self._on_host[block.host_slot]
-            block.host_slot = -1
+            self._load(block, block.device_id, payloads, alloc, keep_source=False)
             self._on_device[block.device_id] = block
         fresh = self._dev_free.allocate(fresh_count)
         self._num_owned += fresh_count
         alloc.block_table = [b.device_id for b in match.shared] + fresh
-        self._count_reuse(alloc, match, to_restore)
         source = match.cow_source
         if source is not None:
             if source.on_device:
                 alloc.copies.append((source.device_id, fresh[0]))
+                self.mover.copy(source.device_id, fresh[0])
             else:
-                alloc.restores.append((source.host_slot, fresh[0]))
+                self._load(source, fresh[0], payloads, alloc, keep_source=True)
             self._unpin(source)
         self.stats["restores"] += len(alloc.restores)
         return alloc
 
+    def _read_disk_blocks(self, match: PrefixMatch) -> dict[int, object]:
+        """Bytes of the matched blocks that live only on disk; cuts the match at the first unreadable one."""
+        payloads = {}
+        for i, block in enumerate(match.shared):
+            if block.on_device or block.on_host:
+                continue
+            payload = self.mover.read_disk(block)
+            if payload is None:
+                self._drop(block, "disk", "block file missing or corrupt")
+                match.shared, match.cow_source, match.cow_tokens = match.shared[:i], None, 0
+                return payloads
+            payloads[id(block)] = payload
+        source = match.cow_source
+        if source is not None and not (source.on_device or source.on_host):
+            payload = self.mover.read_disk(source)
+            if payload is None:
+                self._drop(source, "disk", "block file missing or corrupt")
+                match.cow_source, match.cow_tokens = None, 0
+            else:
+                payloads[id(source)] = payload
+        return payloads
+
+    def _load(self, block: CachedBlock, device_id: int, payloads: dict, alloc: Allocation, keep_source: bool):
+        if block.on_host:
+            alloc.restores.append((block.host_slot, device_id))
+            self.mover.restore(block.host_slot, device_id)
+            if not keep_source:
+                self._host_free.free([block.host_slot])
+                del self._on_host[block.host_slot]
+                block.host_slot = -1
+            return
+        self.mover.write_device(device_id, payloads[id(block)])
+        alloc.restores.append((-1, device_id))
+        self.stats["disk_loads"] += 1
+        if not keep_source:
+            self.mover.delete_disk(block)
+            del self._on_disk[block.digest]
+            block.on_disk = False
+
     def release(self, token_ids: list[int], num_computed: int, allocation: Allocation) -> None:
         """A request is done: its computed tokens' blocks join the tree (unpinned), the rest are freed."""
-        node = self._root
+        node = self._root(allocation.salt)
         for i, device_id in enumerate(allocation.block_table):
             start = i * self.block_size
             tokens = tuple(token_ids[start : min(start + self.block_size, num_computed)])
@@ -141,6 +214,8 @@ class PrefixCache:
         assert free + cached + self._num_owned == self.num_blocks, (
             f"device: free {free} + cached {cached} + in use {self._num_owned} != total {self.num_blocks}")
         assert self._host_free.num_free + len(self._on_host) == self.host_blocks, "host tier counts disagree"
+        assert len(self._on_disk) <= self.disk_blocks, "disk tier over its budget"
+        assert all(b.on_disk and d == b.digest for d, b in self._on_disk.items())
         assert not any(self._dev_free._is_free[b] for b in self._on_device), "a block is both free and cached"
         for tier, index in (("device", self._on_device), ("host", self._on_host)):
             for key, block in index.items():
@@ -148,10 +223,24 @@ class PrefixCache:
                 assert block.parent is not None and block.parent.children.get(block.tokens) is block
                 assert 0 < len(block.tokens) <= self.block_size and block.ref_count >= 0
                 assert not (block.ref_count and not block.on_device), "a pinned block is not on the device"
+                assert not block.on_disk, "a block is in two tiers"
                 assert len(block.tokens) == self.block_size or not block.children, "partial block has children"
         assert len({id(b) for b in self._on_device.values()} & {id(b) for b in self._on_host.values()}) == 0
 
     # -- internals -----------------------------------------------------------------------------------
+    def _root(self, salt: str) -> CachedBlock:
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = self._root_for_digest(root_digest(salt))
+        return root
+
+    def _root_for_digest(self, digest: bytes) -> CachedBlock:
+        """The root node with this digest (created on first use, e.g. by blocks loaded from disk)."""
+        root = self._roots_by_digest.get(digest)
+        if root is None:
+            root = self._roots_by_digest[digest] = CachedBlock((), None, digest=digest)
+        return root
+
     def _insert(self, parent: CachedBlock, tokens: tuple[int, ...], device_id: int) -> CachedBlock:
         existing = parent.children.get(tokens)
         if existing is not None and existing.on_device:  # same content already cached: keep one copy
@@ -159,12 +248,17 @@ class PrefixCache:
             existing.last_used = next(self._clock)
             return existing
         if existing is not None:  # parked copy of the same content: the fresh device copy replaces it
-            self._host_free.free([existing.host_slot])
-            del self._on_host[existing.host_slot]
-            existing.host_slot = -1
+            if existing.on_host:
+                self._host_free.free([existing.host_slot])
+                del self._on_host[existing.host_slot]
+                existing.host_slot = -1
+            if existing.on_disk:
+                self.mover.delete_disk(existing)
+                del self._on_disk[existing.digest]
+                existing.on_disk = False
             block = existing
         else:
-            block = CachedBlock(tokens, parent)
+            block = CachedBlock(tokens, parent, digest=block_digest(parent.digest, tokens))
             parent.children[tokens] = block
         block.device_id, block.last_used = device_id, next(self._clock)
         self._on_device[device_id] = block
@@ -190,6 +284,7 @@ class PrefixCache:
                 self._drop(victim, "device", "device pool full and no room in the host tier")
                 continue
             alloc.parks.append((victim.device_id, slot))
+            self.mover.park(victim.device_id, slot)
             self._dev_free.free([victim.device_id])
             victim.device_id, victim.host_slot = -1, slot
             self._on_host[slot] = victim
@@ -199,11 +294,33 @@ class PrefixCache:
         if self.host_blocks == 0:
             return None
         if self._host_free.num_free == 0:
-            leaves = [b for b in self._on_host.values() if not b.children and b.ref_count == 0]
+            leaves = [b for b in self._on_host.values()
+                      if b.ref_count == 0 and not any(c.on_device or c.on_host for c in b.children.values())]
             if not leaves:
                 return None
-            self._drop(min(leaves, key=_device_victim_rank), "host", "host tier full")
+            victim = min(leaves, key=_device_victim_rank)
+            if not self._spill(victim):
+                self._drop(victim, "host", "host tier full" + (" and the disk write failed" if self.disk_blocks
+                                                               else " (no disk tier)"))
         return self._host_free.allocate(1)[0]
+
+    def _spill(self, block: CachedBlock) -> bool:
+        """Move a host block to the disk tier (dropping the least valuable disk leaf when it is full)."""
+        if self.disk_blocks == 0:
+            return False
+        if len(self._on_disk) >= self.disk_blocks:
+            leaves = [b for b in self._on_disk.values() if not b.children]
+            if not leaves:
+                return False
+            self._drop(min(leaves, key=_device_victim_rank), "disk", "disk tier full")
+        if not self.mover.save(block):
+            return False
+        self._host_free.free([block.host_slot])
+        del self._on_host[block.host_slot]
+        block.host_slot, block.on_disk = -1, True
+        self._on_disk[block.digest] = block
+        self.stats["spills"] += 1
+        return True
 
     def _drop(self, block: CachedBlock, tier: str, reason: str) -> None:
         """Remove a block and everything cached after it; log what was lost."""
@@ -216,17 +333,31 @@ class PrefixCache:
             if node.on_host:
                 del self._on_host[node.host_slot]
                 self._host_free.free([node.host_slot])
+            if node.on_disk:
+                del self._on_disk[node.digest]
+                self.mover.delete_disk(node)
         tokens = sum(len(n.tokens) for n in lost)
+        now = time.time()
+        for node in lost:  # remembered by digest only, so a later miss can say which eviction caused it
+            self._dropped[node.digest] = (now, tier, reason)
+        while len(self._dropped) > _DROPPED_HISTORY:
+            self._dropped.popitem(last=False)
         self.stats["dropped_blocks"] += len(lost)
         self.stats["dropped_tokens"] += tokens
         log.info("evicted %d cached tokens of %s from the %s tier: %s", tokens, conv, tier, reason,
                  extra={"fields": {"conversation": conv, "tokens": tokens, "tier": tier, "reason": reason}})
 
     def _count_reuse(self, alloc: Allocation, match: PrefixMatch, restored: list[CachedBlock]) -> None:
-        host = sum(len(b.tokens) for b in restored)
+        """Reused tokens by the tier they came from (called before anything is moved back)."""
+        parts = [(b, len(b.tokens)) for b in restored]
         if match.cow_source is not None and not match.cow_source.on_device:
-            host += match.cow_tokens
-        alloc.reused_by_tier = {"device": match.num_tokens - host, "host": host}
+            parts.append((match.cow_source, match.cow_tokens))
+        host = sum(n for b, n in parts if b.on_host)
+        disk = sum(n for b, n in parts if not b.on_host)
+        alloc.reused_by_tier = {"device": match.num_tokens - host - disk, "host": host, "disk": disk}
+
+
+_DROPPED_HISTORY = 65536  # digests of dropped blocks kept for explaining misses (16 bytes each)
 
 
 def _device_victim_rank(block: CachedBlock) -> tuple:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import Sequence
@@ -63,6 +64,8 @@ class Request:
     last_progress_s: float | None = None
     cached_tokens: int = 0
     allocation: "Allocation | None" = None
+    cache_salt: str = ""  # requests with different salts never share cached blocks
+    describe_position: Callable[[int], str] | None = None  # token position -> "message 3 (user)" for logs
 
     @property
     def prompt_len(self) -> int:

@@ -127,7 +127,7 @@ def test_a_hit_on_parked_blocks_restores_them(tiered):
     match = tiered.match([1] * 8 + [5], 8)
     assert match.num_tokens == 8 and all(not b.on_device for b in match.shared)
     alloc = tiered.allocate(match, total_tokens=12)
-    assert {h for h, _ in alloc.restores} == {0, 1} and alloc.reused_by_tier == {"device": 0, "host": 8}
+    assert {h for h, _ in alloc.restores} == {0, 1} and alloc.reused_by_tier == {"device": 0, "host": 8, "disk": 0}
     assert alloc.block_table[:2] == [d for _, d in sorted(alloc.restores, key=lambda p: -p[0])]
     tiered.check_integrity()
 
@@ -148,3 +148,33 @@ def test_refused_allocation_leaves_every_block_where_it_was(tiered):
     assert tiered.allocate(tiered.match([7] * 8, 7), total_tokens=8) is None  # needs 2, only 1 movable
     assert (dict(tiered._on_device), dict(tiered._on_host), tiered.stats) == before
     assert held is not None
+
+
+def test_different_salts_never_share_blocks(cache):
+    tokens = list(range(12))
+    alloc = cache.allocate(cache.match(tokens, 11, salt="tenant-a"), total_tokens=12)
+    cache.release(tokens, 12, alloc)
+    assert cache.match(tokens, 11, salt="tenant-b").num_tokens == 0
+    assert cache.match(tokens, 11, salt="tenant-a").num_tokens == 11
+    assert cache.match(tokens, 11).num_tokens == 0
+
+
+def test_a_miss_after_divergence_names_the_position(cache):
+    _run(cache, list(range(12)), total_tokens=12)
+    prompt = list(range(6)) + [90, 91, 92, 93]
+    miss = cache.explain_miss(prompt, cache.match(prompt, len(prompt) - 1))
+    assert miss["cause"] == "diverged" and miss["position"] == 6
+
+
+def test_a_miss_after_eviction_names_the_tier_and_reason(cache):
+    _run(cache, [1] * 8, total_tokens=8)
+    _run(cache, [2] * 32, total_tokens=32)  # needs all 8 blocks: conversation 1 is dropped
+    miss = cache.explain_miss([1] * 8 + [3], cache.match([1] * 8 + [3], 8))
+    assert miss["cause"] == "evicted" and miss["position"] == 0 and miss["tier"] == "device"
+    assert "no room in the host tier" in miss["reason"]
+
+
+def test_new_content_is_not_reported_as_a_miss(cache):
+    _run(cache, [1] * 8, total_tokens=8)
+    prompt = [1] * 8 + [4, 5, 6]  # extends what is cached: nothing was lost
+    assert cache.explain_miss(prompt, cache.match(prompt, len(prompt) - 1)) is None

@@ -44,6 +44,12 @@ class Backend(Protocol):
     def restore_blocks(self, host_pool: Any, pool: Any, pairs: list[tuple[int, int]]) -> None:
         """Copy (host slot, device block) pairs from the host pool back to the device pool."""
 
+    def read_block(self, pool: Any, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) of one block, every layer, as host numpy arrays [layers, KVH, block_size, hd]."""
+
+    def write_block(self, pool: Any, block: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Inverse of read_block."""
+
     # -- ops (x rows are the flat batch rows of BatchMeta) -----------------------------------------
     def embedding(self, table: Array, token_ids: np.ndarray, scale: float) -> Array:
         """[T] ids -> [T, d] rows of table, times scale."""

@@ -70,6 +70,15 @@ class NumpyBackend:
     def restore_blocks(self, host_pool: NumpyKVPool, pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
         _copy_between(host_pool, pool, pairs)
 
+    def read_block(self, pool: NumpyKVPool, block: int):
+        B = pool.layout.block_size
+        return pool.k[:, :, block * B : (block + 1) * B, :].copy(), pool.v[:, :, block * B : (block + 1) * B, :].copy()
+
+    def write_block(self, pool: NumpyKVPool, block: int, k: np.ndarray, v: np.ndarray) -> None:
+        B = pool.layout.block_size
+        pool.k[:, :, block * B : (block + 1) * B, :] = k
+        pool.v[:, :, block * B : (block + 1) * B, :] = v
+
     def embedding(self, table: np.ndarray, token_ids: np.ndarray, scale: float) -> np.ndarray:
         rows = table[token_ids]  # [T, d]
         if scale != 1.0:

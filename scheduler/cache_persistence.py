@@ -1,0 +1,62 @@
+"""The conversation cache across restarts: rebuild the tree from the disk tier, flush to it on shutdown.
+
+Only blocks whose whole chain back to a root is on disk are reachable after a restart; a chain whose
+parent file is gone leaves an unreachable branch that is dropped (and its files deleted) at load.
+"""
+from __future__ import annotations
+
+import logging
+
+from scheduler.cache_tree import CachedBlock
+from scheduler.disk_tier import DiskEntry
+from scheduler.prefix_cache import PrefixCache
+
+log = logging.getLogger("strata.cache.disk")
+
+
+def load_disk_index(cache: PrefixCache, entries: list[DiskEntry]) -> int:
+    """Attach every disk entry as a disk-tier node under its parent. Call before serving.
+
+    A first block's parent is its salt's root; roots of salts not seen yet in this run are created by
+    digest and adopted when a request with that salt arrives (PrefixCache._root). Returns blocks attached.
+    """
+    by_parent: dict[bytes, list[DiskEntry]] = {}
+    for entry in entries:
+        by_parent.setdefault(entry.parent_digest, []).append(entry)
+    digests = {e.digest for e in entries}
+    stack = [cache._root_for_digest(parent) for parent in by_parent if parent not in digests]
+    attached = 0
+    while stack:
+        parent = stack.pop()
+        for entry in by_parent.pop(parent.digest, []):
+            if len(cache._on_disk) >= cache.disk_blocks or entry.tokens in parent.children:
+                cache.mover.delete_disk(CachedBlock(entry.tokens, None, digest=entry.digest))
+                continue
+            node = CachedBlock(entry.tokens, parent, digest=entry.digest, on_disk=True)
+            parent.children[entry.tokens] = node
+            cache._on_disk[entry.digest] = node
+            stack.append(node)
+            attached += 1
+    log.info("conversation cache: %d blocks loaded from disk", attached,
+             extra={"fields": {"loaded_blocks": attached}})
+    return attached
+
+
+def flush_to_disk(cache: PrefixCache) -> int:
+    """Write every cached block that is not on disk yet (parents first), within the disk budget.
+
+    Called at shutdown, after the last step: the device and host copies stay as they are.
+    """
+    written, room = 0, cache.disk_blocks - len(cache._on_disk)
+    for root in list(cache._roots_by_digest.values()):
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            if not node.on_disk:
+                if written >= room or not cache.mover.save(node):
+                    continue  # a child without its parent on disk would be unreachable after a restart
+                written += 1
+            stack.extend(node.children.values())
+    log.info("conversation cache: %d blocks written to disk at shutdown", written,
+             extra={"fields": {"written_blocks": written}})
+    return written

@@ -1,0 +1,56 @@
+"""Memory admission at start-up: the machine's limit read the right way, the host tier clamped or refused."""
+import logging
+
+import pytest
+
+from scheduler.admission import MIB, MachineMemory, plan_memory, read_machine_memory
+
+
+def _write(root, rel, text):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_limit_wins(tmp_path):
+    _write(tmp_path, "sys/fs/cgroup/memory.max", str(6144 * MIB))
+    _write(tmp_path, "sys/fs/cgroup/memory.current", str(5000 * MIB))
+    _write(tmp_path, "proc/meminfo", "MemTotal: 100000000 kB\nMemAvailable: 90000000 kB\n")
+    machine = read_machine_memory(tmp_path)
+    assert machine.source == "cgroup v2 memory.max" and machine.limit_bytes == 6144 * MIB
+    assert machine.in_use_bytes <= 5000 * MIB  # this process's own pages are not counted as others'
+
+
+def test_unlimited_cgroup_v2_falls_back_to_v1_then_meminfo(tmp_path):
+    _write(tmp_path, "sys/fs/cgroup/memory.max", "max")
+    _write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(2**63 - 4096))
+    _write(tmp_path, "proc/meminfo", "MemTotal: 24000000 kB\nMemFree: 1 kB\nMemAvailable: 20000000 kB\n")
+    machine = read_machine_memory(tmp_path)
+    assert machine.source == "MemAvailable" and machine.limit_bytes == 24000000 * 1024
+
+
+def test_cgroup_v1_limit(tmp_path):
+    _write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(4096 * MIB))
+    _write(tmp_path, "sys/fs/cgroup/memory/memory.usage_in_bytes", str(100 * MIB))
+    machine = read_machine_memory(tmp_path)
+    assert machine.source == "cgroup v1 memory.limit_in_bytes" and machine.limit_bytes == 4096 * MIB
+
+
+def test_host_tier_that_fits_is_granted_whole():
+    machine = MachineMemory(limit_bytes=24000 * MIB, in_use_bytes=1000 * MIB, source="test")
+    plan = plan_memory(2000 * MIB, 8192, 1024, block_bytes=MIB, machine=machine)
+    assert plan.host_blocks == 8192 and plan.clamped_from_mib is None
+
+
+def test_container_smaller_than_the_cache_is_clamped_with_the_flag_and_value(caplog):
+    machine = MachineMemory(limit_bytes=6144 * MIB, in_use_bytes=0, source="cgroup v2 memory.max")
+    with caplog.at_level(logging.WARNING, logger="strata.admission"):
+        plan = plan_memory(2000 * MIB, 8192, 1024, block_bytes=MIB, machine=machine)
+    assert plan.host_blocks == 6144 - 2000 - 1024 and plan.clamped_from_mib == 8192
+    assert "using --conversation-cache-mib 3120" in caplog.text
+
+
+def test_engine_that_cannot_fit_is_refused_naming_the_flags():
+    machine = MachineMemory(limit_bytes=2048 * MIB, in_use_bytes=0, source="test")
+    with pytest.raises(ValueError, match="--kv-cache-mib.*--conversation-cache-min-free-mib"):
+        plan_memory(1500 * MIB, 8192, 1024, block_bytes=MIB, machine=machine)
