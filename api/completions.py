@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from api.errors import APIError, bad_request, context_overflow, not_found_model, overloaded
 from api.openai_format import ResponseBuilder, sse
 from api.schemas import ChatCompletionRequest, CompletionRequest, parse_body
+from api.tenancy import cache_salt_for
 from engine.loader import encode_chat_prompt
 from scheduler.engine_loop import QueueFullError, ShuttingDownError
 from scheduler.request import Delta, Request
@@ -59,7 +60,9 @@ async def handle(state, http_request: HTTPRequest, request_id: str, kind: str, r
     if len(prompt_ids) + params.max_tokens > state.ctx_size:
         raise context_overflow(len(prompt_ids), params.max_tokens, state.ctx_size)
     top_logprobs = body.top_logprobs_count()
-    request = Request(request_id, prompt_ids, params, top_logprobs=top_logprobs)
+    salt = cache_salt_for(state.config, http_request.headers.get("authorization", ""), body.cache_salt)
+    request = Request(request_id, prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
+                      describe_position=_position_describer(state, body) if kind == "chat" else None)
     try:
         stream = state.engine.submit(request)
     except QueueFullError as exc:
@@ -73,6 +76,25 @@ async def handle(state, http_request: HTTPRequest, request_id: str, kind: str, r
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     echo_text = state.loaded.tokenizer.decode(prompt_ids) if kind == "completion" and body.echo else ""
     return await _whole_response(http_request, stream, builder, top_logprobs is not None, echo_text)
+
+
+def _position_describer(state, body):
+    """token position -> which chat message it falls in, for the log line that explains a cache miss.
+
+    Renders growing prefixes of the conversation only when asked (a miss), never on the hot path."""
+    def describe(position: int) -> str:
+        tokenizer, messages = state.loaded.tokenizer, body.messages
+        for count in range(1, len(messages) + 1):
+            try:
+                text = render_chat(state, messages[:count], body.tools, add_generation_prompt=False)
+            except APIError:
+                return ""
+            if len(encode_chat_prompt(tokenizer, text)) > position:
+                where = f"message {count - 1} ({messages[count - 1].role})"
+                return where + (", or the tool list before it" if count == 1 and body.tools else "")
+        return "the generation prompt"
+
+    return describe
 
 
 async def _sse_events(stream: AsyncIterator[Delta], builder: ResponseBuilder, include_usage: bool,

@@ -54,7 +54,9 @@ class ServerConfig:
                                                     "restarts (unset: no disk tier)", metavar="DIR")
     conversation_cache_disk_mib: int = _opt(32768, "disk space the disk tier may use")
     max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
-    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication)", metavar="KEY")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication); several "
+                                     "comma-separated keys are tenants whose cached KV is never shared",
+                               metavar="KEY[,KEY...]")
     served_model_name: str | None = _opt(None, "model id shown by the API (unset: the model file's stem)",
                                          metavar="NAME")
     chat_template: str | None = _opt(None, "jinja file overriding the model's chat template", metavar="FILE")

@@ -58,6 +58,7 @@ class SamplingFields(RequestBody):
     stream_options: StreamOptions | None = None  # ignored unless stream is true
     user: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = None  # requests with different salts never share cached KV (vLLM's field)
     ignore_eos: bool = False  # vLLM extension
     response_format: dict[str, Any] | None = None  # only {"type": "text"} (the default) is accepted
     logit_bias: dict[str, Any] | None = None  # only {} is accepted

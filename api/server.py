@@ -19,6 +19,7 @@ from api import completions
 from api.config import ServerConfig
 from api.errors import APIError, too_large, unauthorized
 from api.logging_setup import new_request_id, request_id_var
+from api.tenancy import api_keys
 from api.schemas import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, parse_body
 from engine.loader import LoadedModel, encode_chat_prompt
 from scheduler.engine_loop import EngineLoop
@@ -69,12 +70,13 @@ def endpoint(handler):
 
 
 def _check_api_key(state: ServerState, http_request: HTTPRequest) -> None:
-    key = state.config.api_key
-    if not key or http_request.url.path in _OPEN_PATHS:
+    keys = api_keys(state.config)
+    if not keys or http_request.url.path in _OPEN_PATHS:
         return
     given = http_request.headers.get("authorization", "")
-    if given != f"Bearer {key}":
+    if not given.startswith("Bearer ") or given[len("Bearer "):] not in keys:
         raise unauthorized()
+
 
 
 async def read_body(state: ServerState, http_request: HTTPRequest) -> bytes:

@@ -50,7 +50,7 @@ class EngineLoop:
         self.cache = PrefixCache(runner.layout.num_blocks, runner.block_size, enabled=prefix_cache,
                                  host_blocks=runner.host_layout.num_blocks,
                                  disk_blocks=disk.capacity_blocks if disk else 0,
-                                 mover=EngineBlockMover(runner, disk))
+                                 mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block)
         if disk is not None and prefix_cache:
             load_disk_index(self.cache, disk.scan())
         self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step

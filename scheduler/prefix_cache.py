@@ -49,7 +49,7 @@ class PrefixCache:
     """Owns every device block id and host slot: free, cached (unpinned) or in use (pinned / owned)."""
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool = True, host_blocks: int = 0,
-                 disk_blocks: int = 0, mover: BlockMover | None = None):
+                 disk_blocks: int = 0, mover: BlockMover | None = None, block_bytes: int = 0):
         self.enabled = enabled  # off: nothing is ever matched or kept (the reference for tests)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -64,6 +64,8 @@ class PrefixCache:
         self._on_disk: dict[bytes, CachedBlock] = {}
         self.disk_blocks = disk_blocks
         self.mover = mover or RecordingMover()
+        self.block_bytes = block_bytes  # for the "budget full" message only
+        self._full_episode: dict[str, int] = {}  # tier -> blocks dropped since it filled up
         self._clock = itertools.count(1)
         self._num_owned = 0  # device blocks handed to running requests, not yet in the tree
         self.stats = {"parks": 0, "restores": 0, "spills": 0, "disk_loads": 0, "dropped_blocks": 0,
@@ -119,6 +121,7 @@ class PrefixCache:
 
         Returns None, with nothing changed, when the device cannot make room without moving pinned blocks.
         """
+        self._end_full_episodes()
         payloads = self._read_disk_blocks(match)  # first, so an unreadable file only shortens the match
         fresh_count = -(-total_tokens // self.block_size) - len(match.shared)
         to_restore = [b for b in match.shared if not b.on_device]
@@ -337,6 +340,7 @@ class PrefixCache:
                 del self._on_disk[node.digest]
                 self.mover.delete_disk(node)
         tokens = sum(len(n.tokens) for n in lost)
+        self._report_full(tier, len(lost))
         now = time.time()
         for node in lost:  # remembered by digest only, so a later miss can say which eviction caused it
             self._dropped[node.digest] = (now, tier, reason)
@@ -346,6 +350,26 @@ class PrefixCache:
         self.stats["dropped_tokens"] += tokens
         log.info("evicted %d cached tokens of %s from the %s tier: %s", tokens, conv, tier, reason,
                  extra={"fields": {"conversation": conv, "tokens": tokens, "tier": tier, "reason": reason}})
+
+    def _report_full(self, tier: str, dropped_blocks: int) -> None:
+        """Say once per episode that a budget is full, with the setting that would have kept everything."""
+        first = tier not in self._full_episode
+        self._full_episode[tier] = self._full_episode.get(tier, 0) + dropped_blocks
+        if not first:
+            return
+        flag, total = {"device": ("--kv-cache-mib", self.num_blocks), "host": ("--conversation-cache-mib",
+                       self.host_blocks), "disk": ("--conversation-cache-disk-mib", self.disk_blocks)}[tier]
+        need_mib = (total + dropped_blocks) * self.block_bytes / 2**20
+        log.warning("the %s tier of the conversation cache is full (%d blocks): cached conversations are being "
+                    "dropped; %s %.0f or more would have kept them (the figure grows as long as this lasts)",
+                    tier, total, flag, need_mib, extra={"fields": {"tier": tier, "blocks": total, "flag": flag}})
+
+    def _end_full_episodes(self) -> None:
+        free = {"device": self._dev_free.num_free / max(1, self.num_blocks),
+                "host": self._host_free.num_free / max(1, self.host_blocks),
+                "disk": 1 - len(self._on_disk) / max(1, self.disk_blocks)}
+        for tier in [t for t in self._full_episode if free[t] > 0.1]:
+            log.info("the %s tier has room again after dropping %d blocks", tier, self._full_episode.pop(tier))
 
     def _count_reuse(self, alloc: Allocation, match: PrefixMatch, restored: list[CachedBlock]) -> None:
         """Reused tokens by the tier they came from (called before anything is moved back)."""

@@ -178,3 +178,14 @@ def test_new_content_is_not_reported_as_a_miss(cache):
     _run(cache, [1] * 8, total_tokens=8)
     prompt = [1] * 8 + [4, 5, 6]  # extends what is cached: nothing was lost
     assert cache.explain_miss(prompt, cache.match(prompt, len(prompt) - 1)) is None
+
+
+def test_a_full_budget_is_reported_once_per_episode_with_the_setting(caplog):
+    cache = PrefixCache(num_blocks=2, block_size=B, host_blocks=1, block_bytes=2**20)
+    with caplog.at_level("WARNING", logger="strata.cache"):
+        for first in (1, 2, 3, 4):
+            tokens = [first] * 8
+            cache.release(tokens, 8, cache.allocate(cache.match(tokens, 7), 8))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "--conversation-cache-mib" in warnings[0]
+    cache.check_integrity()

@@ -5,8 +5,12 @@ with any earlier prompt + reply of the run, plus at most the one token whose KV 
 last token of a reply cut by max_tokens). Checked with ample memory and with a device pool so small that
 every turn parks the other conversations in host RAM and restores its own.
 """
+import dataclasses
+
 import httpx
 import pytest
+
+from engine.chat_template import ChatTemplate
 
 from engine.loader import encode_chat_prompt
 from tests.server_harness import running_server
@@ -75,3 +79,44 @@ def test_a_tiny_device_pool_spills_to_host_ram_and_still_computes_only_what_is_n
         state.engine.cache.check_integrity()
     _assert_ideal(checks)
     assert usage["parks"] > 0 and usage["restores"] > 0 and usage["dropped_blocks"] == 0
+
+
+def test_cache_salts_and_tenant_keys_never_share_cached_tokens(smollm2):
+    messages = [{"role": "user", "content": "Name a color."}]
+    body = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": 2}
+    with running_server(smollm2, batch=1, ctx_size=256, api_key="alice,bob") as (url, _):
+        def cached(key, **extra):
+            reply = httpx.post(url + "/v1/chat/completions", json={**body, **extra},
+                               headers={"Authorization": f"Bearer {key}"}, timeout=60).json()
+            return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert cached("alice") == 0
+        assert cached("alice") > 0  # same tenant: reused
+        assert cached("bob") == 0  # other tenant: nothing shared
+        assert cached("alice", cache_salt="s1") == 0  # own salt: a separate namespace
+        assert cached("alice", cache_salt="s1") > 0
+
+
+def test_toggling_tool_lists_hit_both_variants(smollm2):
+    """An agent whose tool list at the head of the prompt toggles between two versions (seed report 003)."""
+    tools = [[{"type": "function", "function": {"name": f"tool_{i}", "description": "d", "parameters": {}}}
+              for i in range(n)] for n in (2, 4)]
+    template = ("<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% for m in messages %}<|im_start|>"
+                "{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    with_tools = dataclasses.replace(smollm2, chat_template=ChatTemplate(template, "test"))
+    history = [{"role": "user", "content": "List the files in the current folder, please."}]
+    computed, prompts = [], []
+    with running_server(with_tools, batch=1, ctx_size=1024) as (url, _):
+        for turn in range(6):
+            body = {"model": "smollm2", "messages": history, "tools": tools[turn % 2], "temperature": 0,
+                    "max_tokens": 4}
+            reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+            usage = reply["usage"]
+            computed.append(usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"])
+            prompts.append(usage["prompt_tokens"])
+            history = history + [{"role": "assistant", "content": reply["choices"][0]["message"]["content"]},
+                                 {"role": "user", "content": f"And now step {turn + 2}."}]
+    assert prompts[1] != prompts[0]  # the two tool lists really render differently
+    # from the third turn on, each variant's head and the shared conversation come from the cache: only
+    # the last two turns' messages are new (nothing near a full re-read of the prompt)
+    assert all(c < 60 for c in computed[2:]), (computed, prompts)
