@@ -75,6 +75,42 @@ def bytes_read_per_decode_step(weights) -> int:
     return per_layer + weights.output.nbytes
 
 
+def profile_decode(runner: ModelRunner, batch: int, steps: int = 16) -> dict[str, float]:
+    """Milliseconds per decode step spent in each Backend op (wraps the backend's methods)."""
+    backend, totals = runner.model.backend, {}
+    names = ["linear", "attention", "rms_norm", "add_rms_norm", "rope", "store_kv", "gated_activation"]
+    originals = {n: getattr(backend, n) for n in names}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - t0
+            return out
+        return wrapper
+
+    for n in names:
+        setattr(backend, n, timed(n, originals[n]))
+    seqs = [Sequence([(i * 13 + b) % 1000 + 10 for i in range(128)]) for b in range(batch)]
+    try:
+        for seq in seqs:
+            runner.ensure_blocks(seq, 128 + steps)
+        runner.step([(seq, 128) for seq in seqs])
+        totals.clear()  # decode steps only
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for seq in seqs:
+                seq.token_ids.append(42)
+            runner.step([(seq, 1) for seq in seqs])
+        totals["whole step"] = time.perf_counter() - t0
+    finally:
+        for seq in seqs:
+            runner.release(seq)
+        for n in names:
+            delattr(backend, n)  # back to the class methods
+    return {k: v / steps * 1e3 for k, v in totals.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -82,6 +118,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--profile", action="store_true", help="also print ms per decode step by Backend op")
     args = ap.parse_args()
 
     with threadpool_limits(limits=args.threads, user_api="blas"):
@@ -99,6 +136,7 @@ def main() -> int:
             rows.append((f"decode batch {b} (tok/s)", f"{rate:.1f}"))
             rows.append((f"decode batch {b}: weight bytes streamed (GB/s)", f"{step_bytes * rate / b / 1e9:.1f}"))
         rows.append(("copy bandwidth, np.copyto 512 MiB (GB/s)", f"{copy_bandwidth_gbs():.1f}"))
+        profiles = {b: profile_decode(runner, b) for b in (1, 4)} if args.profile else {}
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         rows.append(("peak RSS (MiB)", f"{rss_mib:.0f}"))
         blas = [(i.get("internal_api"), i.get("num_threads"), i.get("architecture")) for i in threadpool_info()]
@@ -110,6 +148,9 @@ def main() -> int:
     print("| measure | value |\n| --- | --- |")
     for name, value in rows:
         print(f"| {name} | {value} |")
+    for b, ms in profiles.items():
+        print(f"decode batch {b}, ms per step (context 128): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(ms.items(), key=lambda kv: -kv[1])))
     return 0
 
 

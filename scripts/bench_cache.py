@@ -1,0 +1,125 @@
+"""Benchmark of the conversation cache: replays agent-style workloads against the server and prints, per
+workload, prompt tokens, computed tokens, the ideal, their ratio, full re-reads and time to first token.
+
+    .venv/bin/python scripts/bench_cache.py [--turns 6] [--pressure]
+
+Workloads (SmolLM2, greedy, 16-token replies): two conversations alternating; one conversation with a
+short unrelated request between turns; a head that toggles between two tool lists; four conversations
+rotating through two slots. `ideal` = prompt tokens not shared with any earlier prompt + reply of the run,
++ 1 per request. With --pressure the device pool is 20 blocks (320 tokens, one slot's worth), so turns park the other
+conversations in host RAM, the 4 MiB host tier (5 blocks) spills to a disk tier, and hits restore them.
+A "full re-read" is a request (after the first of its conversation) that reused under 10% of its prompt.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+
+from engine.loader import open_model  # noqa: E402
+from tests.server_harness import running_server  # noqa: E402
+
+TOOLS = [[{"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing", "parameters": {}}}
+          for i in range(n)] for n in (3, 6)]
+TOPICS = ["the history of Rome", "how plants make food", "the water cycle", "how engines work"]
+
+
+def lcp(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Replayer:
+    def __init__(self, url, loaded):
+        self.url, self.loaded, self.seen, self.rows = url, loaded, [], []
+
+    def turn(self, messages, tools=None, first_of_conversation=False):
+        body = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": 16, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if tools:
+            body["tools"] = tools
+        started, ttft, text, usage = time.perf_counter(), None, [], None
+        with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=600) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = httpx.Response(200, content=line[6:]).json()
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    ttft = ttft or time.perf_counter() - started
+                    text.append(chunk["choices"][0]["delta"]["content"])
+        prompt = self.loaded.tokenizer.encode(self.loaded.chat_template.render(messages, tools=tools),
+                                              add_special=False)
+        shared = max((lcp(prompt, s) for s in self.seen), default=0)
+        computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
+        self.rows.append({"prompt": usage["prompt_tokens"], "computed": computed,
+                          "ideal": len(prompt) - shared + 1, "ttft": ttft or 0.0,
+                          "reread": not first_of_conversation and computed > 0.9 * usage["prompt_tokens"]})
+        reply = "".join(text)
+        self.seen.append(prompt + self.loaded.tokenizer.encode(reply, add_special=False))
+        return reply
+
+
+def conversation_turns(replayer, names, turns, between=None, tools_for=None):
+    history = {n: [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}]
+               for i, n in enumerate(names)}
+    for t in range(turns):
+        for name in names:
+            tools = tools_for(t) if tools_for else None
+            reply = replayer.turn(history[name], tools, first_of_conversation=t == 0)
+            history[name] += [{"role": "assistant", "content": reply},
+                              {"role": "user", "content": f"Go on with part {t + 2}, in more detail."}]
+            if between:
+                replayer.turn([{"role": "user", "content": f"Quick: what is {t} plus {t}?"}],
+                              first_of_conversation=True)
+
+
+WORKLOADS = {
+    "two alternating": lambda r, n: conversation_turns(r, ["a", "b"], n),
+    "short request between turns": lambda r, n: conversation_turns(r, ["a"], n, between=True),
+    "toggling tool list": lambda r, n: conversation_turns(r, ["a"], n, tools_for=lambda t: TOOLS[t % 2]),
+    "4 conversations, 2 slots": lambda r, n: conversation_turns(r, ["a", "b", "c", "d"], n),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--pressure", action="store_true")
+    args = ap.parse_args()
+    loaded = open_model("smollm2", max_positions=2048)
+    print(f"| workload{' (pressure)' if args.pressure else ''} | requests | prompt tokens | computed | ideal | "
+          "computed / ideal | full re-reads | TTFT median (ms) | tier moves |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, play in WORKLOADS.items():
+        with tempfile.TemporaryDirectory() as disk_dir:
+            extra = dict(kv_cache_mib=1, ctx_size=320, conversation_cache_mib=4, conversation_cache_dir=disk_dir) \
+                if args.pressure else dict(ctx_size=1024)
+            with running_server(loaded, batch=2, **extra) as (url, state):
+                replayer = Replayer(url, loaded)
+                play(replayer, args.turns)
+                usage = state.engine.cache.usage()
+        rows = replayer.rows
+        prompt, computed, ideal = (sum(r[k] for r in rows) for k in ("prompt", "computed", "ideal"))
+        ttft = statistics.median(r["ttft"] for r in rows) * 1e3
+        tiers = f"{usage['parks']} parks, {usage['restores']} restores, {usage['spills']} spills, " \
+                f"{usage['dropped_blocks']} dropped"
+        print(f"| {name} | {len(rows)} | {prompt} | {computed} | {ideal} | {computed / ideal:.2f} | "
+              f"{sum(r['reread'] for r in rows)} | {ttft:.0f} | {tiers} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
