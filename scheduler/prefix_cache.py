@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -133,6 +134,10 @@ class PrefixCache:
         if self._dev_free.num_free + movable < fresh_count + len(to_restore):
             for block in pinned:
                 self._unpin(block)
+            if match.cow_source is not None and match.cow_source.on_device:
+                # The copy source occupies a block this request needs: give up its few tokens rather than
+                # wait for room that can never come.
+                return self.allocate(PrefixMatch(match.shared, None, 0, match.salt), total_tokens)
             return None
         self._make_device_room(fresh_count + len(to_restore), alloc)
         self._count_reuse(alloc, match, to_restore)
@@ -359,7 +364,7 @@ class PrefixCache:
             return
         flag, total = {"device": ("--kv-cache-mib", self.num_blocks), "host": ("--conversation-cache-mib",
                        self.host_blocks), "disk": ("--conversation-cache-disk-mib", self.disk_blocks)}[tier]
-        need_mib = (total + dropped_blocks) * self.block_bytes / 2**20
+        need_mib = max(1, math.ceil((total + dropped_blocks) * self.block_bytes / 2**20))
         log.warning("the %s tier of the conversation cache is full (%d blocks): cached conversations are being "
                     "dropped; %s %.0f or more would have kept them (the figure grows as long as this lasts)",
                     tier, total, flag, need_mib, extra={"fields": {"tier": tier, "blocks": total, "flag": flag}})

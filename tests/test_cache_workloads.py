@@ -116,3 +116,12 @@ def test_device_pressure_with_a_host_tier_parks_and_restores_and_computes_the_id
     computed = [p - c for p, c in usage]
     assert computed[0] == 50 and computed[1:4] == [20, 20, 20]  # later conversations reuse the head
     assert computed[4:] == [len(user) + 1 for _, user, _ in turns[4:]]  # nothing cached is recomputed
+
+
+def test_long_randomized_workload_under_pressure_matches_cache_off_over_a_thousand_steps(tiny):
+    turns = _random_turns(11, conversations=6, count=200)
+    on, usage, loop = _play(tiny, turns, cache_on=True, num_blocks=90, host_blocks=40)
+    off, _, _ = _play(tiny, turns, cache_on=False, num_blocks=90)
+    assert on == off
+    assert loop.num_steps > 1000 and loop.cache.stats["parks"] > 0 and loop.cache.stats["restores"] > 0
+    assert sum(c for _, c in usage) > 0

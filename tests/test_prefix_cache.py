@@ -189,3 +189,10 @@ def test_a_full_budget_is_reported_once_per_episode_with_the_setting(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "--conversation-cache-mib" in warnings[0]
     cache.check_integrity()
+
+
+def test_a_request_needing_the_whole_pool_gives_up_its_copy_source_instead_of_waiting(cache):
+    _run(cache, list(range(30)), total_tokens=32)  # 7 full blocks + a 2-token tail: the whole pool
+    alloc = cache.allocate(cache.match(list(range(30)), 29), total_tokens=32)
+    assert alloc is not None and alloc.cached_tokens == 28 and alloc.copies == []
+    cache.release(list(range(30)), 30, alloc)

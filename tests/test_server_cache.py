@@ -120,3 +120,33 @@ def test_toggling_tool_lists_hit_both_variants(smollm2):
     # from the third turn on, each variant's head and the shared conversation come from the cache: only
     # the last two turns' messages are new (nothing near a full re-read of the prompt)
     assert all(c < 60 for c in computed[2:]), (computed, prompts)
+
+
+def test_compaction_that_drops_old_messages_reuses_the_kept_head(smollm2):
+    """An agent that compacts: drops the middle of the conversation and keeps the system prompt + recent
+    turns. Everything up to the first dropped message is reused; the rest is new content."""
+    system = {"role": "system", "content": "You are a careful coding agent. Follow the instructions."}
+    history = [system] + [m for i in range(3) for m in (
+        {"role": "user", "content": f"Step {i}: read file number {i} and summarise it."},
+        {"role": "assistant", "content": f"File {i} defines a parser and two helpers."})]
+    with running_server(smollm2, batch=1, ctx_size=1024) as (url, _):
+        _chat(url, history + [{"role": "user", "content": "Continue."}])
+        compacted = [system, history[-2], history[-1], {"role": "user", "content": "Continue."}]
+        _, usage = _chat(url, compacted)
+    head = encode_chat_prompt(smollm2.tokenizer, smollm2.chat_template.render([system], add_generation_prompt=False))
+    prompt = encode_chat_prompt(smollm2.tokenizer, smollm2.chat_template.render(compacted))
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert len(head) <= cached < len(prompt) - 10  # the head (and what follows it identically) is reused
+
+
+def test_the_cache_survives_a_server_restart_with_a_disk_tier(smollm2, tmp_path):
+    messages = [{"role": "user", "content": "Write two sentences about lighthouses."}]
+    with running_server(smollm2, batch=1, ctx_size=512, conversation_cache_dir=str(tmp_path)) as (url, _):
+        reply, first = _chat(url, messages)
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    follow_up = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}]
+    with running_server(smollm2, batch=1, ctx_size=512, conversation_cache_dir=str(tmp_path)) as (url, state):
+        _, usage = _chat(url, follow_up)
+        tiers = state.engine.cache.stats
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"]  # prompt + reply from disk
+    assert tiers["disk_loads"] > 0
