@@ -8,6 +8,7 @@ host pools and the disk tier's files; `RecordingMover` only records (unit tests 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Protocol
 
 from scheduler.cache_tree import CachedBlock
@@ -63,24 +64,37 @@ class RecordingMover:
 
 
 class EngineBlockMover:
-    """Moves bytes between the runner's pools (engine.sequence.ModelRunner) and a DiskTier."""
+    """Moves bytes between the runner's pools (engine.sequence.ModelRunner) and a DiskTier, and keeps
+    count, seconds and bytes per kind of move (`totals`, exported as metrics)."""
 
     def __init__(self, runner, disk: DiskTier | None):
         self.runner = runner
         self.disk = disk
+        self.block_bytes = runner.layout.bytes_per_block
+        self.totals: dict[str, dict[str, float]] = {}
+
+    def _timed(self, op: str, fn, *args):
+        started = time.perf_counter()
+        result = fn(*args)
+        entry = self.totals.setdefault(op, {"count": 0, "seconds": 0.0, "bytes": 0})
+        entry["count"] += 1
+        entry["seconds"] += time.perf_counter() - started
+        entry["bytes"] += self.block_bytes
+        return result
 
     def park(self, device_id, host_slot):
-        self.runner.move_blocks([(device_id, host_slot)], [], [])
+        self._timed("park", self.runner.move_blocks, [(device_id, host_slot)], [], [])
 
     def restore(self, host_slot, device_id):
-        self.runner.move_blocks([], [(host_slot, device_id)], [])
+        self._timed("restore_host", self.runner.move_blocks, [], [(host_slot, device_id)], [])
 
     def copy(self, src, dst):
-        self.runner.move_blocks([], [], [(src, dst)])
+        self._timed("copy", self.runner.move_blocks, [], [], [(src, dst)])
 
     def save(self, node: CachedBlock) -> bool:
-        if self.disk is None:
-            return False
+        return self.disk is not None and self._timed("save_disk", self._save, node)
+
+    def _save(self, node: CachedBlock) -> bool:
         tier, index = ("device", node.device_id) if node.on_device else ("host", node.host_slot)
         k, v = self.runner.read_block(tier, index)
         try:
@@ -92,7 +106,7 @@ class EngineBlockMover:
 
     def read_disk(self, node: CachedBlock):
         try:
-            _, k, v = self.disk.read(node.digest)
+            _, k, v = self._timed("read_disk", self.disk.read, node.digest)
         except (OSError, ValueError) as exc:
             log.warning("cache block file unusable, recomputing instead: %s", exc,
                         extra={"fields": {"error": str(exc)}})
@@ -100,7 +114,7 @@ class EngineBlockMover:
         return k, v
 
     def write_device(self, device_id, payload):
-        self.runner.write_block(device_id, *payload)
+        self._timed("restore_disk", self.runner.write_block, device_id, *payload)
 
     def delete_disk(self, node):
         self.disk.delete(node.digest)

@@ -32,7 +32,11 @@ class Metrics:
                                   ["tier", "state"], registry=r)
         self.cache_events = Counter("strata_cache_events", "Parks, restores and drops of cached blocks",
                                     ["event"], registry=r)
-        self._last_cache_stats: dict[str, int] = {}
+        self.cache_moves = Counter("strata_cache_moves", "Block moves between tiers", ["op"], registry=r)
+        self.cache_move_seconds = Counter("strata_cache_move_seconds", "Time spent moving blocks", ["op"],
+                                          registry=r)
+        self.cache_move_bytes = Counter("strata_cache_move_bytes", "Bytes of blocks moved", ["op"], registry=r)
+        self._last_cache_stats: dict[str, float] = {}
 
     def observe_cache(self, usage: dict[str, int]) -> None:
         """Mirror the cache's usage figures (from PrefixCache.usage()) into gauges and counters."""
@@ -41,11 +45,21 @@ class Metrics:
         self.cache_blocks.labels("device", "total").set(usage["device_total"])
         self.cache_blocks.labels("host", "cached").set(usage["host_cached"])
         self.cache_blocks.labels("host", "total").set(usage["host_total"])
-        for event in ("parks", "restores", "dropped_blocks", "dropped_tokens"):
-            delta = usage[event] - self._last_cache_stats.get(event, 0)
-            if delta:
-                self.cache_events.labels(event).inc(delta)
-            self._last_cache_stats[event] = usage[event]
+        for event in ("parks", "restores", "spills", "disk_loads", "dropped_blocks", "dropped_tokens", "hits",
+                      "misses", "miss_diverged", "miss_evicted"):
+            self._inc(self.cache_events.labels(event), event, usage[event])
+        self.cache_blocks.labels("disk", "cached").set(usage["disk_cached"])
+        self.cache_blocks.labels("disk", "total").set(usage["disk_total"])
+        for op, totals in usage.get("moves", {}).items():
+            self._inc(self.cache_moves.labels(op), op + ":count", totals["count"])
+            self._inc(self.cache_move_seconds.labels(op), op + ":seconds", totals["seconds"])
+            self._inc(self.cache_move_bytes.labels(op), op + ":bytes", totals["bytes"])
+
+    def _inc(self, counter, key: str, value: float) -> None:
+        delta = value - self._last_cache_stats.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last_cache_stats[key] = value
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

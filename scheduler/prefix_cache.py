@@ -70,7 +70,7 @@ class PrefixCache:
         self._clock = itertools.count(1)
         self._num_owned = 0  # device blocks handed to running requests, not yet in the tree
         self.stats = {"parks": 0, "restores": 0, "spills": 0, "disk_loads": 0, "dropped_blocks": 0,
-                      "dropped_tokens": 0}
+                      "dropped_tokens": 0, "hits": 0, "misses": 0, "miss_diverged": 0, "miss_evicted": 0}
 
     # -- queries -------------------------------------------------------------------------------------
     def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "") -> PrefixMatch:
@@ -84,6 +84,13 @@ class PrefixCache:
     def explain_miss(self, token_ids: list[int], match: PrefixMatch) -> dict | None:
         """Why a prompt reused no more than `match`, when the cache once held more of it: the position where
         it diverged from a cached sequence, or the eviction that took the rest. None for new content."""
+        self.stats["hits" if match.num_tokens else "misses"] += 1
+        miss = self._explain(token_ids, match)
+        if miss is not None:
+            self.stats["miss_" + miss["cause"]] += 1
+        return miss
+
+    def _explain(self, token_ids: list[int], match: PrefixMatch) -> dict | None:
         B, pos = self.block_size, match.num_tokens
         node = match.shared[-1] if match.shared else self._root(match.salt)
         block_start = len(match.shared) * B
@@ -114,7 +121,8 @@ class PrefixCache:
         return {"device_cached": len(self._on_device), "device_in_use": self._num_owned
                 + sum(1 for b in self._on_device.values() if b.ref_count), "device_total": self.num_blocks,
                 "host_cached": len(self._on_host), "host_total": self.host_blocks,
-                "disk_cached": len(self._on_disk), "disk_total": self.disk_blocks, **self.stats}
+                "disk_cached": len(self._on_disk), "disk_total": self.disk_blocks, **self.stats,
+                "moves": getattr(self.mover, "totals", {})}
 
     # -- mutations -----------------------------------------------------------------------------------
     def allocate(self, match: PrefixMatch, total_tokens: int) -> Allocation | None:

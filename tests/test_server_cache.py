@@ -76,9 +76,12 @@ def test_a_tiny_device_pool_spills_to_host_ram_and_still_computes_only_what_is_n
     with running_server(smollm2, batch=1, ctx_size=256, kv_cache_mib=1) as (url, state):
         checks = _workload(url, smollm2)
         usage = httpx.get(url + "/cache").json()
+        metrics = httpx.get(url + "/metrics").text
         state.engine.cache.check_integrity()
     _assert_ideal(checks)
     assert usage["parks"] > 0 and usage["restores"] > 0 and usage["dropped_blocks"] == 0
+    assert usage["moves"]["park"]["count"] == usage["parks"] and usage["moves"]["park"]["bytes"] > 0
+    assert 'strata_cache_moves_total{op="park"}' in metrics and "strata_cache_move_seconds_total" in metrics
 
 
 def test_cache_salts_and_tenant_keys_never_share_cached_tokens(smollm2):
