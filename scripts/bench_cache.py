@@ -72,6 +72,18 @@ class Replayer:
         return reply
 
 
+def recompute_ms_per_block(loaded, block_tokens: int = 16) -> float:
+    """What recomputing one block's worth of prompt costs, measured inside a 512-token prefill."""
+    from engine.sequence import ModelRunner, Sequence
+
+    runner = ModelRunner(loaded.model, 64, 16)
+    seq = Sequence(list(range(100, 612)))
+    runner.ensure_blocks(seq, 512)
+    started = time.perf_counter()
+    runner.step([(seq, 512)])
+    return (time.perf_counter() - started) * 1e3 * block_tokens / 512
+
+
 def conversation_turns(replayer, names, turns, between=None, tools_for=None):
     history = {n: [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}]
                for i, n in enumerate(names)}
@@ -100,6 +112,7 @@ def main() -> int:
     ap.add_argument("--pressure", action="store_true")
     args = ap.parse_args()
     loaded = open_model("smollm2", max_positions=2048)
+    print(f"recompute for comparison: one 16-token block costs {recompute_ms_per_block(loaded):.1f} ms of prefill")
     print(f"| workload{' (pressure)' if args.pressure else ''} | requests | prompt tokens | computed | ideal | "
           "computed / ideal | full re-reads | TTFT median (ms) | tier moves |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -116,6 +129,10 @@ def main() -> int:
         ttft = statistics.median(r["ttft"] for r in rows) * 1e3
         tiers = f"{usage['parks']} parks, {usage['restores']} restores, {usage['spills']} spills, " \
                 f"{usage['dropped_blocks']} dropped"
+        moves = usage.get("moves", {})
+        if moves:
+            tiers += "; ms per block: " + ", ".join(
+                f"{op} {m['seconds'] / m['count'] * 1e3:.2f}" for op, m in sorted(moves.items()) if m["count"])
         print(f"| {name} | {len(rows)} | {prompt} | {computed} | {ideal} | {computed / ideal:.2f} | "
               f"{sum(r['reread'] for r in rows)} | {ttft:.0f} | {tiers} |")
     return 0
