@@ -24,20 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from engine.loader import open_model  # noqa: E402
+from scheduler.cache_tree import common_prefix_len  # noqa: E402
 from tests.server_harness import running_server  # noqa: E402
 
 TOOLS = [[{"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing", "parameters": {}}}
           for i in range(n)] for n in (3, 6)]
 TOPICS = ["the history of Rome", "how plants make food", "the water cycle", "how engines work"]
-
-
-def lcp(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Replayer:
@@ -62,7 +54,7 @@ class Replayer:
                     text.append(chunk["choices"][0]["delta"]["content"])
         prompt = self.loaded.tokenizer.encode(self.loaded.chat_template.render(messages, tools=tools),
                                               add_special=False)
-        shared = max((lcp(prompt, s) for s in self.seen), default=0)
+        shared = max((common_prefix_len(prompt, s) for s in self.seen), default=0)
         computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
         self.rows.append({"prompt": usage["prompt_tokens"], "computed": computed,
                           "ideal": len(prompt) - shared + 1, "ttft": ttft or 0.0,

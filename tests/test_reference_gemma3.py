@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+
 from engine.sequence import ModelRunner, Sequence
+from tests.reference_helpers import assert_top5, greedy_with_logits
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "gemma3_reference.json").read_text())
 PROMPTS = REFERENCE["prompts"]
@@ -41,29 +43,6 @@ def gemma3(gemma3_path):
     from engine.loader import open_model
 
     return open_model(str(gemma3_path))
-
-
-def _greedy_with_logits(model, prompt_ids, n_new, chunk=128):
-    """Greedy decode through the paged runner: chunked prefill, then one token per step."""
-    runner = ModelRunner(model, num_blocks=64, block_size=16)
-    seq = Sequence(list(prompt_ids))
-    assert runner.ensure_blocks(seq, len(prompt_ids) + n_new)
-    logits = None
-    while seq.num_pending:
-        logits = runner.step([(seq, min(chunk, seq.num_pending))])
-    steps, out = [], []
-    for _ in range(n_new):
-        steps.append(logits[-1])
-        out.append(int(np.argmax(logits[-1])))
-        seq.token_ids.append(out[-1])
-        logits = runner.step([(seq, 1)])
-    return out, steps
-
-
-def _assert_top5(logits_row, top5, what):
-    ids = [i for i, _ in top5]
-    expected = np.array([v for _, v in top5])
-    np.testing.assert_allclose(logits_row[ids], expected, rtol=1e-3, atol=1e-3, err_msg=what)
 
 
 def test_reference_matches_the_fetched_file(gemma3_path):
@@ -90,9 +69,9 @@ def test_tokenizer_matches_reference_ids(gemma3, case):
 
 @pytest.mark.parametrize("case", PROMPTS, ids=[p["name"] for p in PROMPTS])
 def test_greedy_ids_and_logits_match_reference(gemma3, case):
-    ids, step_logits = _greedy_with_logits(gemma3.model, case["prompt_ids"], len(case["greedy_ids"]))
+    ids, step_logits = greedy_with_logits(gemma3.model, case["prompt_ids"], len(case["greedy_ids"]), chunk=128)
     for k, (row, top5) in enumerate(zip(step_logits, case["step_top5"])):
-        _assert_top5(row, top5, f"{case['name']}: logits predicting greedy token {k}")
+        assert_top5(row, top5, f"{case['name']}: logits predicting greedy token {k}")
     assert ids == case["greedy_ids"]
 
 
@@ -104,4 +83,4 @@ def test_prompt_position_logits_match_reference(gemma3, case):
     assert runner.ensure_blocks(seq, len(seq.token_ids))
     for position in sorted(int(p) for p in case["prompt_top5"]):
         logits = runner.step([(seq, position + 1 - seq.num_computed)])
-        _assert_top5(logits[-1], case["prompt_top5"][str(position)], f"{case['name']}: prompt position {position}")
+        assert_top5(logits[-1], case["prompt_top5"][str(position)], f"{case['name']}: prompt position {position}")

@@ -10,34 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+
 from engine.sequence import ModelRunner, Sequence
+from tests.reference_helpers import assert_top5, greedy_with_logits
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
 PROMPTS = REFERENCE["prompts"]
 pytestmark = pytest.mark.slow
-
-
-def _greedy_with_logits(model, prompt_ids, n_new, chunk=64):
-    """Greedy decode through the paged runner: chunked prefill, then one token per step."""
-    runner = ModelRunner(model, num_blocks=64, block_size=16)
-    seq = Sequence(list(prompt_ids))
-    runner.ensure_blocks(seq, len(prompt_ids) + n_new)
-    logits = None
-    while seq.num_pending:
-        logits = runner.step([(seq, min(chunk, seq.num_pending))])
-    steps, out = [], []
-    for _ in range(n_new):
-        steps.append(logits[-1])
-        out.append(int(np.argmax(logits[-1])))
-        seq.token_ids.append(out[-1])
-        logits = runner.step([(seq, 1)])
-    return out, steps
-
-
-def _assert_top5(logits_row, top5):
-    ids = [i for i, _ in top5]
-    expected = np.array([v for _, v in top5])
-    np.testing.assert_allclose(logits_row[ids], expected, rtol=1e-3, atol=1e-3)
 
 
 def test_reference_matches_the_fetched_file(smollm2_path):
@@ -53,10 +32,10 @@ def test_tokenizer_matches_reference_ids(smollm2, case):
 
 @pytest.mark.parametrize("case", PROMPTS, ids=[p["name"] for p in PROMPTS])
 def test_greedy_ids_and_logits_match_reference(smollm2, case):
-    ids, step_logits = _greedy_with_logits(smollm2.model, case["prompt_ids"], len(case["greedy_ids"]))
+    ids, step_logits = greedy_with_logits(smollm2.model, case["prompt_ids"], len(case["greedy_ids"]))
     assert ids == case["greedy_ids"]
     for row, top5 in zip(step_logits, case["step_top5"]):
-        _assert_top5(row, top5)
+        assert_top5(row, top5)
 
 
 @pytest.mark.parametrize("case", PROMPTS, ids=[p["name"] for p in PROMPTS])
@@ -66,4 +45,4 @@ def test_prompt_position_logits_match_reference(smollm2, case):
     runner.ensure_blocks(seq, len(seq.token_ids))
     logits = runner.step([(seq, len(seq.token_ids))], all_logits=True)
     for position, top5 in case["prompt_top5"].items():
-        _assert_top5(logits[int(position)], top5)
+        assert_top5(logits[int(position)], top5)

@@ -13,18 +13,10 @@ import pytest
 from engine.chat_template import ChatTemplate
 
 from engine.loader import encode_chat_prompt
+from scheduler.cache_tree import common_prefix_len
 from tests.server_harness import running_server
 
 pytestmark = pytest.mark.slow
-
-
-def _lcp(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _chat(url, messages, max_tokens=12):
@@ -43,7 +35,7 @@ def _workload(url, smollm2):
         prompt = encode_chat_prompt(smollm2.tokenizer, smollm2.chat_template.render(messages))
         text, usage = _chat(url, messages)
         assert usage["prompt_tokens"] == len(prompt)
-        shared = max((_lcp(prompt, s) for s in seen), default=0)
+        shared = max((common_prefix_len(prompt, s) for s in seen), default=0)
         computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
         checks.append((computed, len(prompt) - shared, len(prompt)))
         reply_ids = smollm2.tokenizer.encode(text, add_special=False)

@@ -1,0 +1,30 @@
+"""Shared by the reference tests: greedy decoding through the paged runner, and top-5 comparison."""
+import numpy as np
+
+from engine.sequence import ModelRunner, Sequence
+
+
+def greedy_with_logits(model, prompt_ids, n_new, chunk=64):
+    """Greedy decode through the paged runner: chunked prefill, then one token per step.
+
+    Returns (new ids, the logits row that chose each of them)."""
+    runner = ModelRunner(model, num_blocks=64, block_size=16)
+    seq = Sequence(list(prompt_ids))
+    assert runner.ensure_blocks(seq, len(prompt_ids) + n_new)
+    logits = None
+    while seq.num_pending:
+        logits = runner.step([(seq, min(chunk, seq.num_pending))])
+    steps, out = [], []
+    for _ in range(n_new):
+        steps.append(logits[-1])
+        out.append(int(np.argmax(logits[-1])))
+        seq.token_ids.append(out[-1])
+        logits = runner.step([(seq, 1)])
+    return out, steps
+
+
+def assert_top5(logits_row, top5, message=""):
+    """The reference's top-5 (id, logit) pairs, within 1e-3 relative."""
+    ids = [i for i, _ in top5]
+    np.testing.assert_allclose(logits_row[ids], np.array([v for _, v in top5]), rtol=1e-3, atol=1e-3,
+                               err_msg=message)
