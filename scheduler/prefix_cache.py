@@ -142,9 +142,12 @@ class PrefixCache:
         if self._dev_free.num_free + movable < fresh_count + len(to_restore):
             for block in pinned:
                 self._unpin(block)
-            if match.cow_source is not None and match.cow_source.on_device:
-                # The copy source occupies a block this request needs: give up its few tokens rather than
-                # wait for room that can never come.
+            source = match.cow_source
+            if source is not None and source.on_device:
+                # The copy source occupies a block this request needs: take it over when nobody else can
+                # want it (unpinned leaf), else give up its few tokens rather than wait forever.
+                if source.ref_count == 0 and not source.children:
+                    return self._allocate_taking_over(match, total_tokens)
                 return self.allocate(PrefixMatch(match.shared, None, 0, match.salt), total_tokens)
             return None
         self._make_device_room(fresh_count + len(to_restore), alloc)
@@ -165,6 +168,23 @@ class PrefixCache:
                 self._load(source, fresh[0], payloads, alloc, keep_source=True)
             self._unpin(source)
         self.stats["restores"] += len(alloc.restores)
+        return alloc
+
+    def _allocate_taking_over(self, match: PrefixMatch, total_tokens: int) -> Allocation | None:
+        """Allocate with the partial-hit block itself as the request's first own block: no copy, and its
+        matching tokens stay valid in place (the rest is overwritten as the request computes)."""
+        source = match.cow_source
+        del source.parent.children[source.tokens]
+        del self._on_device[source.device_id]
+        alloc = self.allocate(PrefixMatch(match.shared, None, 0, match.salt), total_tokens - self.block_size)
+        if alloc is None:  # put it back exactly as it was
+            source.parent.children[source.tokens] = source
+            self._on_device[source.device_id] = source
+            return None
+        self._num_owned += 1
+        alloc.block_table.insert(len(match.shared), source.device_id)
+        alloc.cached_tokens += match.cow_tokens
+        alloc.reused_by_tier["device"] += match.cow_tokens
         return alloc
 
     def _read_disk_blocks(self, match: PrefixMatch) -> dict[int, object]:

@@ -102,9 +102,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--pressure", action="store_true")
+    ap.add_argument("--plot", default=None, help="write an SVG of time to first token per request here")
     args = ap.parse_args()
     loaded = open_model("smollm2", max_positions=2048)
     print(f"recompute for comparison: one 16-token block costs {recompute_ms_per_block(loaded):.1f} ms of prefill")
+    series = {}
     print(f"| workload{' (pressure)' if args.pressure else ''} | requests | prompt tokens | computed | ideal | "
           "computed / ideal | full re-reads | TTFT median (ms) | tier moves |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -117,6 +119,7 @@ def main() -> int:
                 play(replayer, args.turns)
                 usage = state.engine.cache.usage()
         rows = replayer.rows
+        series[name] = [(r["prompt"], r["ttft"] * 1e3, r["computed"]) for r in rows]
         prompt, computed, ideal = (sum(r[k] for r in rows) for k in ("prompt", "computed", "ideal"))
         ttft = statistics.median(r["ttft"] for r in rows) * 1e3
         tiers = f"{usage['parks']} parks, {usage['restores']} restores, {usage['spills']} spills, " \
@@ -127,7 +130,36 @@ def main() -> int:
                 f"{op} {m['seconds'] / m['count'] * 1e3:.2f}" for op, m in sorted(moves.items()) if m["count"])
         print(f"| {name} | {len(rows)} | {prompt} | {computed} | {ideal} | {computed / ideal:.2f} | "
               f"{sum(r['reread'] for r in rows)} | {ttft:.0f} | {tiers} |")
+    if args.plot:
+        Path(args.plot).write_text(svg_plot(series, "time to first token per request (ms) vs prompt tokens"))
     return 0
+
+
+def svg_plot(series: dict[str, list[tuple[float, float, int]]], title: str) -> str:
+    """A small dependency-free SVG: one polyline per workload, TTFT (y) against prompt tokens (x)."""
+    width, height, pad = 720, 360, 50
+    xs = [x for points in series.values() for x, _, _ in points] or [1]
+    ys = [y for points in series.values() for _, y, _ in points] or [1]
+    x_max, y_max = max(xs) * 1.05, max(ys) * 1.15
+    sx = lambda x: pad + (width - 2 * pad) * x / x_max  # noqa: E731
+    sy = lambda y: height - pad - (height - 2 * pad) * y / y_max  # noqa: E731
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           f'font-size="11"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{width / 2}" y="20" text-anchor="middle" font-size="13">{title}</text>',
+           f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" stroke="black"/>',
+           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" stroke="black"/>']
+    for i in range(5):
+        yv, xv = y_max * i / 4, x_max * i / 4
+        out.append(f'<text x="{pad - 6}" y="{sy(yv) + 4:.0f}" text-anchor="end">{yv:.0f}</text>')
+        out.append(f'<text x="{sx(xv):.0f}" y="{height - pad + 16}" text-anchor="middle">{xv:.0f}</text>')
+    for k, (name, points) in enumerate(series.items()):
+        color = colors[k % len(colors)]
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y, _ in sorted(points))
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{path}"/>')
+        out.append(f'<text x="{width - pad - 190}" y="{pad + 14 * k}" fill="{color}">{name}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":

@@ -191,8 +191,21 @@ def test_a_full_budget_is_reported_once_per_episode_with_the_setting(caplog):
     cache.check_integrity()
 
 
-def test_a_request_needing_the_whole_pool_gives_up_its_copy_source_instead_of_waiting(cache):
+def test_a_request_needing_the_whole_pool_takes_over_its_partial_block_instead_of_waiting(cache):
     _run(cache, list(range(30)), total_tokens=32)  # 7 full blocks + a 2-token tail: the whole pool
+    tail_block = cache.match(list(range(30)), 29).cow_source.device_id
     alloc = cache.allocate(cache.match(list(range(30)), 29), total_tokens=32)
-    assert alloc is not None and alloc.cached_tokens == 28 and alloc.copies == []
+    assert alloc is not None and alloc.cached_tokens == 29 and alloc.copies == []
+    assert alloc.block_table[7] == tail_block  # the cached tail became the request's own block, no copy
+    cache.check_integrity()
     cache.release(list(range(30)), 30, alloc)
+
+
+def test_a_copy_source_with_children_is_never_taken_over(cache):
+    _run(cache, list(range(30)), total_tokens=32)  # block 6 (tokens 24..27) has the tail block as child
+    prompt = list(range(26)) + [99, 98, 97]  # diverges inside block 6
+    match = cache.match(prompt, len(prompt) - 1)
+    assert match.cow_source.device_id == 6 and match.cow_source.children
+    alloc = cache.allocate(match, total_tokens=32)
+    assert alloc.cached_tokens == 24 and alloc.copies == []  # gave up its 2 tokens instead of waiting
+    cache.check_integrity()
