@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from api.errors import APIError, bad_request, context_overflow, not_found_model, overloaded
+from api.errors import APIError, bad_request, context_overflow, internal_error, not_found_model, overloaded
 from api.openai_format import ResponseBuilder, sse
 from api.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from api.tenancy import cache_salt_for
@@ -138,7 +138,7 @@ async def _whole_response(http_request, stream, builder, want_logprobs: bool, ec
     watcher.cancel()
     text, logprobs, last = collector.result()
     if last.finish_reason == "error":
-        raise APIError(500, last.error or "generation failed", type="server_error")
+        raise internal_error(last.error or "generation failed")
     finish = "stop" if last.finish_reason == "abort" else last.finish_reason
     return JSONResponse(builder.whole(echo_text + text, logprobs if want_logprobs else None, finish, last.usage))
 

@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from api import completions
 from api.config import ServerConfig
-from api.errors import APIError, too_large, unauthorized
+from api.errors import APIError, internal_error, too_large, unauthorized
 from api.logging_setup import new_request_id, request_id_var
 from api.tenancy import api_keys
 from api.schemas import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, parse_body
@@ -58,9 +58,8 @@ def endpoint(handler):
             response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         except Exception:  # a bug: still an OpenAI-shaped answer, and the traceback in the log
             log.exception("unhandled error in %s", http_request.url.path)
-            body = {"error": {"message": "internal server error", "type": "server_error", "param": None,
-                              "code": None}}
-            response = JSONResponse(body, status_code=500)
+            error = internal_error("internal server error")
+            response = JSONResponse(error.body(), status_code=error.status)
         finally:
             request_id_var.reset(token)
         response.headers["X-Request-Id"] = request_id

@@ -12,7 +12,6 @@ its context after the step is positions 0 .. start_pos + query_len - 1, read thr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Sequence
 
 import numpy as np
@@ -79,10 +78,6 @@ class BatchMeta:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
-
-    @cached_property
-    def max_context_len(self) -> int:
-        return max(s.context_len for s in self.seqs)
 
 
 def build_batch(

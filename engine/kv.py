@@ -41,12 +41,6 @@ def layout_for(config: ModelConfig, num_blocks: int, block_size: int = 16, dtype
     return KVLayout(num_blocks, block_size, config.n_layers, config.n_kv_heads, config.head_dim, dtype)
 
 
-def layout_for_budget(config: ModelConfig, budget_bytes: int, block_size: int = 16) -> KVLayout:
-    """The largest float32 layout that fits in budget_bytes (at least one block)."""
-    one = layout_for(config, 1, block_size)
-    return layout_for(config, max(1, budget_bytes // one.bytes_per_block), block_size)
-
-
 class BlockAllocator:
     """Free list over block ids 0 .. num_blocks - 1.
 

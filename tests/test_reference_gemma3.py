@@ -14,7 +14,6 @@ long prompt one 360-token chunk whose queries need keys both inside and outside 
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 

@@ -7,7 +7,6 @@ reference's top-5 logits within 1e-3 relative.
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 
