@@ -19,3 +19,26 @@ def smollm2(smollm2_path):
     from engine.loader import open_model
 
     return open_model(str(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def load_tiny(tmp_path_factory):
+    """Factory: (model, tokenizer) of a tiny random GGUF (tests/tiny_gguf.py), written once per arguments."""
+    from engine.backends.numpy_backend import NumpyBackend
+    from engine.gguf_file import GGUFFile
+    from engine.model import load_model
+    from engine.tokenizer import Tokenizer
+    from tests.tiny_gguf import write_tiny_gguf
+
+    made = {}
+
+    def load(arch: str = "llama", seed: int = 0, **overrides):
+        key = (arch, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp("tiny") / f"{arch}.gguf"
+            write_tiny_gguf(path, arch, seed=seed, **overrides)
+            model, _, _ = load_model(path, NumpyBackend())
+            made[key] = (model, Tokenizer.from_gguf_fields(GGUFFile(path).fields))
+        return made[key]
+
+    return load

@@ -5,23 +5,15 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
-from engine.gguf_file import GGUFFile
-from engine.model import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from engine.tokenizer import Tokenizer
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
-from tests.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "qwen3.gguf"
-    write_tiny_gguf(path, "qwen3", seed=4, n_ctx=1024)
-    model, _, _ = load_model(path, NumpyBackend())
-    return model, Tokenizer.from_gguf_fields(GGUFFile(path).fields)
+def tiny(load_tiny):
+    return load_tiny("qwen3", seed=4, n_ctx=1024)
 
 
 def _play(tiny, turns, cache_on, num_blocks=400, slots=3, concurrency=3, host_blocks=0):

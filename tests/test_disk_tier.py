@@ -5,18 +5,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
-from engine.gguf_file import GGUFFile
-from engine.model import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from engine.tokenizer import Tokenizer
 from scheduler.block_mover import RecordingMover
 from scheduler.disk_tier import DiskEntry, DiskTier, cache_key
 from scheduler.engine_loop import EngineLoop
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request
-from tests.tiny_gguf import write_tiny_gguf
 
 SHAPE = (2, 1, 4, 3)
 
@@ -95,11 +90,8 @@ def test_a_failing_disk_write_drops_with_a_reason_and_keeps_integrity(caplog):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "llama.gguf"
-    write_tiny_gguf(path, "llama", seed=9, n_ctx=512)
-    model, _, _ = load_model(path, NumpyBackend())
-    return model, Tokenizer.from_gguf_fields(GGUFFile(path).fields)
+def tiny(load_tiny):
+    return load_tiny("llama", seed=9, n_ctx=512)
 
 
 def _serve_once(tiny, disk_root, prompt, cache_on=True):

@@ -4,25 +4,17 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
 from engine.generate import generate
-from engine.gguf_file import GGUFFile
-from engine.model import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from engine.tokenizer import Tokenizer
 from scheduler import step as step_module
 from scheduler.engine_loop import EngineLoop, QueueFullError
 from scheduler.request import Request
-from tests.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "llama.gguf"
-    write_tiny_gguf(path, "llama", seed=3, n_ctx=512)
-    model, _, _ = load_model(path, NumpyBackend())
-    return model, Tokenizer.from_gguf_fields(GGUFFile(path).fields)
+def tiny(load_tiny):
+    return load_tiny("llama", seed=3, n_ctx=512)
 
 
 def _loop(tiny, slots=4, chunk=8, max_queue=8, blocks=256):

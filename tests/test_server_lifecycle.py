@@ -18,16 +18,11 @@ import numpy as np
 import orjson
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
-from engine.gguf_file import GGUFFile
-from engine.model import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from engine.tokenizer import Tokenizer
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
 from tests.server_harness import running_server
-from tests.tiny_gguf import write_tiny_gguf
 
 CHAT = "/v1/chat/completions"
 PROGRESS = re.compile(r"reading the prompt: (\d+) of (\d+) tokens, (\d+) s so far")
@@ -148,11 +143,8 @@ def test_sigterm_during_a_step_longer_than_a_second_still_ends_the_stream_with_d
 # -- progress and summary lines ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "llama.gguf"
-    write_tiny_gguf(path, "llama", seed=3, n_ctx=512)
-    model, _, _ = load_model(path, NumpyBackend())
-    return model, Tokenizer.from_gguf_fields(GGUFFile(path).fields)
+def tiny(load_tiny):
+    return load_tiny("llama", seed=3, n_ctx=512)
 
 
 class _Records(logging.Handler):
