@@ -44,6 +44,11 @@ class ServerConfig:
     host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)", metavar="ADDR")
     port: int = _opt(8100, "TCP port to listen on (0 picks a free one)")
     batch: int = _opt(4, "number of slots: conversations decoded together")
+    batch_groups: str = _opt("auto", "groups of slots that move through the pipeline stages staggered, so every "
+                                     "stage has work (1..--batch, or auto: one per stage)", metavar="G|auto")
+    layer_split: str = _opt("", "pipeline stages: the first layer of each stage after the first, e.g. 16,32 cuts "
+                                "a 48-layer model into layers 0-15, 16-31, 32-47 (empty: one stage)",
+                            metavar="L[,L...]")
     prefill_chunk: int = _opt(512, "prompt tokens computed per prefill step")
     max_queue: int = _opt(64, "requests allowed to wait for a slot; more get 503")
     ctx_size: int = _opt(8192, f"tokens of context per slot (>= {MIN_CTX_SIZE})")
@@ -78,6 +83,17 @@ class ServerConfig:
         if values["api_key"] is not None:
             values["api_key"] = "***"
         return values
+
+    @property
+    def layer_cuts(self) -> tuple[int, ...]:
+        """--layer-split as integers (checked against the model's layer count at load)."""
+        return tuple(int(v) for v in self.layer_split.split(",") if v.strip()) if self.layer_split else ()
+
+    def groups_for(self, num_stages: int) -> int:
+        """--batch-groups resolved: auto gives each stage a group of its own (at most --batch groups)."""
+        if self.batch_groups == "auto":
+            return min(self.batch, num_stages)
+        return int(self.batch_groups)
 
     def public_model_name(self, model_path: str | os.PathLike[str]) -> str:
         """The model id the API shows: served_model_name, else the stem of the resolved model file."""
@@ -192,6 +208,8 @@ _FIELD_TYPES = _field_types()
 def _convert(name: str, raw: Any, source: str) -> Any:
     """Converts a string (flag, env) or JSON value to the field's type; "" or null means None where allowed."""
     kind, nullable = _FIELD_TYPES[name]
+    if name in _JSON_LIST_OR_INT and isinstance(raw, (list, int)) and not isinstance(raw, bool):
+        raw = ",".join(str(v) for v in raw) if isinstance(raw, list) else str(raw)  # "layer_split": [16, 32]
     if raw is None or (nullable and raw == ""):
         if nullable:
             return None
@@ -209,9 +227,10 @@ def _convert(name: str, raw: Any, source: str) -> Any:
     else:
         raise ValueError(f"{source}: {raw!r} is not {_KIND_WORDS[kind]}")
     choices = ServerConfig.__dataclass_fields__[name].metadata["choices"]
-    return value.lower() if choices else value
+    return value.lower() if choices or name == "batch_groups" else value
 
 
+_JSON_LIST_OR_INT = ("layer_split", "batch_groups")
 _KIND_WORDS = {int: "an integer", float: "a number", str: "a string"}
 
 
@@ -231,6 +250,15 @@ def _validate(cfg: ServerConfig) -> None:
         need(bool(getattr(cfg, name)), f"{flag_name(name)} must not be empty")
     need(0 <= cfg.port <= 65535, f"--port {cfg.port} is out of range; use 1-65535 (or 0 for a free port)")
     need(cfg.batch >= 1, f"--batch must be >= 1 (got {cfg.batch})")
+    groups = cfg.batch_groups
+    need(groups == "auto" or (groups.isdigit() and 1 <= int(groups) <= cfg.batch),
+         f"--batch-groups must be auto or 1..--batch ({cfg.batch}) (got {groups!r})")
+    try:
+        cuts = cfg.layer_cuts
+    except ValueError:
+        cuts = None
+    need(cuts is not None and all(c > 0 for c in cuts) and list(cuts) == sorted(set(cuts)),
+         f"--layer-split {cfg.layer_split!r} must be strictly increasing layer numbers > 0, e.g. 16,32")
     need(cfg.prefill_chunk >= 1, f"--prefill-chunk must be >= 1 (got {cfg.prefill_chunk})")
     need(cfg.max_queue >= 0,
          f"--max-queue must be >= 0 (got {cfg.max_queue}; 0 rejects requests when every slot is busy)")

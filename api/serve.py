@@ -42,7 +42,12 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE).total_bytes
     plan = plan_memory(loaded.info.weight_bytes + num_blocks * bytes_per_block, config.conversation_cache_mib,
                        config.conversation_cache_min_free_mib, bytes_per_block)
-    runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=plan.host_blocks)
+    runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=plan.host_blocks,
+                         layer_split=config.layer_cuts)
+    groups = config.groups_for(len(runner.stages))
+    if len(runner.stages) > 1 or groups > 1:
+        log.info("pipeline: %s; %d batch groups of slots move through them staggered",
+                 ", ".join(s.describe() for s in runner.stages), groups)
     log.info("memory: engine %d MiB, host tier %d MiB reserved (%d blocks), limit %d MiB of which %d MiB in "
              "use elsewhere (%s)", plan.engine_bytes // 2**20, plan.host_tier_bytes // 2**20, plan.host_blocks,
              plan.machine.limit_bytes // 2**20, plan.machine.in_use_bytes // 2**20, plan.machine.source)
@@ -50,7 +55,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     disk = _disk_tier(config, loaded, runner) if config.conversation_cache_dir else None
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
                         max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,
-                        disk=disk)
+                        disk=disk, batch_groups=groups)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens", num_blocks, BLOCK_SIZE,
@@ -115,11 +120,17 @@ def create_server(state: ServerState, port: int | None = None) -> _GracefulServe
     return _GracefulServer(uv_config, state)
 
 
+def blas_threads(num_stages: int) -> int:
+    """BLAS threads per stage worker when not set: the cores shared out among the stages computing at once
+    (OpenBLAS's thread count is process-wide, and two stages each asking for every core oversubscribe)."""
+    return max(1, (os.cpu_count() or 1) // num_stages)
+
+
 def run_server(config: ServerConfig) -> int:
     """Blocking entry point of `strata serve`."""
     from threadpoolctl import threadpool_limits
 
-    threadpool_limits(limits=config.threads or os.cpu_count() or 1, user_api="blas")
+    threadpool_limits(limits=config.threads or blas_threads(len(config.layer_cuts) + 1), user_api="blas")
     log.info("effective configuration", extra={"fields": config.as_log_dict()})
     state = build_state(config)
     create_server(state).run()

@@ -110,6 +110,12 @@ async def slots(state: ServerState, http_request, request_id) -> Response:
 
 
 @endpoint
+async def pipeline(state: ServerState, http_request, request_id) -> Response:
+    """Per-stage busy time, utilization and queue depth, and each batch group's rows and stage."""
+    return JSONResponse(state.engine.pipeline_snapshot())
+
+
+@endpoint
 async def cache(state: ServerState, http_request, request_id) -> Response:
     """The conversation cache per tier: blocks cached / in use / total, parks, restores, drops."""
     usage = state.engine.cache.usage()
@@ -181,6 +187,7 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
         Route("/cache", cache, methods=["GET"]),
+        Route("/pipeline", pipeline, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),

@@ -35,11 +35,30 @@ class Model:
 
         Returns float32 logits [len(batch.logit_rows), vocab] on the host.
         """
+        hidden = self.embed(batch)
+        hidden = self.run_layers(hidden, batch, kv_pool, range(self.config.n_layers))
+        return self.head(hidden)
+
+    # A pipeline stage runs one slice of the three parts below: stage 0 embeds, every stage runs its layer
+    # range against its own KV pool, the last stage applies the head. `hidden` is (x, h): the residual
+    # stream and its norm for the next layer, handed from stage to stage unchanged, so a split model
+    # computes exactly what the whole model computes.
+    def embed(self, batch: BatchMeta) -> tuple:
+        """Token embeddings (x) and the first layer's input norm (h)."""
         c, w, b = self.config, self.weights, self.backend
         x = b.embedding(w.embedding, batch.token_ids, c.embed_scale)  # [T, d]
-        h = b.rms_norm(x, w.layers[0].attn_norm, c.rms_eps)
-        for i, lw in enumerate(w.layers):
-            attn = self._attention(i, h, batch, kv_pool)  # [T, d]
+        return x, b.rms_norm(x, w.layers[0].attn_norm, c.rms_eps)
+
+    def run_layers(self, hidden: tuple, batch: BatchMeta, kv_pool, layers: range) -> tuple:
+        """Layers `layers` (consecutive); kv_pool holds exactly those layers (local index i - layers.start).
+
+        After the model's last layer x is reduced to the rows whose logits are wanted and h is None.
+        """
+        c, w, b = self.config, self.weights, self.backend
+        x, h = hidden
+        for i in layers:
+            lw = w.layers[i]
+            attn = self._attention(i, h, batch, kv_pool, i - layers.start)  # [T, d]
             if lw.post_attn_norm is not None:
                 attn = b.rms_norm(attn, lw.post_attn_norm, c.rms_eps)
             x, h = b.add_rms_norm(x, attn, lw.ffn_norm, c.rms_eps)
@@ -50,11 +69,16 @@ class Model:
             if next_norm is not None:
                 x, h = b.add_rms_norm(x, mlp, next_norm, c.rms_eps)
             else:
-                x = b.gather_rows(x + mlp, batch.logit_rows)  # only rows whose logits are wanted
-        h = b.rms_norm(x, w.output_norm, c.rms_eps)
+                x, h = b.gather_rows(x + mlp, batch.logit_rows), None  # only rows whose logits are wanted
+        return x, h
+
+    def head(self, hidden: tuple) -> np.ndarray:
+        """Final norm and output projection of the model's last layer output -> host logits."""
+        c, w, b = self.config, self.weights, self.backend
+        h = b.rms_norm(hidden[0], w.output_norm, c.rms_eps)
         return b.to_host(b.linear(h, w.output))  # [rows, vocab]
 
-    def _attention(self, i: int, h, batch: BatchMeta, kv_pool):
+    def _attention(self, i: int, h, batch: BatchMeta, kv_pool, pool_layer: int):
         c, lw, b = self.config, self.weights.layers[i], self.backend
         qkv = b.linear(h, lw.wqkv, lw.bqkv)  # [T, (H + 2 KVH) hd]
         q, k, v = b.split_heads(qkv, (c.q_dim, c.kv_dim, c.kv_dim), c.head_dim)  # [T, H|KVH, hd]
@@ -65,9 +89,9 @@ class Model:
         cos_sin = self.weights.rope_local if sliding else self.weights.rope_global
         q = b.rope(q, batch.positions, cos_sin, c.rope_dims)
         k = b.rope(k, batch.positions, cos_sin, c.rope_dims)
-        b.store_kv(kv_pool, i, k, v, batch)
+        b.store_kv(kv_pool, pool_layer, k, v, batch)
         window = c.sliding_window if sliding else 0
-        out = b.attention(q, kv_pool, i, batch, c.attn_scale, window)  # [T, H hd]
+        out = b.attention(q, kv_pool, pool_layer, batch, c.attn_scale, window)  # [T, H hd]
         return b.linear(out, lw.wo)
 
 

@@ -6,13 +6,14 @@ with one pending token is a decode step, a larger n a prefill chunk. One rule co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from engine.batch import build_batch
+from engine.batch import BatchMeta, build_batch
 from engine.kv import BlockAllocator, blocks_needed, layout_for
 from engine.model import Model
+from engine.stages import Stage, split_layers
 
 
 @dataclass
@@ -29,16 +30,39 @@ class Sequence:
 
 
 class ModelRunner:
-    """Owns a model's KV pool and allocator; runs one batched forward over chosen sequences."""
+    """Owns a model's KV pools and allocator; runs one batched forward over chosen sequences.
 
-    def __init__(self, model: Model, num_blocks: int, block_size: int = 16, host_blocks: int = 0):
+    With a layer split (engine/stages.py) the pools are per stage; one allocator hands out block ids that
+    are valid in every stage's pool, and every block operation (copy, park, restore, read, write) acts on
+    all stages, so the conversation cache sees one block whatever the split.
+    """
+
+    def __init__(self, model: Model, num_blocks: int, block_size: int = 16, host_blocks: int = 0,
+                 layer_split: tuple[int, ...] = ()):
         self.model = model
         self.block_size = block_size
-        self.layout = layout_for(model.config, num_blocks, block_size)
-        self.kv_pool = model.backend.create_kv_pool(self.layout)
+        self.layout = layout_for(model.config, num_blocks, block_size)  # whole model: accounting, disk tier
         self.host_layout = layout_for(model.config, host_blocks, block_size)
-        self.host_pool = model.backend.create_host_pool(self.host_layout) if host_blocks else None
+        self.stages = [self._make_stage(i, layers, num_blocks, host_blocks)
+                       for i, layers in enumerate(split_layers(model.config.n_layers, layer_split))]
         self.allocator = BlockAllocator(num_blocks)
+
+    def _make_stage(self, index: int, layers: range, num_blocks: int, host_blocks: int) -> Stage:
+        backend = self.model.backend  # CUDA: one backend (stream, device) per stage
+        layout = replace(self.layout, n_layers=len(layers))
+        host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks)) if host_blocks else None
+        return Stage(index, layers, backend, layout, backend.create_kv_pool(layout), host_pool)
+
+    @property
+    def kv_pool(self):
+        """The whole model's pool when there is one stage (tests and tools that read it directly)."""
+        if len(self.stages) != 1:
+            raise AttributeError("kv_pool is per stage with a layer split: use runner.stages[i].kv_pool")
+        return self.stages[0].kv_pool
+
+    @property
+    def host_pool(self):
+        return self.stages[0].host_pool if len(self.stages) == 1 else [s.host_pool for s in self.stages]
 
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens; False (nothing changed) when the pool is full."""
@@ -53,41 +77,65 @@ class ModelRunner:
 
     def move_blocks(self, parks, restores, copies) -> None:
         """Run a cache allocation's copies in the order that keeps them safe: device -> host parks, then
-        host -> device restores, then device -> device copy-on-write. Only between steps."""
-        backend = self.model.backend
-        if parks:
-            backend.park_blocks(self.kv_pool, self.host_pool, parks)
-        if restores:
-            backend.restore_blocks(self.host_pool, self.kv_pool, restores)
-        if copies:
-            backend.copy_blocks(self.kv_pool, copies)
+        host -> device restores, then device -> device copy-on-write. Only between a block's steps, and in
+        every stage."""
+        for stage in self.stages:
+            backend = stage.backend
+            if parks:
+                backend.park_blocks(stage.kv_pool, stage.host_pool, parks)
+            if restores:
+                backend.restore_blocks(stage.host_pool, stage.kv_pool, restores)
+            if copies:
+                backend.copy_blocks(stage.kv_pool, copies)
 
     def read_block(self, tier: str, index: int):
-        """Copy of one block's (K, V) from the device pool or the host pool, as numpy arrays."""
-        pool = self.kv_pool if tier == "device" else self.host_pool
-        return self.model.backend.read_block(pool, index)
+        """Copy of one block's (K, V) from the device or the host pools, as numpy [layers, KVH, B, hd]."""
+        parts = [s.backend.read_block(s.kv_pool if tier == "device" else s.host_pool, index) for s in self.stages]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])
 
     def write_block(self, device_id: int, k, v) -> None:
-        self.model.backend.write_block(self.kv_pool, device_id, k, v)
+        for stage in self.stages:
+            layers = slice(stage.layers.start, stage.layers.stop)
+            stage.backend.write_block(stage.kv_pool, device_id, k[layers], v[layers])
 
     def release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
 
-    def step(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> np.ndarray:
-        """Compute the next n pending tokens of each (sequence, n); returns logits rows.
-
-        Without all_logits the result has one row per sequence (its last computed token); blocks must
-        already be reserved with ensure_blocks.
-        """
+    def prepare(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> BatchMeta:
+        """The batch that computes the next n pending tokens of each (sequence, n); blocks must already be
+        reserved with ensure_blocks."""
         items = []
         for seq, n in work:
             assert 0 < n <= seq.num_pending, f"asked for {n} tokens of a sequence with {seq.num_pending} pending"
             start = seq.num_computed
             items.append((seq.token_ids[start : start + n], start, np.asarray(seq.block_table, dtype=np.int32)))
-        batch = build_batch(items, self.block_size, all_logits=all_logits)
-        logits = self.model.forward(batch, self.kv_pool)
+        return build_batch(items, self.block_size, all_logits=all_logits)
+
+    def run_stage(self, stage: Stage, batch: BatchMeta, hidden):
+        """One stage's share of a forward: embeds on the first stage, applies the head on the last (then
+        returns host logits), otherwise returns the hidden state for the next stage."""
+        model = self.model
+        if stage.is_first:
+            hidden = model.embed(batch)
+        hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers)
+        return model.head(hidden) if stage.layers.stop == model.config.n_layers else hidden
+
+    @staticmethod
+    def commit(work: list[tuple[Sequence, int]]) -> None:
+        """Count the tokens a finished forward computed (their K/V is now in the blocks)."""
         for seq, n in work:
             seq.num_computed += n
-        return logits
+
+    def step(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> np.ndarray:
+        """Compute the next n pending tokens of each (sequence, n) through every stage in turn; returns
+        logits rows (one per sequence, its last computed token, unless all_logits)."""
+        batch = self.prepare(work, all_logits)
+        hidden = None
+        for stage in self.stages:
+            hidden = self.run_stage(stage, batch, hidden)
+        self.commit(work)
+        return hidden

@@ -1,9 +1,12 @@
 """The engine loop: continuous batching over slots, on the server's one event loop.
 
-Each step packs every decoding request's next token plus at most one prefill chunk into one batched
-forward, so a long prompt delays the others' decode by at most one chunk. The forward (and sampling)
-runs on a single compute thread while the event loop keeps serving HTTP; everything else (admission,
-detokenisation, stop strings, finishing) happens on the loop between steps.
+The running requests are divided into --batch-groups groups (a group is a list of slot rows, never a
+padded range, so every slot keeps its cache whatever the grouping). Each group's step packs its decoding
+requests' next tokens plus at most one prefill chunk into one batched forward, so a long prompt delays the
+others' decode by at most one chunk. Steps run through the pipeline stages of a layer split
+(scheduler/pipeline.py), each stage on a worker of its own, while the event loop keeps serving HTTP; with
+several groups the stages work on different groups at once. Everything else (admission, detokenisation,
+stop strings, finishing) happens on the loop between a group's steps.
 
     submit(request) -> async iterator of Delta      abort(request_id)      shutdown(timeout_s)
 """
@@ -13,7 +16,6 @@ import asyncio
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from engine.sampling import Sampler
@@ -24,9 +26,10 @@ from scheduler.cache_persistence import flush_to_disk, load_disk_index
 from scheduler.disk_tier import DiskTier
 from scheduler.metrics import Metrics
 from scheduler.output import OutputProcessor
+from scheduler.pipeline import Pipeline
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Delta, Request
-from scheduler.step import StepResult, run_step
+from scheduler.step import StepResult, sample_step
 
 log = logging.getLogger("strata.scheduler")
 
@@ -40,11 +43,12 @@ class ShuttingDownError(RuntimeError):
 
 
 class EngineLoop:
-    """Owns the slots, the wait queue and the compute thread of one model."""
+    """Owns the slots, the wait queue, the batch groups and the pipeline of one model."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
                  max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
-                 prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None):
+                 prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
+                 batch_groups: int = 1):
         self.runner = runner
         self.disk = disk
         self.cache = PrefixCache(runner.layout.num_blocks, runner.block_size, enabled=prefix_cache,
@@ -63,7 +67,9 @@ class EngineLoop:
         self._waiting: deque[Request] = deque()
         self._by_id: dict[str, Request] = {}
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="strata-compute")
+        self.num_groups = max(1, min(batch_groups, num_slots))
+        self.pipeline = Pipeline(runner, sample_step, self.metrics)
+        self._in_flight: dict[int, asyncio.Task] = {}  # group -> its step in the pipeline
         self._task: asyncio.Task | None = None
         self._accepting = True
         self.num_steps = 0
@@ -72,6 +78,7 @@ class EngineLoop:
     # -- public interface ---------------------------------------------------------------------------
     def start(self) -> None:
         self.event_loop = asyncio.get_running_loop()
+        self.pipeline.start()
         self._task = self.event_loop.create_task(self._run(), name="strata-engine-loop")
 
     def submit(self, request: Request) -> AsyncIterator[Delta]:
@@ -111,7 +118,8 @@ class EngineLoop:
             await asyncio.sleep(0.01)
         if self._task:
             self._task.cancel()
-        self._executor.shutdown(wait=True)
+        await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+        await self.pipeline.close()  # drains the stages in order
         if self.disk is not None and self.cache.enabled:
             flush_to_disk(self.cache)  # the next start reuses every conversation still cached
 
@@ -124,6 +132,12 @@ class EngineLoop:
     def slots_snapshot(self) -> list[dict]:
         """State of every slot for GET /slots."""
         return [self._slot_info(i, r) for i, r in enumerate(self._slots)]
+
+    def pipeline_snapshot(self) -> dict:
+        """Stages (busy time, queue depth) and groups (row maps, where each is) for GET /pipeline."""
+        groups = [{"group": g, "rows": [r.slot_id for r in self._members(g)], "stage": self.pipeline.where(g)}
+                  for g in range(self.num_groups)]
+        return {"stages": self.pipeline.snapshot(), "groups": groups}
 
     @property
     def queue_depth(self) -> int:
@@ -146,32 +160,44 @@ class EngineLoop:
         while True:
             self._drop_cancelled()
             self._admit()
-            work = self._schedule()
-            if not work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            started = time.perf_counter()
-            try:
-                results = await loop.run_in_executor(self._executor, run_step, self.runner, work)
-            except Exception as exc:  # a failed step fails its requests, never the server
-                log.exception("engine step failed")
-                for request, _ in work:
-                    self._finish(request, "error", error=f"engine step failed: {exc}")
-                continue
+            for group in range(self.num_groups):
+                if group not in self._in_flight:
+                    work = self._schedule(group)
+                    if work:
+                        self._in_flight[group] = loop.create_task(self._step_group(group, work))
+            # Woken by submit/abort and by every group step that ends; no await since the scan above, so
+            # nothing can have set the event in between.
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _step_group(self, group: int, work: list[tuple[Request, int]]) -> None:
+        """One step of one group through the pipeline, then its tokens out; a failure fails only this group."""
+        started = time.perf_counter()
+        try:
+            results = await self.pipeline.run(group, work)
+        except Exception as exc:  # a failed step fails its requests, never the server
+            log.error("engine step failed for group %d: %s", group, exc,
+                      extra={"fields": {"group": group, "error": str(exc)}})
+            for request, _ in work:
+                self._finish(request, "error", error=f"engine step failed: {exc}")
+        else:
             kind = "prefill" if any(n > 1 for _, n in work) else "decode"
             self.metrics.step_seconds.labels(kind).observe(time.perf_counter() - started)
             self.num_steps += 1
             self._postprocess(results)
             if self.integrity_checks:
                 self.cache.check_integrity()
+        finally:
+            del self._in_flight[group]
+            self._wake.set()
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self._waiting if r.is_cancelled]:
             self._waiting.remove(request)
             self._finish(request, "abort")
         for request in [r for r in self._slots if r is not None and r.is_cancelled]:
-            self._finish(request, "abort")
+            if request.group not in self._in_flight:  # in flight: its blocks are being written
+                self._finish(request, "abort")
 
     def _admit(self) -> None:
         """Move waiting requests into free slots: reuse their longest cached prefix, reserve the rest."""
@@ -194,6 +220,8 @@ class EngineLoop:
             request.seq = Sequence(list(request.prompt_ids), allocation.block_table, allocation.cached_tokens)
             request.sampler = Sampler(request.params)
             request.slot_id = self._slots.index(None)
+            # The group with the fewest members, so the groups stay balanced and every stage has work.
+            request.group = min(range(self.num_groups), key=lambda g: (len(self._members(g)), g))
             request.admitted_s = time.perf_counter()
             self._slots[request.slot_id] = request
         self.metrics.queue_depth.set(len(self._waiting))
@@ -202,9 +230,14 @@ class EngineLoop:
         if self.integrity_checks:
             self.cache.check_integrity()
 
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """Every decoding request's next token, plus one prefill chunk of the oldest admitted prompt."""
-        running = sorted((r for r in self._slots if r is not None), key=lambda r: r.admitted_s)
+    def _members(self, group: int) -> list[Request]:
+        """The group's row map: its running requests (slots), in slot order."""
+        return [r for r in self._slots if r is not None and r.group == group]
+
+    def _schedule(self, group: int) -> list[tuple[Request, int]]:
+        """Every decoding request's next token, plus one prefill chunk of the oldest admitted prompt, of one
+        group."""
+        running = sorted(self._members(group), key=lambda r: r.admitted_s)
         work = [(r, 1) for r in running if not r.is_prefilling]
         prefilling = next((r for r in running if r.is_prefilling), None)
         if prefilling is not None:
@@ -250,6 +283,8 @@ class EngineLoop:
             "id": slot_id,
             "state": "prefill" if request.is_prefilling else "decode",
             "request_id": request.request_id,
+            "group": request.group,
+            "pipeline_stage": self.pipeline.where(request.group),
             "prompt_tokens": request.prompt_len,
             "tokens_computed": request.seq.num_computed,
             "generated": len(request.output_ids),

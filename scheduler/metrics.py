@@ -27,6 +27,10 @@ class Metrics:
         self.request_seconds = Histogram(
             "strata_request_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r
         )
+        self.stage_busy_seconds = Counter("strata_stage_busy_seconds", "Time each pipeline stage spent computing",
+                                          ["stage"], registry=r)
+        self.stage_queue_depth = Gauge("strata_stage_queue_depth", "Group steps waiting in front of each stage",
+                                       ["stage"], registry=r)
 
         self.cache_blocks = Gauge("strata_cache_blocks", "Conversation cache blocks by tier and state",
                                   ["tier", "state"], registry=r)

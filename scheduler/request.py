@@ -59,6 +59,7 @@ class Request:
     is_cancelled: bool = False
     is_finished: bool = False
     slot_id: int | None = None
+    group: int = 0  # the batch group (a row map of slots) whose steps carry this request
     admitted_s: float | None = None
     prefill_done_s: float | None = None
     last_progress_s: float | None = None

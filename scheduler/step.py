@@ -1,6 +1,6 @@
-"""One engine step as it runs on the compute thread: the batched forward, then sampling.
+"""The end of one engine step, on the last pipeline stage's worker: sampling from the step's logits.
 
-Sampling runs here too (not on the event loop) because sorting a 50K-entry distribution for top-p is
+Sampling runs there (not on the event loop) because sorting a 50K-entry distribution for top-p is
 milliseconds of numpy that would otherwise stall HTTP handling.
 """
 from __future__ import annotations
@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.sequence import ModelRunner
 from scheduler.request import Request, TokenLogprob
 
 
@@ -20,9 +19,9 @@ class StepResult:
     logprob: TokenLogprob | None = None
 
 
-def run_step(runner: ModelRunner, work: list[tuple[Request, int]]) -> list[StepResult]:
-    """Compute work [(request, new tokens)] and sample a token for every request whose prompt is done."""
-    logits = runner.step([(request.seq, n) for request, n in work])  # [len(work), vocab]
+def sample_step(work: list[tuple[Request, int]], logits: np.ndarray) -> list[StepResult]:
+    """Sample a token for every request of the computed work [(request, new tokens)] whose prompt is done
+    (logits: one row per request)."""
     results = []
     for row, (request, _) in zip(logits, work):
         if request.seq.num_pending:  # prompt chunk that did not reach the end of the prompt

@@ -59,13 +59,13 @@ def test_concurrent_requests_produce_the_tokens_they_produce_alone(tiny):
 
 def test_each_step_carries_at_most_one_prefill_chunk_and_all_decodes(tiny, monkeypatch):
     seen = []
-    real = step_module.run_step
+    real = step_module.sample_step
 
-    def spy(runner, work):
-        seen.append([(r.request_id, n, r.is_prefilling) for r, n in work])
-        return real(runner, work)
+    def spy(work, logits):  # runs after the step's forward: num_computed already counts its tokens
+        seen.append([(r.request_id, n, r.seq.num_computed - n < r.prompt_len) for r, n in work])
+        return real(work, logits)
 
-    monkeypatch.setattr("scheduler.engine_loop.run_step", spy)
+    monkeypatch.setattr("scheduler.engine_loop.sample_step", spy)
 
     async def main():
         loop = _loop(tiny, chunk=8)
@@ -118,16 +118,16 @@ def test_queue_overflow_raises_queue_full(tiny):
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(tiny, monkeypatch):
-    real = step_module.run_step
+    real = step_module.sample_step
     calls = {"n": 0}
 
-    def flaky(runner, work):
+    def flaky(work, logits):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected fault")
-        return real(runner, work)
+        return real(work, logits)
 
-    monkeypatch.setattr("scheduler.engine_loop.run_step", flaky)
+    monkeypatch.setattr("scheduler.engine_loop.sample_step", flaky)
 
     async def main():
         loop = _loop(tiny)

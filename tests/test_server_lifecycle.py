@@ -112,14 +112,14 @@ def test_sigterm_during_a_step_longer_than_a_second_still_ends_the_stream_with_d
     the stream miss uvicorn's graceful-shutdown deadline: the client still gets its final chunk and [DONE]."""
     import scheduler.engine_loop as engine_loop_module
 
-    real_step = engine_loop_module.run_step
+    real_step = engine_loop_module.sample_step
 
-    def slow_prefill_step(runner, work):
+    def slow_prefill_step(work, logits):  # on the pipeline's last stage, inside the step
         if any(n > 1 for _, n in work):
             time.sleep(2.5)  # what a 512-token chunk of a long prompt costs on a small CPU
-        return real_step(runner, work)
+        return real_step(work, logits)
 
-    monkeypatch.setattr(engine_loop_module, "run_step", slow_prefill_step)
+    monkeypatch.setattr(engine_loop_module, "sample_step", slow_prefill_step)
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "Count to a thousand."}],
             "max_tokens": 100, "ignore_eos": True, "stream": True}
     with running_server(smollm2, with_server=True, shutdown_timeout_s=2, ctx_size=1024,
