@@ -1,0 +1,185 @@
+"""Pipeline stages over a layer split: a split model computes exactly what the whole model computes, block
+operations act on every stage, and batch groups (row maps) change no token and keep every slot's cache."""
+import asyncio
+
+import numpy as np
+import pytest
+
+from engine.sampling import Sampler, SamplingParams
+from engine.sequence import ModelRunner, Sequence
+from engine.stages import split_layers
+from scheduler.engine_loop import EngineLoop
+from scheduler.pipeline import Pipeline, StageFailure
+from scheduler.request import Request
+from scheduler.step import sample_step
+
+SPLITS = [(), (2,), (1, 3)]  # one, two and three stages of a 4-layer model
+
+
+@pytest.fixture(scope="module")
+def tiny(load_tiny):
+    return load_tiny("llama", seed=5, n_ctx=512, n_layer=4)
+
+
+def _prompt(n, seed):
+    return np.random.default_rng(seed).integers(3, 250, size=n).tolist()
+
+
+def test_split_layers_cuts_at_the_given_first_layers_and_names_bad_values():
+    assert split_layers(48, ()) == [range(0, 48)]
+    assert split_layers(48, (16, 32)) == [range(0, 16), range(16, 32), range(32, 48)]
+    for bad in [(0,), (48,), (16, 16), (32, 16)]:
+        with pytest.raises(ValueError, match="--layer-split"):
+            split_layers(48, bad)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_a_split_model_computes_bit_identical_logits(load_tiny, arch):
+    model, _ = load_tiny(arch, seed=2, **({} if arch == "gemma3" else {"n_layer": 4}))
+    n = model.config.n_layers
+    prompts = [_prompt(13, 1), _prompt(7, 2)]
+
+    def run(split):
+        runner = ModelRunner(model, 32, 4, layer_split=split)
+        seqs = [Sequence(list(p)) for p in prompts]
+        out = []
+        for chunk in (5, 8, 1, 1):  # chunked prefill, then decode-sized steps
+            work = [(s, min(chunk, s.num_pending)) for s in seqs if s.num_pending]
+            for s, k in work:
+                assert runner.ensure_blocks(s, s.num_computed + k)
+            out.append(runner.step(work))
+            for s in seqs:
+                s.token_ids.append(7)
+        return out
+
+    whole = run(())
+    for split in [(1,), (2, n - 1)]:
+        assert all(np.array_equal(a, b) for a, b in zip(whole, run(split)))
+
+
+def test_block_operations_act_on_every_stage(tiny):
+    model, _ = tiny
+    whole, split = ModelRunner(model, 16, 4, host_blocks=4), ModelRunner(model, 16, 4, host_blocks=4, layer_split=(1, 3))
+    for runner in (whole, split):
+        seq = Sequence(_prompt(8, 3))
+        runner.ensure_blocks(seq, 8)
+        runner.step([(seq, 8)])
+    k, v = whole.read_block("device", 1)
+    sk, sv = split.read_block("device", 1)
+    assert k.shape == (4, 2, 4, 16) and np.array_equal(k, sk) and np.array_equal(v, sv)
+    split.move_blocks([(1, 2)], [], [])  # park block 1 to host slot 2
+    assert np.array_equal(split.read_block("host", 2)[0], k)
+    split.move_blocks([], [(2, 9)], [(1, 10)])  # restore it to block 9, copy block 1 to block 10
+    for block in (9, 10):
+        assert all(np.array_equal(a, b) for a, b in zip(split.read_block("device", block), (k, v)))
+    split.write_block(12, k * 2, v * 3)
+    assert np.array_equal(split.stages[2].kv_pool.k[:, :, 48:52], (k * 2)[3:])  # the last stage's layer
+
+
+def _run_conversations(tiny, split, groups, prompts, max_tokens=10, slots=4, wrap_pipeline=None):
+    """Submit every prompt at once; returns (token lists, finish reasons, peak groups in flight, loop)."""
+    model, tokenizer = tiny
+    peak = {"groups": 0}
+
+    async def main():
+        loop = EngineLoop(ModelRunner(model, 256, 4, layer_split=split), tokenizer, num_slots=slots,
+                          prefill_chunk=8, max_queue=16, integrity_checks=True, batch_groups=groups)
+        real_run = loop.pipeline.run
+
+        async def counting_run(group, work):
+            peak["groups"] = max(peak["groups"], len(loop.pipeline._jobs) + 1)
+            return await real_run(group, work)
+
+        loop.pipeline.run = counting_run
+        if wrap_pipeline:
+            wrap_pipeline(loop.pipeline)
+        loop.start()
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        streams = [loop.submit(Request(f"c{i}", p, params)) for i, p in enumerate(prompts)]
+
+        async def collect(stream):
+            tokens, last = [], None
+            async for delta in stream:
+                tokens += delta.token_ids
+                last = delta
+            return tokens, last.finish_reason
+
+        results = await asyncio.gather(*[collect(s) for s in streams])
+        loop.cache.check_integrity()
+        await loop.shutdown(1)
+        return results, loop
+
+    results, loop = asyncio.run(main())
+    return [t for t, _ in results], [r for _, r in results], peak["groups"], loop
+
+
+@pytest.fixture(scope="module")
+def unpipelined(tiny):
+    prompts = [_prompt(n, seed=n) for n in (3, 21, 30, 9)]
+    tokens, _, _, _ = _run_conversations(tiny, (), 1, prompts)
+    return prompts, tokens
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("split", SPLITS)
+def test_pipelined_greedy_outputs_equal_the_unpipelined_loop(tiny, unpipelined, split, groups):
+    prompts, expected = unpipelined
+    tokens, reasons, peak, loop = _run_conversations(tiny, split, groups, prompts)
+    assert tokens == expected and reasons == ["length"] * 4
+    assert peak == groups  # the groups really were in the pipeline at once
+    stats = loop.pipeline.snapshot()
+    assert len(stats) == len(split) + 1 and len({s["jobs"] for s in stats}) == 1  # every step crossed every stage
+
+
+def test_a_stage_that_fails_on_one_group_fails_only_that_group(tiny, unpipelined):
+    prompts, expected = unpipelined
+    state = {"failed": False}
+
+    def inject(pipeline: Pipeline):
+        real = pipeline._compute
+
+        def compute(index, job):
+            if index == 1 and not state["failed"] and any(r.request_id == "c1" for r, _ in job.work):
+                state["failed"] = True
+                raise RuntimeError("injected stage fault")
+            return real(index, job)
+
+        pipeline._compute = compute
+
+    tokens, reasons, _, loop = _run_conversations(tiny, (2,), 4, prompts, wrap_pipeline=inject)
+    assert state["failed"] and reasons == ["length", "error", "length", "length"]
+    assert [tokens[i] for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
+    assert loop.pipeline.snapshot()[1]["failures"] == 1 and loop.cache.num_free == 256
+
+
+def test_close_drains_the_stages_in_order(tiny):
+    model, _ = tiny
+    runner = ModelRunner(model, 64, 4, layer_split=(1, 3))
+    order = []
+
+    def finish(work, logits):
+        order.append(len(work))
+        return sample_step(work, logits)
+
+    async def main():
+        pipeline = Pipeline(runner, finish)
+        pipeline.start()
+        jobs = []
+        for g, n in enumerate((5, 9)):
+            request = Request(f"r{g}", _prompt(n, g), SamplingParams(temperature=0, max_tokens=1))
+            request.seq = Sequence(list(request.prompt_ids))
+            runner.ensure_blocks(request.seq, n)
+            request.sampler = Sampler(request.params)
+            jobs.append(asyncio.ensure_future(pipeline.run(g, [(request, n)])))
+        await asyncio.sleep(0)
+        await pipeline.close()  # both jobs were queued: close lets them through every stage first
+        return [j.result()[0].token for j in jobs], pipeline
+
+    tokens, pipeline = asyncio.run(main())
+    assert all(isinstance(t, int) for t in tokens) and order == [1, 1]
+    assert [s["jobs"] for s in pipeline.snapshot()] == [2, 2, 2]
+
+
+def test_stage_failure_names_the_stage():
+    failure = StageFailure(2, ValueError("bad shape"))
+    assert "stage 2" in str(failure) and "bad shape" in str(failure) and failure.stage == 2

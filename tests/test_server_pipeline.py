@@ -1,0 +1,40 @@
+"""The server with a layer split and batch groups, on the real model: the agent workload computes only what
+is new, the stages show up in /pipeline, /slots and /metrics, and the disk tier survives a restart with a
+different split (a cached block is the whole model's, whatever the stages)."""
+import httpx
+import pytest
+
+from tests.server_harness import running_server
+from tests.test_server_cache import _assert_ideal, _chat, _workload
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_three_stage_pipeline_with_one_slot_per_group_computes_only_what_is_new(smollm2):
+    # The seeds' failing case: --batch N --batch-groups N (one slot per group) under a layer split.
+    with running_server(smollm2, batch=2, batch_groups="2", layer_split="10,20", ctx_size=1024) as (url, state):
+        checks = _workload(url, smollm2)
+        pipeline = httpx.get(url + "/pipeline").json()
+        slots = httpx.get(url + "/slots").json()
+        metrics = httpx.get(url + "/metrics").text
+        state.engine.cache.check_integrity()
+    _assert_ideal(checks)
+    assert [s["layers"] for s in pipeline["stages"]] == [[0, 9], [10, 19], [20, 29]]
+    assert all(s["jobs"] > 0 and s["busy_seconds"] > 0 and s["queue_depth"] == 0 for s in pipeline["stages"])
+    assert [g["group"] for g in pipeline["groups"]] == [0, 1]
+    assert all("group" in s or s["state"] == "idle" for s in slots)
+    assert 'strata_stage_busy_seconds_total{stage="2"}' in metrics and "strata_stage_queue_depth" in metrics
+
+
+def test_the_disk_tier_is_shared_by_different_layer_splits(smollm2, tmp_path):
+    messages = [{"role": "user", "content": "Write two sentences about lighthouses."}]
+    with running_server(smollm2, batch=1, ctx_size=512, layer_split="15",
+                        conversation_cache_dir=str(tmp_path)) as (url, _):
+        reply, first = _chat(url, messages)
+    follow_up = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}]
+    with running_server(smollm2, batch=1, ctx_size=512, layer_split="7,21",
+                        conversation_cache_dir=str(tmp_path)) as (url, state):
+        _, usage = _chat(url, follow_up)
+        state.engine.cache.check_integrity()
+        loads = state.engine.cache.stats["disk_loads"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] and loads > 0
