@@ -1,11 +1,12 @@
 // Quantised matrix-vector products for decode (T = 1..8 token rows): y[t, r] = dot(dequant(W[r]), x[t]) + bias[r].
 //
-// One warp per output row, MATVEC_ROWS_PER_CTA warps per CTA. Lane l walks the row's 8-element chunks
-// l, l + 32, l + 64, ...: consecutive lanes read consecutive bytes of the row, so every warp-wide load is one
-// contiguous span of the weight stream (the quantity that bounds decode). Each chunk is dequantised in registers
-// and dotted with all T rows of x at once, so the weight is read once per launch whatever T is; x (at most
-// 8 rows) is read through L1/L2, where it stays hot because every warp reads the same x. A warp-shuffle
-// reduction finishes each row. The weight never exists in full precision anywhere.
+// One warp per MATVEC_ROWS_PER_WARP consecutive output rows, MATVEC_WARPS_PER_CTA warps per CTA. Lane l walks
+// the rows' 8-element chunks l, l + 32, l + 64, ...: consecutive lanes read consecutive bytes of a row, so each
+// warp-wide load is one contiguous span of the weight stream (the quantity that bounds decode). A chunk is
+// dequantised in registers and dotted with all T rows of x at once, so the weight is read once per launch
+// whatever T is. x is read through L1/L2 (every warp reads the same x); the 4 rows a warp owns share each x
+// load, because at 4-5 bits a weight an unshared fp32 x chunk would be ~7x the bytes of its weight chunk and
+// L1, not HBM, would set the pace. Warp-shuffle reductions finish the rows. No full-precision weight exists.
 //
 // Launch: see cuda_kernels/matvec_quant.py (geometry). ABI: docs/CUDA_KERNELS.md.
 
@@ -184,49 +185,71 @@ struct BlockQ6_K {
 };
 // ==== END GGUF BLOCK DECODERS ====
 
-constexpr int MATVEC_ROWS_PER_CTA = 4;  // warps per CTA, one output row each
-constexpr int MATVEC_MAX_T = 8;         // accumulators per lane; larger T goes to gemm_<q>
+constexpr int MATVEC_WARPS_PER_CTA = 4;
+constexpr int MATVEC_ROWS_PER_WARP = 4;  // rows sharing each x load (see the header comment)
+constexpr int MATVEC_MAX_T = 8;          // accumulators per row and lane; larger T goes to gemm_<q>
+static_assert(MATVEC_ROWS_PER_WARP * MATVEC_MAX_T == 32, "one lane per (row, token) writes the results");
 
-// Requires in % Block::QK == 0 and in % 8 == 0; T <= MATVEC_MAX_T.
+// Requires in % Block::QK == 0, in % 8 == 0 and 1 <= T <= MATVEC_MAX_T.
 template <class Block>
 __device__ __forceinline__ void matvec(float* y, const unsigned char* W, const float* x, const float* bias,
                                        int T, int out, int in, int ld_y) {
     constexpr int CHUNKS_PER_BLOCK = Block::QK / 8;
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * MATVEC_ROWS_PER_CTA + (threadIdx.x >> 5);
-    if (row >= out) return;  // the whole warp leaves together, so the shuffles below stay full-warp
-    const unsigned char* w_row = W + (size_t)row * (in / Block::QK) * Block::BYTES;
+    const int row0 = (blockIdx.x * MATVEC_WARPS_PER_CTA + (threadIdx.x >> 5)) * MATVEC_ROWS_PER_WARP;
+    if (row0 >= out) return;  // the whole warp leaves together, so the shuffles below stay full-warp
+    const int n_rows = min(MATVEC_ROWS_PER_WARP, out - row0);
+    const size_t row_bytes = (size_t)(in / Block::QK) * Block::BYTES;
+    const unsigned char* w_rows = W + row0 * row_bytes;
     const int n_chunks = in / 8;
 
-    float acc[MATVEC_MAX_T];
+    float acc[MATVEC_ROWS_PER_WARP][MATVEC_MAX_T];
 #pragma unroll
-    for (int t = 0; t < MATVEC_MAX_T; ++t) acc[t] = 0.0f;
+    for (int i = 0; i < MATVEC_ROWS_PER_WARP * MATVEC_MAX_T; ++i) (&acc[0][0])[i] = 0.0f;
 
     for (int chunk = lane; chunk < n_chunks; chunk += 32) {
-        float w[8];
-        Block::decode8(w_row + (chunk / CHUNKS_PER_BLOCK) * Block::BYTES, chunk % CHUNKS_PER_BLOCK, w);
+        // Decode this chunk of all the warp's rows first: their loads are independent and all in flight at once.
+        const int block_offset = (chunk / CHUNKS_PER_BLOCK) * Block::BYTES, sub = chunk % CHUNKS_PER_BLOCK;
+        float w[MATVEC_ROWS_PER_WARP][8];
+#pragma unroll
+        for (int r = 0; r < MATVEC_ROWS_PER_WARP; ++r) {
+            if (r < n_rows) {
+                Block::decode8(w_rows + r * row_bytes + block_offset, sub, w[r]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) w[r][i] = 0.0f;
+            }
+        }
 #pragma unroll
         for (int t = 0; t < MATVEC_MAX_T; ++t) {
             if (t < T) {
                 const float4* xp = (const float4*)(x + (size_t)t * in + 8 * chunk);
-                float4 a = xp[0], b = xp[1];
-                acc[t] += w[0] * a.x + w[1] * a.y + w[2] * a.z + w[3] * a.w
-                        + w[4] * b.x + w[5] * b.y + w[6] * b.z + w[7] * b.w;
+                const float4 a = xp[0], b = xp[1];
+#pragma unroll
+                for (int r = 0; r < MATVEC_ROWS_PER_WARP; ++r)
+                    acc[r][t] += w[r][0] * a.x + w[r][1] * a.y + w[r][2] * a.z + w[r][3] * a.w
+                               + w[r][4] * b.x + w[r][5] * b.y + w[r][6] * b.z + w[r][7] * b.w;
             }
         }
     }
 
-    // Butterfly reduction: afterwards every lane holds the full sums; lane t writes token row t, so the
-    // (up to 8) stores of a row go out in one instruction instead of eight from lane 0.
+    // Butterfly reductions leave every sum in every lane; lane r * MATVEC_MAX_T + t keeps (row r, token t),
+    // so all of the warp's outputs are stored by one instruction.
     float mine = 0.0f;
 #pragma unroll
-    for (int t = 0; t < MATVEC_MAX_T; ++t) {
-        float sum = acc[t];
+    for (int r = 0; r < MATVEC_ROWS_PER_WARP; ++r) {
 #pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
-        if (lane == t) mine = sum;  // constant index into acc[] keeps it in registers
+        for (int t = 0; t < MATVEC_MAX_T; ++t) {
+            if (t < T) {  // warp-uniform, so the shuffles stay full-warp
+                float sum = acc[r][t];
+#pragma unroll
+                for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
+                if (lane == r * MATVEC_MAX_T + t) mine = sum;  // constant indices keep acc[][] in registers
+            }
+        }
     }
-    if (lane < T) y[(size_t)lane * ld_y + row] = mine + (bias ? bias[row] : 0.0f);
+    const int r = lane / MATVEC_MAX_T, t = lane % MATVEC_MAX_T;
+    if (r < n_rows && t < T) y[(size_t)t * ld_y + row0 + r] = mine + (bias ? bias[row0 + r] : 0.0f);
 }
 
 extern "C" __global__ void matvec_f32(float* y, const unsigned char* W, const float* x, const float* bias,

@@ -1,13 +1,15 @@
 """Launch geometry of matvec_quant.cu (`matvec_<q>`, decode: T = 1..8 token rows).
 
-One warp per output row, MATVEC_ROWS_PER_CTA warps per CTA; no dynamic shared memory (x is read through
-the caches, every warp reads the same rows of it).
+4 warps per CTA, 4 consecutive output rows per warp (16 rows a CTA); no dynamic shared memory (x is read
+through the caches, every warp reads the same rows of it).
 """
 from __future__ import annotations
 
 from cuda_kernels.quant_types import MATVEC_MAX_T
 
-MATVEC_ROWS_PER_CTA = 4   # must match MATVEC_ROWS_PER_CTA in matvec_quant.cu
+MATVEC_WARPS_PER_CTA = 4   # must match matvec_quant.cu
+MATVEC_ROWS_PER_WARP = 4
+MATVEC_ROWS_PER_CTA = MATVEC_WARPS_PER_CTA * MATVEC_ROWS_PER_WARP
 WARP_SIZE = 32
 
 Dim3 = tuple[int, int, int]
@@ -24,4 +26,4 @@ def geometry(kernel: str, *, T: int, out: int, in_: int, ld_y: int) -> tuple[Dim
     if out <= 0 or in_ <= 0 or ld_y < out:
         raise ValueError(f"{kernel}: need out > 0, in > 0 and ld_y >= out, got out={out} in={in_} ld_y={ld_y}")
     grid = ((out + MATVEC_ROWS_PER_CTA - 1) // MATVEC_ROWS_PER_CTA, 1, 1)
-    return grid, (MATVEC_ROWS_PER_CTA * WARP_SIZE, 1, 1), 0
+    return grid, (MATVEC_WARPS_PER_CTA * WARP_SIZE, 1, 1), 0

@@ -82,7 +82,8 @@ def test_matvec_serves_decode_and_gemm_everything_larger():
 
 def test_geometry_covers_every_row_and_token():
     grid, block, shared = matvec_quant.geometry("matvec_q4_1", T=8, out=257, in_=512, ld_y=300)
-    assert grid[0] * block[0] // 32 >= 257 and shared == 0
+    assert grid[0] * matvec_quant.MATVEC_ROWS_PER_CTA >= 257 > (grid[0] - 1) * matvec_quant.MATVEC_ROWS_PER_CTA
+    assert block == (128, 1, 1) and shared == 0
     grid, block, shared = gemm_quant.geometry("gemm_q4_1", T=130, out=257, in_=512, ld_y=257)
     assert grid[0] * gemm_quant.GEMM_BM >= 257 and grid[1] * gemm_quant.GEMM_BN >= 130
     with pytest.raises(ValueError):
