@@ -3,9 +3,9 @@
 // Computed as y^T = W . x^T so that the weight is the row-major A operand and x the "col" B operand of
 // mma.sync.m16n8k16.row.col.f32.f16.f16.f32, both stored exactly as they sit in memory (rows of k).
 // A CTA owns a GEMM_BM x GEMM_BN tile of (output features x token rows); 4 warps in a 2 x 2 grid each own
-// 32 x 32 of it (2 m16 x 4 n8 fragments, 32 fp32 accumulators a lane). Per GEMM_BK step of k every thread
-// dequantises two 8-element weight chunks straight from the GGUF blocks into the fp16 shared tile, converts
-// four float4 of x to fp16, and the warps run 2 x 8 MMAs. Rows past `out` and tokens past `T` are zero-filled
+// 32 x 32 of it (2 m16 x 4 n8 fragments, 32 fp32 accumulators a lane). Per GEMM_BK = 64 step of k every
+// thread dequantises four 8-element weight chunks straight from the GGUF blocks into the fp16 shared tile,
+// converts eight float4 of x to fp16, and each warp runs 4 x 8 MMAs. Rows past `out` and tokens past `T` are zero-filled
 // in the tiles and masked in the epilogue, so any T and out work; `in` must be a multiple of the block size
 // (and of 8). fp16 inputs: weights and activations must stay within +-65504 (GGUF scales are fp16 anyway).
 //
@@ -188,7 +188,7 @@ struct BlockQ6_K {
 
 constexpr int GEMM_BM = 64;                // output features per CTA
 constexpr int GEMM_BN = 64;                // token rows per CTA
-constexpr int GEMM_BK = 32;                // k per shared-memory stage
+constexpr int GEMM_BK = 64;                // k per shared-memory stage
 constexpr int GEMM_THREADS = 128;          // 4 warps, 2 x 2 over the tile
 constexpr int GEMM_STRIDE = GEMM_BK + 8;   // fp16 per tile row; the 8-half pad makes the fragment loads of the
                                            // 8 lane groups hit 8 distinct 4-bank sets (no bank conflicts)
@@ -206,14 +206,17 @@ __device__ __forceinline__ void mma_f16_f32(float* c, const unsigned* a, const u
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Weight tile [GEMM_BM][GEMM_BK] for k in [k0, k0 + GEMM_BK): 4 chunks of 8 per row, 2 chunks a thread.
+// Weight tile [GEMM_BM][GEMM_BK] for k in [k0, k0 + GEMM_BK): 8 chunks of 8 per row, 4 chunks a thread.
+// Fixed trip counts let the compiler issue all of a thread's loads before the first decode needs one.
 template <class Block>
 __device__ __forceinline__ void load_weight_tile(unsigned short (*tile)[GEMM_STRIDE], const unsigned char* W,
                                                  int row0, int k0, int out, int in) {
     constexpr int CHUNKS_PER_ROW = GEMM_BK / 8;
+    static_assert(GEMM_BM * CHUNKS_PER_ROW % GEMM_THREADS == 0, "whole chunks per thread");
     const size_t row_bytes = (size_t)(in / Block::QK) * Block::BYTES;
 #pragma unroll
-    for (int i = threadIdx.x; i < GEMM_BM * CHUNKS_PER_ROW; i += GEMM_THREADS) {
+    for (int j = 0; j < GEMM_BM * CHUNKS_PER_ROW / GEMM_THREADS; ++j) {
+        const int i = threadIdx.x + j * GEMM_THREADS;
         const int r = i / CHUNKS_PER_ROW, k = k0 + 8 * (i % CHUNKS_PER_ROW);
         float w[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         if (row0 + r < out && k < in)
@@ -223,13 +226,15 @@ __device__ __forceinline__ void load_weight_tile(unsigned short (*tile)[GEMM_STR
     }
 }
 
-// Activation tile [GEMM_BN][GEMM_BK]: 8 float4 per token row, 4 a thread; consecutive threads read
+// Activation tile [GEMM_BN][GEMM_BK]: 16 float4 per token row, 8 a thread; consecutive threads read
 // consecutive 16 bytes of a row.
 __device__ __forceinline__ void load_activation_tile(unsigned short (*tile)[GEMM_STRIDE], const float* x,
                                                      int tok0, int k0, int T, int in) {
     constexpr int VEC_PER_ROW = GEMM_BK / 4;
+    static_assert(GEMM_BN * VEC_PER_ROW % GEMM_THREADS == 0, "whole float4s per thread");
 #pragma unroll
-    for (int i = threadIdx.x; i < GEMM_BN * VEC_PER_ROW; i += GEMM_THREADS) {
+    for (int j = 0; j < GEMM_BN * VEC_PER_ROW / GEMM_THREADS; ++j) {
+        const int i = threadIdx.x + j * GEMM_THREADS;
         const int n = i / VEC_PER_ROW, k = k0 + 4 * (i % VEC_PER_ROW);
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (tok0 + n < T && k < in) v = *(const float4*)(x + (size_t)(tok0 + n) * in + k);

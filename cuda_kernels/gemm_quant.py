@@ -1,7 +1,7 @@
 """Launch geometry of gemm_quant.cu (`gemm_<q>`, prefill: tensor-core products for any T).
 
 A CTA computes a GEMM_BM x GEMM_BN tile of (output features x token rows) with 4 warps; its two fp16 tiles
-are static shared memory (10 KiB), so no dynamic shared memory is requested.
+are static shared memory (18 KiB), so no dynamic shared memory is requested.
 """
 from __future__ import annotations
 
