@@ -127,7 +127,7 @@ def _run(device, kind, type_name, raw, x, bias, out, col, ld_y):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("kind, token_counts, tolerance",
-                         [("matvec", (1, 3, 8), 1e-4), ("gemm", (17, 64, 130), 1e-2)])
+                         [("matvec", (1, 3, 8), 1e-4), ("gemm", (17, 64, 130), 1e-2)], ids=["matvec", "gemm"])
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
 def test_kernel_matches_gguf_dequantised_product(device, type_name, kind, token_counts, tolerance):
     rng = np.random.default_rng(0)
