@@ -1,0 +1,346 @@
+// Quantised matrix products for prefill (large T) on tensor cores: y[t, r] = dot(dequant(W[r]), x[t]) + bias[r].
+//
+// Computed as y^T = W . x^T so that the weight is the row-major A operand and x the "col" B operand of
+// mma.sync.m16n8k16.row.col.f32.f16.f16.f32, both stored exactly as they sit in memory (rows of k).
+// A CTA owns a GEMM_BM x GEMM_BN tile of (output features x token rows); 4 warps in a 2 x 2 grid each own
+// 32 x 32 of it (2 m16 x 4 n8 fragments, 32 fp32 accumulators a lane). Per GEMM_BK = 64 step of k every
+// thread dequantises four 8-element weight chunks straight from the GGUF blocks into the fp16 shared tile,
+// converts eight float4 of x to fp16, and each warp runs 4 x 8 MMAs. Rows past `out` and tokens past `T` are zero-filled
+// in the tiles and masked in the epilogue, so any T and out work; `in` must be a multiple of the block size
+// (and of 8). fp16 inputs: weights and activations must stay within +-65504 (GGUF scales are fp16 anyway).
+//
+// Launch: see cuda_kernels/gemm_quant.py (geometry). ABI: docs/CUDA_KERNELS.md. Needs sm_80+ (mma, f16x2 cvt).
+
+// ==== BEGIN GGUF BLOCK DECODERS ====
+// Shared verbatim by matvec_quant.cu and gemm_quant.cu (NVRTC gets no include path, so the two copies are
+// kept identical by tests/test_quant_kernels.py). Layouts follow ggml-common.h / gguf/quants.py.
+//
+// Every type exposes the same interface, so the kernels are written once:
+//   QK     elements per block (the float types use a virtual block of 8 elements)
+//   BYTES  bytes per block; row r of an [out, in] weight starts at W + r * (in / QK) * BYTES
+//   decode8(block, chunk, w)  writes elements [8 * chunk, 8 * chunk + 8) of the block to w[0..7]
+// Eight elements is the unit because it is the widest run every layout stores contiguously
+// (a Q4 nibble run of 8, a 16-byte f16 vector, one quarter of a Q8_0 block).
+
+__device__ __forceinline__ float f16_bits_to_f32(unsigned short bits) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
+    return value;
+}
+
+__device__ __forceinline__ float bf16_bits_to_f32(unsigned short bits) {
+    return __uint_as_float((unsigned)bits << 16);
+}
+
+__device__ __forceinline__ unsigned short load_u16(const unsigned char* p) {
+    return *(const unsigned short*)p;
+}
+
+// 8 bytes at a 2-byte-aligned address (Q4_0, Q5_0, Q8_0 and Q6_K blocks are only 2-byte aligned in a row).
+__device__ __forceinline__ uint2 load8_align2(const unsigned char* p) {
+    const unsigned short* h = (const unsigned short*)p;
+    return make_uint2(h[0] | ((unsigned)h[1] << 16), h[2] | ((unsigned)h[3] << 16));
+}
+
+// Byte i (0..7, little-endian) of an 8-byte load.
+__device__ __forceinline__ unsigned byte_of(uint2 v, int i) {
+    return ((i < 4 ? v.x : v.y) >> (8 * (i & 3))) & 0xFFu;
+}
+
+struct BlockF32 {
+    static constexpr int QK = 8, BYTES = 32;
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int, float* w) {
+        float4 lo = ((const float4*)b)[0], hi = ((const float4*)b)[1];
+        w[0] = lo.x; w[1] = lo.y; w[2] = lo.z; w[3] = lo.w;
+        w[4] = hi.x; w[5] = hi.y; w[6] = hi.z; w[7] = hi.w;
+    }
+};
+
+struct BlockF16 {
+    static constexpr int QK = 8, BYTES = 16;
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int, float* w) {
+        uint4 v = *(const uint4*)b;
+        unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[2 * i] = f16_bits_to_f32(words[i] & 0xFFFFu);
+            w[2 * i + 1] = f16_bits_to_f32(words[i] >> 16);
+        }
+    }
+};
+
+struct BlockBF16 {
+    static constexpr int QK = 8, BYTES = 16;
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int, float* w) {
+        uint4 v = *(const uint4*)b;
+        unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            w[2 * i] = __uint_as_float(words[i] << 16);
+            w[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+        }
+    }
+};
+
+// Q4_0: {f16 d; u8 qs[16]}; element j < 16 is the low nibble of qs[j], element j + 16 the high nibble.
+// w = d * (q - 8).
+struct BlockQ4_0 {
+    static constexpr int QK = 32, BYTES = 18;
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int chunk, float* w) {
+        float d = f16_bits_to_f32(load_u16(b));
+        uint2 qs = load8_align2(b + 2 + 8 * (chunk & 1));
+        int shift = 4 * (chunk >> 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = d * (float)((int)((byte_of(qs, i) >> shift) & 0xFu) - 8);
+    }
+};
+
+// Q4_1: {f16 d; f16 m; u8 qs[16]}, nibbles as Q4_0; w = d * q + m. 20-byte blocks are 4-byte aligned.
+struct BlockQ4_1 {
+    static constexpr int QK = 32, BYTES = 20;
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int chunk, float* w) {
+        unsigned dm = *(const unsigned*)b;
+        float d = f16_bits_to_f32(dm & 0xFFFFu), m = f16_bits_to_f32(dm >> 16);
+        const unsigned* qp = (const unsigned*)(b + 4 + 8 * (chunk & 1));
+        uint2 qs = make_uint2(qp[0], qp[1]);
+        int shift = 4 * (chunk >> 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = d * (float)((byte_of(qs, i) >> shift) & 0xFu) + m;
+    }
+};
+
+// Q5_0: {f16 d; u8 qh[4]; u8 qs[16]}; the low 4 bits as Q4_0, bit 4 of element j is bit j of the
+// little-endian u32 qh. w = d * (q - 16).
+struct BlockQ5_0 {
+    static constexpr int QK = 32, BYTES = 22;
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int chunk, float* w) {
+        float d = f16_bits_to_f32(load_u16(b));
+        unsigned qh = load_u16(b + 2) | ((unsigned)load_u16(b + 4) << 16);
+        uint2 qs = load8_align2(b + 6 + 8 * (chunk & 1));
+        int shift = 4 * (chunk >> 1);
+        unsigned high = qh >> (8 * chunk);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            unsigned q = ((byte_of(qs, i) >> shift) & 0xFu) | (((high >> i) & 1u) << 4);
+            w[i] = d * (float)((int)q - 16);
+        }
+    }
+};
+
+// Q8_0: {f16 d; i8 qs[32]}; w = d * q.
+struct BlockQ8_0 {
+    static constexpr int QK = 32, BYTES = 34;
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int chunk, float* w) {
+        float d = f16_bits_to_f32(load_u16(b));
+        uint2 qs = load8_align2(b + 2 + 8 * chunk);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = d * (float)(signed char)byte_of(qs, i);
+    }
+};
+
+// Q4_K: {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]}: 8 sub-blocks of 32 elements, each with its own 6-bit
+// scale and 6-bit min (a per-32 scale is what lets 4 bits track the weight's local range), packed as in
+// get_scale_min_k4. Sub-block s is the low (s even) or high (s odd) nibbles of qs[32 * (s / 2) ..][0..32).
+// w = d * scale[s] * q - dmin * min[s]. 144-byte blocks are 16-byte aligned, so qs loads are 8-byte loads.
+struct BlockQ4_K {
+    static constexpr int QK = 256, BYTES = 144;
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int chunk, float* w) {
+        unsigned d_dmin = *(const unsigned*)b;
+        const unsigned char* scales = b + 4;
+        int sub = chunk >> 2;
+        unsigned scale6, min6;
+        if (sub < 4) {
+            scale6 = scales[sub] & 63u;
+            min6 = scales[sub + 4] & 63u;
+        } else {  // low 4 bits in scales[sub + 4], top 2 bits in the spare bits 6..7 of scales[sub - 4] / [sub]
+            scale6 = (scales[sub + 4] & 0xFu) | ((scales[sub - 4] >> 6) << 4);
+            min6 = (scales[sub + 4] >> 4) | ((scales[sub] >> 6) << 4);
+        }
+        float scale = f16_bits_to_f32(d_dmin & 0xFFFFu) * (float)scale6;
+        float offset = f16_bits_to_f32(d_dmin >> 16) * (float)min6;
+        uint2 qs = *(const uint2*)(b + 16 + 32 * (sub >> 1) + 8 * (chunk & 3));
+        int shift = 4 * (sub & 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = scale * (float)((byte_of(qs, i) >> shift) & 0xFu) - offset;
+    }
+};
+
+// Q6_K: {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d}: two halves of 128 elements. In half h, element r
+// takes its low 4 bits from ql[64h + r % 64] (low nibble for r < 64, high nibble otherwise) and its top
+// 2 bits from qh[32h + r % 32] at bit 2 * (r / 32). w = d * scales[e / 16] * (q - 32), one int8 scale per 16.
+struct BlockQ6_K {
+    static constexpr int QK = 256, BYTES = 210;
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int chunk, float* w) {
+        int half = chunk >> 4;
+        uint2 ql = load8_align2(b + 64 * half + 8 * (chunk & 7));
+        uint2 qh = load8_align2(b + 128 + 32 * half + 8 * (chunk & 3));
+        int low_shift = 4 * ((chunk >> 3) & 1);
+        int high_shift = 2 * ((chunk >> 2) & 3);
+        float scale = f16_bits_to_f32(load_u16(b + 208)) * (float)(signed char)b[192 + (chunk >> 1)];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            unsigned q = ((byte_of(ql, i) >> low_shift) & 0xFu) | (((byte_of(qh, i) >> high_shift) & 3u) << 4);
+            w[i] = scale * (float)((int)q - 32);
+        }
+    }
+};
+// ==== END GGUF BLOCK DECODERS ====
+
+constexpr int GEMM_BM = 64;                // output features per CTA
+constexpr int GEMM_BN = 64;                // token rows per CTA
+constexpr int GEMM_BK = 64;                // k per shared-memory stage
+constexpr int GEMM_THREADS = 128;          // 4 warps, 2 x 2 over the tile
+constexpr int GEMM_STRIDE = GEMM_BK + 8;   // fp16 per tile row; the 8-half pad makes the fragment loads of the
+                                           // 8 lane groups hit 8 distinct 4-bank sets (no bank conflicts)
+
+__device__ __forceinline__ unsigned pack_f16x2(float low, float high) {
+    unsigned packed;  // cvt.rn.f16x2.f32 puts its first source in the upper half
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+    return packed;
+}
+
+__device__ __forceinline__ void mma_f16_f32(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Weight tile [GEMM_BM][GEMM_BK] for k in [k0, k0 + GEMM_BK): 8 chunks of 8 per row, 4 chunks a thread.
+// Fixed trip counts let the compiler issue all of a thread's loads before the first decode needs one.
+template <class Block>
+__device__ __forceinline__ void load_weight_tile(unsigned short (*tile)[GEMM_STRIDE], const unsigned char* W,
+                                                 int row0, int k0, int out, int in) {
+    constexpr int CHUNKS_PER_ROW = GEMM_BK / 8;
+    static_assert(GEMM_BM * CHUNKS_PER_ROW % GEMM_THREADS == 0, "whole chunks per thread");
+    const size_t row_bytes = (size_t)(in / Block::QK) * Block::BYTES;
+#pragma unroll
+    for (int j = 0; j < GEMM_BM * CHUNKS_PER_ROW / GEMM_THREADS; ++j) {
+        const int i = threadIdx.x + j * GEMM_THREADS;
+        const int r = i / CHUNKS_PER_ROW, k = k0 + 8 * (i % CHUNKS_PER_ROW);
+        float w[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (row0 + r < out && k < in)
+            Block::decode8(W + (row0 + r) * row_bytes + (k / Block::QK) * Block::BYTES, (k % Block::QK) / 8, w);
+        *(uint4*)&tile[r][k - k0] = make_uint4(pack_f16x2(w[0], w[1]), pack_f16x2(w[2], w[3]),
+                                               pack_f16x2(w[4], w[5]), pack_f16x2(w[6], w[7]));
+    }
+}
+
+// Activation tile [GEMM_BN][GEMM_BK]: 16 float4 per token row, 8 a thread; consecutive threads read
+// consecutive 16 bytes of a row.
+__device__ __forceinline__ void load_activation_tile(unsigned short (*tile)[GEMM_STRIDE], const float* x,
+                                                     int tok0, int k0, int T, int in) {
+    constexpr int VEC_PER_ROW = GEMM_BK / 4;
+    static_assert(GEMM_BN * VEC_PER_ROW % GEMM_THREADS == 0, "whole float4s per thread");
+#pragma unroll
+    for (int j = 0; j < GEMM_BN * VEC_PER_ROW / GEMM_THREADS; ++j) {
+        const int i = threadIdx.x + j * GEMM_THREADS;
+        const int n = i / VEC_PER_ROW, k = k0 + 4 * (i % VEC_PER_ROW);
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (tok0 + n < T && k < in) v = *(const float4*)(x + (size_t)(tok0 + n) * in + k);
+        *(uint2*)&tile[n][k - k0] = make_uint2(pack_f16x2(v.x, v.y), pack_f16x2(v.z, v.w));
+    }
+}
+
+template <class Block>
+__device__ __forceinline__ void gemm(float* y, const unsigned char* W, const float* x, const float* bias,
+                                     int T, int out, int in, int ld_y) {
+    __shared__ __align__(16) unsigned short w_tile[GEMM_BM][GEMM_STRIDE];
+    __shared__ __align__(16) unsigned short x_tile[GEMM_BN][GEMM_STRIDE];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int group = lane >> 2, quad = lane & 3;  // PTX "groupID" and "threadID_in_group"
+    const int row0 = blockIdx.x * GEMM_BM, tok0 = blockIdx.y * GEMM_BN;
+    const int warp_m = 32 * (warp & 1), warp_n = 32 * (warp >> 1);
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2 * 4 * 4; ++i) (&acc[0][0][0])[i] = 0.0f;
+
+    for (int k0 = 0; k0 < in; k0 += GEMM_BK) {
+        load_weight_tile<Block>(w_tile, W, row0, k0, out, in);
+        load_activation_tile(x_tile, x, tok0, k0, T, in);
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < GEMM_BK; kk += 16) {
+            // Fragments as in the PTX ISA (m16n8k16, .f16): A reg j holds row group (+8 for j odd) and
+            // k 2*quad (+8 for j >= 2); B reg j holds k 2*quad (+8 for j = 1) of column group.
+            unsigned a[2][4], b[4][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                const int r = warp_m + 16 * mi + group;
+                a[mi][0] = *(const unsigned*)&w_tile[r][kk + 2 * quad];
+                a[mi][1] = *(const unsigned*)&w_tile[r + 8][kk + 2 * quad];
+                a[mi][2] = *(const unsigned*)&w_tile[r][kk + 2 * quad + 8];
+                a[mi][3] = *(const unsigned*)&w_tile[r + 8][kk + 2 * quad + 8];
+            }
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+                const int n = warp_n + 8 * ni + group;
+                b[ni][0] = *(const unsigned*)&x_tile[n][kk + 2 * quad];
+                b[ni][1] = *(const unsigned*)&x_tile[n][kk + 2 * quad + 8];
+            }
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+                for (int ni = 0; ni < 4; ++ni) mma_f16_f32(acc[mi][ni], a[mi], b[ni]);
+        }
+        __syncthreads();  // the next stage overwrites the tiles
+    }
+
+    // Accumulator c[j] of fragment (mi, ni): feature row warp_m + 16 mi + group (+8 for j >= 2),
+    // token warp_n + 8 ni + 2 quad (+1 for j odd).
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = row0 + warp_m + 16 * mi + group + 8 * half;
+            if (r >= out) continue;
+            const float b_r = bias ? bias[r] : 0.0f;
+#pragma unroll
+            for (int ni = 0; ni < 4; ++ni) {
+#pragma unroll
+                for (int odd = 0; odd < 2; ++odd) {
+                    const int t = tok0 + warp_n + 8 * ni + 2 * quad + odd;
+                    if (t < T) y[(size_t)t * ld_y + r] = acc[mi][ni][2 * half + odd] + b_r;
+                }
+            }
+        }
+    }
+}
+
+extern "C" __global__ void gemm_f32(float* y, const unsigned char* W, const float* x, const float* bias,
+                                         int T, int out, int in, int ld_y) {
+    gemm<BlockF32>(y, W, x, bias, T, out, in, ld_y);
+}
+extern "C" __global__ void gemm_f16(float* y, const unsigned char* W, const float* x, const float* bias,
+                                         int T, int out, int in, int ld_y) {
+    gemm<BlockF16>(y, W, x, bias, T, out, in, ld_y);
+}
+extern "C" __global__ void gemm_bf16(float* y, const unsigned char* W, const float* x, const float* bias,
+                                          int T, int out, int in, int ld_y) {
+    gemm<BlockBF16>(y, W, x, bias, T, out, in, ld_y);
+}
+extern "C" __global__ void gemm_q4_0(float* y, const unsigned char* W, const float* x, const float* bias,
+                                          int T, int out, int in, int ld_y) {
+    gemm<BlockQ4_0>(y, W, x, bias, T, out, in, ld_y);
+}
+extern "C" __global__ void gemm_q4_1(float* y, const unsigned char* W, const float* x, const float* bias,
+                                          int T, int out, int in, int ld_y) {
+    gemm<BlockQ4_1>(y, W, x, bias, T, out, in, ld_y);
+}
+extern "C" __global__ void gemm_q5_0(float* y, const unsigned char* W, const float* x, const float* bias,
+                                          int T, int out, int in, int ld_y) {
+    gemm<BlockQ5_0>(y, W, x, bias, T, out, in, ld_y);
+}
+extern "C" __global__ void gemm_q8_0(float* y, const unsigned char* W, const float* x, const float* bias,
+                                          int T, int out, int in, int ld_y) {
+    gemm<BlockQ8_0>(y, W, x, bias, T, out, in, ld_y);
+}
+extern "C" __global__ void gemm_q4_k(float* y, const unsigned char* W, const float* x, const float* bias,
+                                          int T, int out, int in, int ld_y) {
+    gemm<BlockQ4_K>(y, W, x, bias, T, out, in, ld_y);
+}
+extern "C" __global__ void gemm_q6_k(float* y, const unsigned char* W, const float* x, const float* bias,
+                                          int T, int out, int in, int ld_y) {
+    gemm<BlockQ6_K>(y, W, x, bias, T, out, in, ld_y);
+}
