@@ -43,22 +43,24 @@ class Model:
     # range against its own KV pool, the last stage applies the head. `hidden` is (x, h): the residual
     # stream and its norm for the next layer, handed from stage to stage unchanged, so a split model
     # computes exactly what the whole model computes.
-    def embed(self, batch: BatchMeta) -> tuple:
+    def embed(self, batch: BatchMeta, backend: Backend | None = None) -> tuple:
         """Token embeddings (x) and the first layer's input norm (h)."""
-        c, w, b = self.config, self.weights, self.backend
+        c, w, b = self.config, self.weights, backend or self.backend
         x = b.embedding(w.embedding, batch.token_ids, c.embed_scale)  # [T, d]
         return x, b.rms_norm(x, w.layers[0].attn_norm, c.rms_eps)
 
-    def run_layers(self, hidden: tuple, batch: BatchMeta, kv_pool, layers: range) -> tuple:
+    def run_layers(self, hidden: tuple, batch: BatchMeta, kv_pool, layers: range,
+                   backend: Backend | None = None) -> tuple:
         """Layers `layers` (consecutive); kv_pool holds exactly those layers (local index i - layers.start).
 
         After the model's last layer x is reduced to the rows whose logits are wanted and h is None.
+        `backend`: a stage's own handle on the weights' backend (CUDA: its stream); default the model's.
         """
-        c, w, b = self.config, self.weights, self.backend
+        c, w, b = self.config, self.weights, backend or self.backend
         x, h = hidden
         for i in layers:
             lw = w.layers[i]
-            attn = self._attention(i, h, batch, kv_pool, i - layers.start)  # [T, d]
+            attn = self._attention(b, i, h, batch, kv_pool, i - layers.start)  # [T, d]
             if lw.post_attn_norm is not None:
                 attn = b.rms_norm(attn, lw.post_attn_norm, c.rms_eps)
             x, h = b.add_rms_norm(x, attn, lw.ffn_norm, c.rms_eps)
@@ -72,14 +74,14 @@ class Model:
                 x, h = b.gather_rows(x + mlp, batch.logit_rows), None  # only rows whose logits are wanted
         return x, h
 
-    def head(self, hidden: tuple) -> np.ndarray:
+    def head(self, hidden: tuple, backend: Backend | None = None) -> np.ndarray:
         """Final norm and output projection of the model's last layer output -> host logits."""
-        c, w, b = self.config, self.weights, self.backend
+        c, w, b = self.config, self.weights, backend or self.backend
         h = b.rms_norm(hidden[0], w.output_norm, c.rms_eps)
         return b.to_host(b.linear(h, w.output))  # [rows, vocab]
 
-    def _attention(self, i: int, h, batch: BatchMeta, kv_pool, pool_layer: int):
-        c, lw, b = self.config, self.weights.layers[i], self.backend
+    def _attention(self, b: Backend, i: int, h, batch: BatchMeta, kv_pool, pool_layer: int):
+        c, lw = self.config, self.weights.layers[i]
         qkv = b.linear(h, lw.wqkv, lw.bqkv)  # [T, (H + 2 KVH) hd]
         q, k, v = b.split_heads(qkv, (c.q_dim, c.kv_dim, c.kv_dim), c.head_dim)  # [T, H|KVH, hd]
         if lw.q_norm is not None:

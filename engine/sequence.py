@@ -48,7 +48,9 @@ class ModelRunner:
         self.allocator = BlockAllocator(num_blocks)
 
     def _make_stage(self, index: int, layers: range, num_blocks: int, host_blocks: int) -> Stage:
-        backend = self.model.backend  # CUDA: one backend (stream, device) per stage
+        backend = self.model.backend
+        if hasattr(backend, "for_stage"):
+            backend = backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own
         layout = replace(self.layout, n_layers=len(layers))
         host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks)) if host_blocks else None
         return Stage(index, layers, backend, layout, backend.create_kv_pool(layout), host_pool)
@@ -120,9 +122,9 @@ class ModelRunner:
         returns host logits), otherwise returns the hidden state for the next stage."""
         model = self.model
         if stage.is_first:
-            hidden = model.embed(batch)
-        hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers)
-        return model.head(hidden) if stage.layers.stop == model.config.n_layers else hidden
+            hidden = model.embed(batch, stage.backend)
+        hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers, stage.backend)
+        return model.head(hidden, stage.backend) if stage.layers.stop == model.config.n_layers else hidden
 
     @staticmethod
     def commit(work: list[tuple[Sequence, int]]) -> None:
