@@ -87,7 +87,11 @@ class ModelRunner:
             start = seq.num_computed
             items.append((seq.token_ids[start : start + n], start, np.asarray(seq.block_table, dtype=np.int32)))
         batch = build_batch(items, self.block_size, all_logits=all_logits)
-        logits = self.model.forward(batch, self.kv_pool)
+        run_forward = getattr(self.model.backend, "run_forward", None)  # cuda: graph replay of decode steps
+        if run_forward is not None:
+            logits = run_forward(self.model, batch, self.kv_pool)
+        else:
+            logits = self.model.forward(batch, self.kv_pool)
         for seq, n in work:
             seq.num_computed += n
         return logits
