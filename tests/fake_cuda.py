@@ -80,7 +80,10 @@ class FakeDriver:
         return getattr(self._thread, "context", None) is not None
     def cuMemGetInfo(self): return (OK, ARENA_BYTES, 2 * ARENA_BYTES)
     def cuMemAlloc(self, nbytes): return (OK, self._buffer(nbytes))
-    def cuMemHostAlloc(self, nbytes, flags): return (OK, self._buffer(nbytes))
+    def cuMemHostAlloc(self, nbytes, flags):
+        if not self.has_context():
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT, 0)
+        return (OK, self._buffer(nbytes))
     def cuMemFreeHost(self, ptr): self._keep.pop(int(ptr)); return (OK,)
 
     # -- work on streams (recorded while the stream is being captured)

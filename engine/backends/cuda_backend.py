@@ -140,6 +140,7 @@ class CudaBackend(CudaOps):
         return CudaKVPool(self, layout)
 
     def create_host_pool(self, layout: KVLayout) -> CudaHostPool:
+        self.device.ensure_current()  # pinned memory belongs to the context current in this thread
         return CudaHostPool(layout)
 
     def to_host(self, x: DeviceArray) -> np.ndarray:
