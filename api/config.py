@@ -20,8 +20,8 @@ from typing import Any
 
 LOG_FORMATS = ("kv", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-# The cuda backend adds itself here when it exists; accepting it earlier would fail later, at model load.
-BACKENDS = ("numpy",)
+# auto: cuda when cuda-python, a driver and a device are there, else numpy (engine/loader.choose_backend).
+BACKENDS = ("auto", "numpy", "cuda")
 MIN_CTX_SIZE = 16
 ENV_PREFIX = "STRATA_"
 # Names the config file path, like --config; not a field, so it never reaches ServerConfig.
@@ -68,7 +68,7 @@ class ServerConfig:
     log_format: str = _opt("kv", "log line format", LOG_FORMATS)
     log_level: str = _opt("info", "lowest level logged", LOG_LEVELS)
     threads: int | None = _opt(None, "BLAS threads (unset: all cores)")
-    backend: str = _opt("numpy", "compute backend", BACKENDS)
+    backend: str = _opt("auto", "compute backend (auto: cuda when a GPU is usable, else numpy)", BACKENDS)
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM/Ctrl+C, seconds to finish in-flight requests before "
                                            "cancelling them")
     progress_interval_s: float = _opt(5.0, "seconds between progress lines of a long prefill")

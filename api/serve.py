@@ -30,7 +30,7 @@ STEP_GRACE_S = 30.0  # after --shutdown-timeout-s, time for the engine step in f
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
     """Load the model (unless given) and wire runner, engine loop and metrics for one server."""
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
-                                  max_positions=config.ctx_size)
+                                  max_positions=config.ctx_size, backend_name=config.backend)
     if config.ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
                     config.ctx_size, loaded.model.config.context_length)
@@ -67,7 +67,8 @@ def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -
     """The disk tier, keyed by the model file's identity and everything that changes the KV bytes."""
     layout = runner.layout
     identity = model_file_identity(loaded.path)
-    key = cache_key(identity, (config.backend, layout.block_size, layout.n_layers, layout.n_kv_heads,
+    # The backend actually running (never "auto"): KV written by numpy and by cuda may differ in the last bits.
+    key = cache_key(identity, (loaded.model.backend.name, layout.block_size, layout.n_layers, layout.n_kv_heads,
                                layout.head_dim, layout.dtype))
     block_shape = (layout.n_layers, layout.n_kv_heads, layout.block_size, layout.head_dim)
     capacity = int(config.conversation_cache_disk_mib * 2**20) // layout.bytes_per_block

@@ -1,4 +1,4 @@
-"""Reading a GGUF file: metadata as plain Python values, tensors dequantised to float32.
+"""Reading a GGUF file: metadata as plain Python values, tensors dequantised to float32 or as raw rows.
 
 Dequantisation is delegated to the `gguf` package (the reference Python implementation maintained next to
 llama.cpp), so every quant type it knows is supported; anything else fails at open time, naming the tensor.
@@ -74,6 +74,19 @@ class GGUFFile:
             data = gguf_quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         # GGUF lists dims innermost-first; numpy wants them outermost-first.
         return np.ascontiguousarray(data.reshape(self.tensor_shape(name)))
+
+    def tensor_raw(self, name: str) -> tuple[GGMLQuantizationType, np.ndarray]:
+        """(type, rows as stored): a uint8 view [rows, row_bytes] of the memory-mapped file, no copy.
+
+        Row r holds output row r of an [out, in] matrix as whole quant blocks (or plain F32/F16 values),
+        so row selections and permutations apply to these bytes as to the dequantised rows.
+        """
+        if name not in self._tensors:
+            raise KeyError(f"tensor {name!r} not found in {self.path.name}")
+        t = self._tensors[name]
+        n_rows = self.tensor_shape(name)[0]
+        data = np.asarray(t.data)
+        return GGMLQuantizationType(t.tensor_type), data.view(np.uint8).reshape(n_rows, -1)
 
     def _check_tensor_types(self) -> None:
         supported = supported_quant_types()

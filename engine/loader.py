@@ -1,6 +1,7 @@
 """One call from a model name or path to everything needed to run it: model, tokenizer, chat template."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,6 +10,9 @@ from engine.chat_template import ChatTemplate
 from engine.model import LoadInfo, Model, load_model
 from engine.model_store import resolve_model
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("strata.loader")
+BACKEND_NAMES = ("auto", "numpy", "cuda")
 
 
 @dataclass
@@ -23,13 +27,48 @@ class LoadedModel:
         return self.info.path
 
 
-def create_backend(name: str = "numpy") -> Backend:
-    """The backend called `name`; only numpy exists for now."""
-    if name in ("numpy", "auto"):
-        from engine.backends.numpy_backend import NumpyBackend
+def choose_backend(name: str, device: int | None = None) -> tuple[str, str]:
+    """(backend to use, why) for a requested name: auto means cuda when cuda-python imports, the driver
+    initialises and the device exists, else numpy. Raises ValueError for cuda without a usable device."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKEND_NAMES)}")
+    if name == "numpy":
+        return "numpy", "asked for (--backend numpy)"
+    from engine.backends.cuda_device import probe
 
-        return NumpyBackend()
-    raise ValueError(f"unknown backend {name!r}; available: numpy")
+    available, reason = probe(device or 0)
+    if available:
+        return "cuda", reason
+    if name == "cuda":
+        raise ValueError(f"--backend cuda: {reason}; use --backend auto or numpy to run on the CPU")
+    return "numpy", reason
+
+
+def create_backend(name: str = "numpy", stage: int = 0, device: int | None = None) -> Backend:
+    """The backend `name` (auto, numpy, cuda) for pipeline stage `stage` on GPU `device` (default 0).
+
+    Logs which backend was picked and why. Several cuda backends on one device (one per stage) share its
+    context, memory arena and kernels; each has its own stream. Every kernel is compiled (or read from the
+    on-disk cache) here, so a broken toolchain is a start-up error, not a failure at the first request.
+    """
+    chosen, reason = choose_backend(name, device)
+    if chosen == "cuda":
+        try:
+            from engine.backends.cuda_backend import CudaBackend
+
+            backend = CudaBackend(device=device or 0, stage=stage)
+            backend.kernels.load_all()
+        except Exception as exc:
+            if name == "cuda":
+                raise ValueError(f"--backend cuda: the CUDA backend could not start: {exc}") from exc
+            chosen, reason = "numpy", f"CUDA backend could not start ({type(exc).__name__}: {exc})"
+        else:
+            log.info("backend cuda (stage %d): %s", stage, reason)
+            return backend
+    from engine.backends.numpy_backend import NumpyBackend
+
+    log.info("backend numpy: %s", reason)
+    return NumpyBackend()
 
 
 def open_model(
@@ -38,10 +77,12 @@ def open_model(
     chat_template_path: str | None = None,
     max_positions: int | None = None,
     fetch: bool = True,
+    backend_name: str = "numpy",
 ) -> LoadedModel:
-    """Resolve (fetching if needed), load and wrap a model. Raises ValueError on unsupported files."""
+    """Resolve (fetching if needed), load and wrap a model on `backend` (default: create_backend(backend_name)).
+    Raises ValueError on unsupported files."""
     path = resolve_model(name_or_path, fetch=fetch)
-    model, gguf, info = load_model(path, backend or create_backend(), max_positions)
+    model, gguf, info = load_model(path, backend or create_backend(backend_name), max_positions)
     tokenizer = Tokenizer.from_gguf_fields(gguf.fields)
     template = ChatTemplate.from_gguf_fields(gguf.fields, model.config.arch, chat_template_path)
     return LoadedModel(model, tokenizer, template, info)

@@ -120,11 +120,22 @@ class ModelRunner:
     def run_stage(self, stage: Stage, batch: BatchMeta, hidden):
         """One stage's share of a forward: embeds on the first stage, applies the head on the last (then
         returns host logits), otherwise returns the hidden state for the next stage."""
-        model = self.model
+        model, backend, last = self.model, stage.backend, stage.layers.stop == self.model.config.n_layers
+        run_forward = getattr(backend, "run_forward", None)  # cuda: graph replay of whole decode steps
+        if stage.is_first and last and run_forward is not None:
+            return run_forward(model, batch, stage.kv_pool)
         if stage.is_first:
-            hidden = model.embed(batch, stage.backend)
-        hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers, stage.backend)
-        return model.head(hidden, stage.backend) if stage.layers.stop == model.config.n_layers else hidden
+            hidden = model.embed(batch, backend)
+        elif hasattr(backend, "receive_hidden"):  # cuda: into this stage's own workspace, on its stream
+            hidden = backend.receive_hidden(hidden, batch)
+        hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers, backend)
+        if last:
+            return model.head(hidden, backend)
+        # The hand-off buffer: a stage's workspace is reused by its next job while the next stage still
+        # reads this one, so a backend with device memory hands over a host copy (what crossing to another
+        # GPU needs anyway); numpy hands over its arrays as they are.
+        send = getattr(backend, "send_hidden", None)
+        return send(hidden) if send is not None else hidden
 
     @staticmethod
     def commit(work: list[tuple[Sequence, int]]) -> None:

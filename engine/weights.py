@@ -4,6 +4,9 @@ Two conversions happen here, once, so the forward pass stays the plain math:
 - llama.cpp's converter interleaves the rows of Q and K for the llama arch (its RoPE rotates adjacent
   pairs); we undo that permutation so every arch uses the half-split (NeoX) rotation.
 - Q/K/V and gate/up are fused into one matrix each (one matmul instead of three / two per layer).
+
+A backend with `upload_linear_quantized` (CUDA) gets the linears as raw GGUF rows instead of float32
+(engine/quant_weights.py): the same un-permutation and fusion, applied to the quant blocks.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import numpy as np
 from engine.backends.base import Array, Backend
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile
+from engine.quant_weights import QuantizedLinearLoader
 
 
 @dataclass
@@ -60,8 +64,9 @@ def rope_tables(base: float, rope_dims: int, max_positions: int, linear_scale: f
 
 
 def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_positions: int) -> ModelWeights:
-    """Dequantise every tensor to float32 and hand it to the backend in model layout."""
+    """Hand every tensor to the backend in model layout: float32, or linears as raw rows (see above)."""
     c = config
+    quantized = QuantizedLinearLoader(gguf, backend) if hasattr(backend, "upload_linear_quantized") else None
 
     def t(name: str) -> np.ndarray:
         return gguf.tensor(name)
@@ -69,32 +74,42 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
     def opt(name: str) -> np.ndarray | None:
         return gguf.tensor(name) if gguf.has_tensor(name) else None
 
+    def linear(names: list[str], unpermute_heads: list[int] | None = None) -> Array:
+        """The row-stack of `names` as one linear; unpermute_heads[i] > 0 un-permutes part i's Q/K rows."""
+        heads = unpermute_heads or [0] * len(names)
+        if quantized is not None:
+            return quantized.linear(names, heads)
+        mats = [unpermute_qk(t(n), h) if h else t(n) for n, h in zip(names, heads)]
+        return backend.upload_linear(mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0))
+
+    qk_heads = [c.n_heads, c.n_kv_heads, 0] if c.permuted_qk else None
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
-        wq, wk, wv = t(p + "attn_q.weight"), t(p + "attn_k.weight"), t(p + "attn_v.weight")
-        if c.permuted_qk:
-            wq, wk = unpermute_qk(wq, c.n_heads), unpermute_qk(wk, c.n_kv_heads)
         bias = None
         if c.has_qkv_bias:
             bias = np.concatenate([t(p + "attn_q.bias"), t(p + "attn_k.bias"), t(p + "attn_v.bias")])
         layers.append(
             LayerWeights(
                 attn_norm=backend.upload(t(p + "attn_norm.weight")),
-                wqkv=backend.upload_linear(np.concatenate([wq, wk, wv], axis=0)),
+                wqkv=linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], qk_heads),
                 bqkv=None if bias is None else backend.upload(bias),
                 q_norm=backend.upload(t(p + "attn_q_norm.weight")) if c.has_qk_norm else None,
                 k_norm=backend.upload(t(p + "attn_k_norm.weight")) if c.has_qk_norm else None,
-                wo=backend.upload_linear(t(p + "attn_output.weight")),
+                wo=linear([p + "attn_output.weight"]),
                 post_attn_norm=backend.upload(t(p + "post_attention_norm.weight")) if c.has_post_norms else None,
                 ffn_norm=backend.upload(t(p + "ffn_norm.weight")),
-                w_gate_up=backend.upload_linear(np.concatenate([t(p + "ffn_gate.weight"), t(p + "ffn_up.weight")])),
-                w_down=backend.upload_linear(t(p + "ffn_down.weight")),
+                w_gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                w_down=linear([p + "ffn_down.weight"]),
                 post_ffn_norm=backend.upload(t(p + "post_ffw_norm.weight")) if c.has_post_norms else None,
             )
         )
     embedding = t("token_embd.weight")
-    output = opt("output.weight")
+    output_name = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"  # tied
+    if quantized is not None:
+        output = linear([output_name])
+    else:  # the float path reuses the embedding it already dequantised
+        output = backend.upload_linear(embedding if output_name == "token_embd.weight" else t(output_name))
     freq_factors = opt("rope_freqs.weight")
     rope_global = rope_tables(c.rope_base, c.rope_dims, max_positions, c.rope_linear_scale, freq_factors)
     rope_local = rope_global
@@ -104,7 +119,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
         embedding=backend.upload(embedding),
         layers=layers,
         output_norm=backend.upload(t("output_norm.weight")),
-        output=backend.upload_linear(embedding if output is None else output),
+        output=output,
         rope_global=(backend.upload(rope_global[0]), backend.upload(rope_global[1])),
         rope_local=(backend.upload(rope_local[0]), backend.upload(rope_local[1])),
     )

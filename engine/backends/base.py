@@ -4,6 +4,12 @@ The model file (engine/model.py) calls only these, so the same code runs on nump
 default) and, later, on CUDA. Arrays are backend-owned handles; `to_host` brings one back as numpy.
 Weights are uploaded once in the backend's preferred form (`upload_linear` takes the [out, in] float32
 matrix as stored in GGUF; a backend may keep it transposed, quantised or on a device).
+
+Optional capabilities, looked up with getattr (the numpy backend has none of them):
+- `upload_linear_quantized(parts)` and `supports_quant_type(tensor_type)`: linears arrive as raw GGUF rows
+  (engine/quant_weights.LinearPart), never dequantised (engine/weights.py);
+- `run_forward(model, batch, pool)`: runs model.forward its own way (cuda: CUDA-graph replay of decode steps);
+  engine/sequence.ModelRunner calls it when present.
 """
 from __future__ import annotations
 

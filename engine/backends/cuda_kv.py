@@ -1,0 +1,163 @@
+"""The KV pool on the device, its pinned host tier, and the block copies between them.
+
+Device pool: one float32 allocation [layers, 2 (K, V), KVH, num_slots, hd] (docs/CUDA_KERNELS.md); a block
+is block_size consecutive slots, i.e. one contiguous run of block_elems = block_size * hd floats in each of
+the planes = layers * 2 * KVH planes. Host pool: pinned memory, block-major [num_blocks, planes, block_elems],
+so a parked block is one contiguous piece and a run of host slots one copy:
+
+    park:    pool --gather_kv_blocks--> device staging [n, planes, block_elems] --DtoH per run--> host
+    restore: host --HtoD per run--> device staging --scatter_kv_blocks--> pool
+
+These run on the backend's copy stream, ordered after the compute stream's work and before its next step.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backends.cuda_device import PinnedBuffer
+from engine.kv import KVLayout
+
+STAGING_BLOCKS = 64  # blocks moved per gather/scatter round (bounds the device staging buffer)
+
+
+def planes_of(layout: KVLayout) -> int:
+    return layout.n_layers * 2 * layout.n_kv_heads
+
+
+def block_bytes(layout: KVLayout) -> int:
+    return planes_of(layout) * layout.block_size * layout.head_dim * 4
+
+
+class CudaKVPool:
+    """The device pool of one stage. `layer_k(l)` / `layer_v(l)` are the pool_layer_k/v kernel arguments."""
+
+    def __init__(self, backend, layout: KVLayout):
+        assert layout.dtype == "float32", f"the CUDA KV pool is float32, not {layout.dtype}"
+        self.layout = layout
+        self.planes = planes_of(layout)
+        self.block_elems = layout.block_size * layout.head_dim
+        self.storage = backend.upload_zeros(layout.total_bytes, f"KV pool of {layout.num_blocks} blocks")
+        self.ptr = self.storage.ptr
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total_bytes
+
+    def layer_k(self, layer: int) -> int:
+        lay = self.layout
+        return self.ptr + (layer * 2) * lay.n_kv_heads * lay.num_slots * lay.head_dim * 4
+
+    def layer_v(self, layer: int) -> int:
+        lay = self.layout
+        return self.ptr + (layer * 2 + 1) * lay.n_kv_heads * lay.num_slots * lay.head_dim * 4
+
+
+class CudaHostPool:
+    """Pinned host blocks, committed at creation (cuMemHostAlloc pins, and so commits, every page)."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        self.block_bytes = block_bytes(layout)
+        self.buffer = PinnedBuffer(self.block_bytes * layout.num_blocks)
+        self.ptr = self.buffer.ptr
+        lay = layout
+        self.blocks = self.buffer.view(np.float32, (lay.num_blocks, lay.n_layers, 2, lay.n_kv_heads,
+                                                    lay.block_size, lay.head_dim))
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+
+def runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """(position in the list, first index, count) of maximal runs of consecutive indices."""
+    out: list[tuple[int, int, int]] = []
+    for i, value in enumerate(indices):
+        if out and out[-1][1] + out[-1][2] == value and out[-1][0] + out[-1][2] == i:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, value, 1))
+    return out
+
+
+def chunks(pairs: list[tuple[int, int]], size: int = STAGING_BLOCKS):
+    for i in range(0, len(pairs), size):
+        yield pairs[i : i + size]
+
+
+class KVTransfers:
+    """Block copies of one backend: copy-on-write, park, restore, and one-block reads/writes (disk tier)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.device = backend.device
+
+    def copy_blocks(self, pool: CudaKVPool, pairs: list[tuple[int, int]]) -> None:
+        with self.backend.on_copy_stream():
+            self._copy(pool, pairs)
+
+    def park(self, pool: CudaKVPool, host: CudaHostPool, pairs: list[tuple[int, int]]) -> None:
+        with self.backend.on_copy_stream():
+            self._park(pool, host, pairs)
+
+    def restore(self, host: CudaHostPool, pool: CudaKVPool, pairs: list[tuple[int, int]]) -> None:
+        with self.backend.on_copy_stream():
+            self._restore(host, pool, pairs)
+
+    def _copy(self, pool: CudaKVPool, pairs: list[tuple[int, int]]) -> None:
+        b = self.backend
+        for part in chunks(pairs, 4096):
+            src = b.index_array(np.array([s for s, _ in part], dtype=np.int32))
+            dst = b.index_array(np.array([d for _, d in part], dtype=np.int32))
+            b.launch("copy_kv_blocks_f32", pool=pool.ptr, src_blocks=src, dst_blocks=dst, n_pairs=len(part),
+                     planes=pool.planes, num_slots=pool.layout.num_slots, block_elems=pool.block_elems)
+        b.synchronize()
+
+    def _park(self, pool: CudaKVPool, host: CudaHostPool, pairs: list[tuple[int, int]]) -> None:
+        """(device block, host slot) pairs: gather on the device, then one DtoH copy per run of host slots."""
+        b, nbytes = self.backend, host.block_bytes
+        staging = b.empty((min(len(pairs), STAGING_BLOCKS) * nbytes // 4,))
+        for part in chunks(pairs):
+            blocks = b.index_array(np.array([d for d, _ in part], dtype=np.int32))
+            self._kernel("gather_kv_blocks_f32", staging, pool, blocks, len(part))
+            for first, slot, count in runs([h for _, h in part]):
+                self.device.dtoh(host.ptr + slot * nbytes, staging.ptr + first * nbytes, count * nbytes,
+                                 b.current_stream)
+            b.synchronize()  # the staging buffer is reused by the next chunk, and the caller reads host now
+
+    def _restore(self, host: CudaHostPool, pool: CudaKVPool, pairs: list[tuple[int, int]]) -> None:
+        """(host slot, device block) pairs: one HtoD copy per run of host slots, then scatter on the device."""
+        b, nbytes = self.backend, host.block_bytes
+        staging = b.empty((min(len(pairs), STAGING_BLOCKS) * nbytes // 4,))
+        for part in chunks(pairs):
+            for first, slot, count in runs([h for h, _ in part]):
+                self.device.htod(staging.ptr + first * nbytes, host.ptr + slot * nbytes, count * nbytes,
+                                 b.current_stream)
+            blocks = b.index_array(np.array([d for _, d in part], dtype=np.int32))
+            self._kernel("scatter_kv_blocks_f32", staging, pool, blocks, len(part))
+            b.synchronize()
+
+    def read_block(self, pool, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) [layers, KVH, block_size, hd] host copies of one block of the device or host pool."""
+        if isinstance(pool, CudaHostPool):
+            data = pool.blocks[block]
+        else:
+            b, lay = self.backend, pool.layout
+            staging = b.empty((pool.planes * pool.block_elems,))
+            self._kernel("gather_kv_blocks_f32", staging, pool, b.index_array(np.array([block], np.int32)), 1)
+            data = b.to_host(staging).reshape(lay.n_layers, 2, lay.n_kv_heads, lay.block_size, lay.head_dim)
+        return data[:, 0].copy(), data[:, 1].copy()
+
+    def write_block(self, pool, block: int, k: np.ndarray, v: np.ndarray) -> None:
+        packed = np.ascontiguousarray(np.stack([k, v], axis=1), dtype=np.float32)  # [layers, 2, KVH, B, hd]
+        if isinstance(pool, CudaHostPool):
+            pool.blocks[block] = packed
+            return
+        b = self.backend
+        staging = b.upload_activation(packed.reshape(-1))
+        self._kernel("scatter_kv_blocks_f32", staging, pool, b.index_array(np.array([block], np.int32)), 1)
+        b.synchronize()
+
+    def _kernel(self, kernel: str, staging, pool: CudaKVPool, blocks, n: int) -> None:
+        self.backend.launch(kernel, staging=staging, pool=pool.ptr, blocks=blocks, n=n, planes=pool.planes,
+                            num_slots=pool.layout.num_slots, block_elems=pool.block_elems)

@@ -1,0 +1,246 @@
+"""The CUDA backend against the numpy reference: every op, the KV pool, whole models, graphs.
+
+Each test runs twice: on a real GPU (marked `cuda`, skipped without one) and on tests/fake_cuda.py, a CPU
+stand-in for the driver and kernels that checks the backend's own code (argument packing against the
+contract, pointer offsets, staging, graph capture) on every machine. Outputs are poisoned with NaN before
+each op, so an element a kernel fails to write shows up.
+"""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+from engine.backends.numpy_backend import NumpyBackend
+from engine.batch import build_batch
+from engine.kv import KVLayout
+from engine.model import load_model
+from engine.quant_weights import LinearPart
+from engine.sequence import ModelRunner, Sequence
+from tests.tiny_gguf import write_tiny_gguf
+
+BLOCK = 16
+EXACT, REDUCE, GEMM = (1e-5, 1e-6), (1e-4, 1e-5), (3e-2, 3e-2)  # (rtol, atol): elementwise, reductions, fp16 mma
+
+
+@pytest.fixture(params=[pytest.param("gpu", marks=pytest.mark.cuda), "fake"])
+def cuda(request, monkeypatch):
+    """A fresh CudaBackend (graphs off; the graph tests turn them on), poisoning every new activation."""
+    if request.param == "gpu":
+        from engine.backends.cuda_device import probe
+
+        available, reason = probe()
+        if not available:
+            pytest.skip(f"no CUDA device: {reason}")
+    else:
+        from tests import fake_cuda
+
+        fake_cuda.install(monkeypatch)
+    from engine.backends.cuda_backend import CudaBackend
+
+    backend = CudaBackend(graphs=False)
+    backend.poison = True
+    yield backend
+    backend.close()
+
+
+def _launch_log(backend) -> list[str] | None:
+    """Kernels launched so far, as the fake driver records them (None on a GPU, which keeps no log)."""
+    driver = getattr(backend.kernels, "driver", None)
+    return None if driver is None else driver.launches
+
+
+def _host(backend, x):
+    out = backend.to_host(x)
+    assert not np.isnan(out).any(), "an output element was never written"
+    return out
+
+
+def _close(actual, expected, tol):
+    np.testing.assert_allclose(actual, expected, rtol=tol[0], atol=tol[1])
+
+
+def _rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def test_embedding_rms_norm_add_and_activations_match_numpy(cuda):
+    rng, ref = np.random.default_rng(0), NumpyBackend()
+    table, ids = _rand(rng, 50, 24), np.array([3, 0, 49, 3, 7], dtype=np.int64)
+    _close(_host(cuda, cuda.embedding(cuda.upload(table), ids, 2.5)), ref.embedding(table, ids, 2.5), EXACT)
+    x, delta, w = _rand(rng, 5, 24), _rand(rng, 5, 24), _rand(rng, 24)
+    dx, dd, dw = cuda.upload_activation(x), cuda.upload_activation(delta), cuda.upload(w)
+    _close(_host(cuda, cuda.rms_norm(dx, dw, 1e-6)), ref.rms_norm(x, w, 1e-6), REDUCE)
+    total, normed = cuda.add_rms_norm(dx, dd, dw, 1e-5)
+    ref_total, ref_normed = ref.add_rms_norm(x, delta, w, 1e-5)
+    _close(_host(cuda, total), ref_total, EXACT)
+    _close(_host(cuda, normed), ref_normed, REDUCE)
+    _close(_host(cuda, dx + dd), x + delta, EXACT)
+    heads = _rand(rng, 5, 3, 8)  # QK-norm: rows = T * H
+    _close(_host(cuda, cuda.rms_norm(cuda.upload_activation(heads), cuda.upload(w[:8]), 1e-6)),
+           ref.rms_norm(heads, w[:8], 1e-6), REDUCE)
+    gate_up = _rand(rng, 5, 32)
+    for kind in ("silu", "gelu_tanh"):
+        _close(_host(cuda, cuda.gated_activation(cuda.upload_activation(gate_up), kind)),
+               ref.gated_activation(gate_up, kind), REDUCE)
+
+
+def test_split_heads_rope_and_gather_rows_match_numpy(cuda):
+    rng, ref = np.random.default_rng(1), NumpyBackend()
+    qkv = _rand(rng, 6, 64 + 32 + 32)
+    parts = cuda.split_heads(cuda.upload_activation(qkv), (64, 32, 32), 16)
+    for got, want in zip(parts, ref.split_heads(qkv, (64, 32, 32), 16)):
+        assert got.shape == want.shape
+        _close(_host(cuda, got), want, EXACT)
+    positions = np.array([0, 1, 2, 9, 10, 30], dtype=np.int64)
+    for rope_dims in (16, 8):  # full and partial rotary
+        cos, sin = (np.cos(np.outer(np.arange(40), np.arange(rope_dims // 2) * 0.3)).astype(np.float32),
+                    np.sin(np.outer(np.arange(40), np.arange(rope_dims // 2) * 0.3)).astype(np.float32))
+        q = _rand(rng, 6, 4, 16)
+        got = cuda.rope(cuda.upload_activation(q), positions, (cuda.upload(cos), cuda.upload(sin)), rope_dims)
+        _close(_host(cuda, got), ref.rope(q, positions, (cos, sin), rope_dims), REDUCE)
+    x = _rand(rng, 6, 8)
+    rows = np.array([5, 0, 2], dtype=np.int64)
+    _close(_host(cuda, cuda.gather_rows(cuda.upload_activation(x), rows)), x[rows], EXACT)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 40])  # matvec, matvec, gemm
+def test_linear_f32_with_bias_matches_numpy(cuda, rows):
+    rng = np.random.default_rng(2)
+    x, w, b = _rand(rng, rows, 64), _rand(rng, 48, 64), _rand(rng, 48)
+    got = cuda.linear(cuda.upload_activation(x), cuda.upload_linear(w), cuda.upload(b))
+    _close(_host(cuda, got), NumpyBackend().linear(x, w, b), REDUCE if rows <= 8 else GEMM)
+
+
+@pytest.mark.parametrize("rows", [2, 33])
+def test_linear_of_mixed_type_parts_writes_each_column_range(cuda, rows):
+    rng = np.random.default_rng(3)
+    weights = [(Q.Q4_0, _rand(rng, 64, 64)), (Q.Q8_0, _rand(rng, 32, 64)), (Q.F16, _rand(rng, 32, 64))]
+    parts, dense = [], []
+    for tensor_type, w in weights:
+        if tensor_type == Q.F16:
+            raw, back = w.astype(np.float16).view(np.uint8), w.astype(np.float16).astype(np.float32)
+        else:
+            raw = quantize(w, tensor_type)
+            from gguf.quants import dequantize
+
+            back = dequantize(raw, tensor_type).astype(np.float32)
+        parts.append(LinearPart(tensor_type, raw, w.shape[0], 64, tensor_type.name))
+        dense.append(back)
+    x, bias = _rand(rng, rows, 64), _rand(rng, 128)
+    got = cuda.linear(cuda.upload_activation(x), cuda.upload_linear_quantized(parts), cuda.upload(bias))
+    expected = x @ np.concatenate(dense).T + bias
+    _close(_host(cuda, got), expected, REDUCE if rows <= 8 else GEMM)
+    kind, log = "matvec" if rows <= 8 else "gemm", _launch_log(cuda)
+    assert log is None or [k for k in log if k.startswith(kind)] == [f"{kind}_q4_0", f"{kind}_q8_0", f"{kind}_f16"]
+
+
+def _kv_case(cuda, layout, seqs, window, rng):
+    """Store every sequence's context, then attend its last `new` tokens; returns (cuda out, numpy out)."""
+    ref = NumpyBackend()
+    pools = (cuda.create_kv_pool(layout), ref.create_kv_pool(layout))
+    items = [(list(range(n)), 0, table) for n, _, table in seqs]
+    batch = build_batch(items, layout.block_size, all_logits=True)
+    k = _rand(rng, batch.num_tokens, layout.n_kv_heads, layout.head_dim)
+    v = _rand(rng, batch.num_tokens, layout.n_kv_heads, layout.head_dim)
+    for backend, pool, kk, vv in ((cuda, pools[0], cuda.upload_activation(k), cuda.upload_activation(v)),
+                                  (ref, pools[1], k, v)):
+        backend.store_kv(pool, 1, kk, vv, batch)
+    query = build_batch([(list(range(new)), n - new, table) for n, new, table in seqs], layout.block_size)
+    q = _rand(rng, query.num_tokens, 4, layout.head_dim)
+    got = _host(cuda, cuda.attention(cuda.upload_activation(q), pools[0], 1, query, 0.25, window))
+    return got, ref.attention(q, pools[1], 1, query, 0.25, window), pools
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_attention_over_scattered_blocks_with_gqa_matches_numpy(cuda, window):
+    layout = KVLayout(num_blocks=12, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
+    seqs = [(37, 5, np.array([7, 2, 9])), (16, 1, np.array([0])), (20, 20, np.array([11, 4]))]
+    got, want, _ = _kv_case(cuda, layout, seqs, window, np.random.default_rng(4))
+    _close(got, want, REDUCE)
+
+
+def test_long_context_decode_uses_split_attention_and_matches_numpy(cuda):
+    layout = KVLayout(num_blocks=90, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
+    table = np.random.default_rng(5).permutation(90)[:80]  # 1280 keys: several 512-key chunks
+    got, want, _ = _kv_case(cuda, layout, [(1270, 1, table), (600, 2, table[40:])], 0, np.random.default_rng(6))
+    _close(got, want, REDUCE)
+    log = _launch_log(cuda)
+    assert log is None or "paged_attention_split_f32" in log
+
+
+def test_kv_block_copy_park_restore_read_write_round_trip(cuda):
+    layout = KVLayout(num_blocks=8, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
+    rng = np.random.default_rng(7)
+    pool, host = cuda.create_kv_pool(layout), cuda.create_host_pool(KVLayout(6, BLOCK, 2, 2, 8))
+    blocks = {b: (_rand(rng, 2, 2, BLOCK, 8), _rand(rng, 2, 2, BLOCK, 8)) for b in range(8)}
+    for b, (k, v) in blocks.items():
+        cuda.write_block(pool, b, k, v)
+    for b, (k, v) in blocks.items():
+        got_k, got_v = cuda.read_block(pool, b)
+        np.testing.assert_array_equal(got_k, k)
+        np.testing.assert_array_equal(got_v, v)
+    cuda.copy_blocks(pool, [(1, 6), (2, 7)])
+    np.testing.assert_array_equal(cuda.read_block(pool, 6)[0], blocks[1][0])
+    cuda.park_blocks(pool, host, [(3, 4), (4, 5), (0, 0), (5, 2)])  # host slots 4, 5 form one run
+    np.testing.assert_array_equal(cuda.read_block(host, 5)[1], blocks[4][1])
+    cuda.restore_blocks(host, pool, [(4, 1), (5, 0), (0, 7)])
+    for device_block, source in ((1, 3), (0, 4), (7, 0)):
+        np.testing.assert_array_equal(cuda.read_block(pool, device_block)[0], blocks[source][0])
+    np.testing.assert_array_equal(cuda.read_block(pool, 2)[1], blocks[2][1])  # untouched
+
+
+def _greedy(model, prompt, steps=16):
+    runner = ModelRunner(model, num_blocks=16, block_size=BLOCK)
+    seq = Sequence(list(prompt))
+    runner.ensure_blocks(seq, len(prompt))
+    logits, tokens = runner.step([(seq, len(prompt))]), []
+    for _ in range(steps):
+        tokens.append(int(np.argmax(logits[-1])))
+        seq.token_ids.append(tokens[-1])
+        runner.ensure_blocks(seq, len(seq.token_ids))
+        logits = runner.step([(seq, 1)])
+    return tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_greedy_tokens_of_a_tiny_model_equal_numpy(cuda, tmp_path, arch):
+    write_tiny_gguf(tmp_path / "m.gguf", arch, quant="Q8_0")
+    cuda.graphs = None
+    expected = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 40))
+    assert _greedy(load_model(tmp_path / "m.gguf", cuda)[0], range(3, 40)) == expected
+
+
+def test_steps_run_on_another_thread_than_the_load(cuda, tmp_path):
+    """The server loads on the main thread and steps on its compute thread (scheduler/engine_loop.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    write_tiny_gguf(tmp_path / "m.gguf", "llama", quant="Q8_0")
+    model = load_model(tmp_path / "m.gguf", cuda)[0]
+    with ThreadPoolExecutor(1) as pool:
+        tokens = pool.submit(_greedy, model, range(3, 20), 4).result()
+    assert tokens == _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 20), 4)
+
+
+def test_graph_replay_equals_eager(cuda, tmp_path):
+    from engine.backends.cuda_graphs import DecodeGraphs
+
+    write_tiny_gguf(tmp_path / "m.gguf", "qwen3", quant="Q8_0")
+    model = load_model(tmp_path / "m.gguf", cuda)[0]
+    runner = ModelRunner(model, num_blocks=16, block_size=BLOCK)
+    seqs = [Sequence(list(range(5, 5 + n))) for n in (20, 33, 7)]
+    for seq in seqs:
+        runner.ensure_blocks(seq, len(seq.token_ids) + 4)
+        runner.step([(seq, len(seq.token_ids) - 1)])
+    eager = model.forward(_decode_batch(seqs), runner.kv_pool)
+    cuda.graphs = DecodeGraphs(cuda)
+    first = runner.step([(seq, 1) for seq in seqs])  # captures, then replays
+    for seq in seqs:
+        seq.num_computed -= 1
+    again = runner.step([(seq, 1) for seq in seqs])  # replays the same graph with fresh inputs
+    assert cuda.graphs.captures == 1 and cuda.graphs.replays == 2
+    _close(first, eager, REDUCE)
+    _close(again, first, EXACT)
+
+
+def _decode_batch(seqs):
+    return build_batch([(s.token_ids[-1:], len(s.token_ids) - 1, np.asarray(s.block_table)) for s in seqs], BLOCK)
