@@ -62,3 +62,22 @@ def load_tiny(tmp_path_factory):
         return made[key]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def emulated_kernels(tmp_path_factory):
+    """Factory: source name -> EmulatedSource (tests/kernel_emulator.py), each built once per session.
+    Skips where no g++ is installed."""
+    from tests.kernel_emulator import EmulatedSource, compiler_available
+
+    if not compiler_available():
+        pytest.skip("g++ is needed to run the CUDA kernels on the CPU")
+    build_dir = tmp_path_factory.mktemp("emulated_kernels")
+    built = {}
+
+    def load(source: str):
+        if source not in built:
+            built[source] = EmulatedSource(source, build_dir)
+        return built[source]
+
+    return load
