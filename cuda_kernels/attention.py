@@ -6,6 +6,7 @@ from cuda_kernels.launch import MAX_GRID_X, cdiv, unknown_kernel
 ATTENTION_THREADS = 128  # ATTN_WARPS * 32 in attention.cu
 MAX_HEAD_DIM = 256  # ATTN_MAX_HD in attention.cu
 MAX_CHUNKS = 65535  # gridDim.y limit
+DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # without cuFuncSetAttribute opt-in, on every arch
 
 
 def num_chunks(max_blocks: int, block_size: int, chunk_keys: int, window: int = 0) -> int:
@@ -39,7 +40,10 @@ def geometry(kernel: str, **ints: int):
         return (grid_rows, chunks, 1), (ATTENTION_THREADS, 1, 1), 0
     if kernel == "attention_combine_f32":
         threads = min(MAX_HEAD_DIM, 32 * cdiv(ints["hd"], 32))
-        return (grid_rows, 1, 1), (threads, 1, 1), 4 * ints["n_chunks"]
+        shared_bytes = 4 * ints["n_chunks"]
+        if shared_bytes > DEFAULT_DYNAMIC_SHARED_LIMIT:
+            raise ValueError(f"n_chunks {ints['n_chunks']} needs {shared_bytes} B of shared memory; raise chunk_keys")
+        return (grid_rows, 1, 1), (threads, 1, 1), shared_bytes
     raise unknown_kernel("attention.cu", kernel)
 
 

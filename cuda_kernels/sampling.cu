@@ -156,9 +156,11 @@ sample_f32(int* out_ids, const float* logits, int rows, int vocab, const float* 
     float best_value;
     int best_id;
     block_argmax(x, vocab, sh, best_value, best_id);
-    if (threadIdx.x == 0) out_ids[r] = best_id;  // greedy answer, and the fallback of the draw below
+    // The greedy answer, and the fallback of the draw below. Only NaN or all -inf logits leave best_id at
+    // vocab; a valid id (0) is still better than one past the vocabulary.
+    if (threadIdx.x == 0) out_ids[r] = best_id < vocab ? best_id : 0;
     const float temp = temperature[r];
-    if (!(temp > 0.0f)) return;
+    if (!(temp > 0.0f) || best_id >= vocab || !(best_value > __int_as_float(0xff800000))) return;
     __syncthreads();  // the draw may overwrite out_ids[r]: order it after the write above
     const Scaled row{x, temp, best_value / temp};  // division is monotonic: the max scaled logit
 

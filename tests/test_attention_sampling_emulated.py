@@ -137,3 +137,9 @@ def test_filters_keep_exactly_the_reference_set(emulated_kernels, top_k, top_p, 
     settings = [(1.0, top_k, top_p, min_p, 5, c) for c in range(128)]
     out = sample(emulated_kernels("sampling"), np.repeat(logits, 128, axis=0), settings, threads=32)
     assert set(out.tolist()) == kept
+
+
+def test_sampling_all_masked_logits_still_gives_a_valid_id(emulated_kernels):
+    logits = np.full((2, 300), -np.inf, np.float32)
+    out = sample(emulated_kernels("sampling"), logits, [(0.0, 0, 1.0, 0.0, 1, 0), (1.0, 0, 1.0, 0.0, 1, 0)], threads=64)
+    assert out.tolist() == [0, 0]

@@ -117,3 +117,9 @@ def test_philox_uniform_depends_only_on_seed_and_counter():
     assert draws == [philox_uniform(42, c) for c in range(1000)]
     assert all(0.0 <= u < 1.0 for u in draws) and abs(np.mean(draws) - 0.5) < 0.05
     assert philox_uniform(43, 0) != philox_uniform(42, 0)
+
+
+def test_combine_refuses_more_chunks_than_default_shared_memory_holds():
+    assert launch("attention_combine_f32", n_chunks=12_288)[2] == 48 * 1024
+    with pytest.raises(ValueError, match="chunk_keys"):
+        launch("attention_combine_f32", n_chunks=12_289)
