@@ -30,7 +30,7 @@ def compiler_available() -> bool:
     return shutil.which("g++") is not None
 
 
-def _params(source_text: str, kernel: str) -> list[tuple[str, str]]:
+def kernel_params(source_text: str, kernel: str) -> list[tuple[str, str]]:
     """(C type, name) of each kernel parameter, read from the source."""
     declaration = re.search(rf"\b{kernel}\s*\(([^)]*)\)", registry._COMMENTS.sub("", source_text)).group(1)
     params = []
@@ -48,7 +48,7 @@ class EmulatedSource:
     def __init__(self, source: str, build_dir: Path):
         self.name = registry.source_file_name(source)
         text = registry.read_source(self.name)
-        self.params = {k: _params(text, k) for k in registry.SOURCES[self.name]}
+        self.params = {k: kernel_params(text, k) for k in registry.SOURCES[self.name]}
         body = _EXTERN_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(emu::dynamic_shared_base);", text)
         wrappers = [self._wrapper(k) for k in self.params]
         program = f'#include "{SHIM}"\n{body}\n' + "\n".join(wrappers)
@@ -90,9 +90,14 @@ class EmulatedSource:
         if ctype.endswith("*"):
             if value is None:
                 return ctypes.c_void_p(0)
-            expected = _POINTER_DTYPES[ctype[:-1].strip()]
-            assert isinstance(value, np.ndarray) and value.dtype == expected and value.flags.c_contiguous, (
-                f"{kernel}: {name} must be a contiguous {np.dtype(expected)} array"
-            )
+            check_array(kernel, ctype, name, value)
             return ctypes.c_void_p(value.ctypes.data)
         return ctypes.c_int(int(value)) if ctype == "int" else ctypes.c_float(float(value))
+
+
+def check_array(kernel: str, ctype: str, name: str, value) -> None:
+    """A pointer argument must be a contiguous numpy array of the pointee's type."""
+    expected = _POINTER_DTYPES[ctype[:-1].strip()]
+    assert isinstance(value, np.ndarray) and value.dtype == expected and value.flags.c_contiguous, (
+        f"{kernel}: {name} must be a contiguous {np.dtype(expected)} array"
+    )
