@@ -1,6 +1,7 @@
 """`strata kernels --check`: compile every source for each arch and report what ptxas says per kernel."""
 from __future__ import annotations
 
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 from typing import TextIO
@@ -17,9 +18,10 @@ def validate_arch(arch: str) -> str:
     return arch
 
 
-def compile_matrix(archs, workers: int = 2) -> tuple[list[build.CompiledSource], list[build.CompileError]]:
+def compile_matrix(archs, workers: int | None = None) -> tuple[list[build.CompiledSource], list[build.CompileError]]:
     """Every (source, arch) compiled (from the cache where possible), on a small thread pool: NVRTC
     releases the GIL while it compiles. Returns (successes, failures) in (arch, source) order."""
+    workers = workers or min(4, os.cpu_count() or 1)
     jobs = [(name, arch) for arch in archs for name in registry.SOURCES]
 
     def run(job):

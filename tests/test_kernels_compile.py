@@ -145,6 +145,12 @@ def test_kernels_check_cli_fails_with_the_nvrtc_log(kernel_home, tmp_path, monke
     assert "broken.cu" in err and "identifier \"missing\" is undefined" in err
 
 
+def test_kernels_without_check_lists_sources_and_kernels(capsys):
+    assert main(["kernels"]) == 0
+    listed = dict(line.split(": ") for line in capsys.readouterr().out.splitlines())
+    assert {source: tuple(names.split(", ")) for source, names in listed.items()} == registry.SOURCES
+
+
 def test_kernels_check_rejects_a_bad_arch_name():
     with pytest.raises(ValueError, match="--arch"):
         check.validate_arch("hopper")
