@@ -66,7 +66,7 @@ def load_tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="session", params=["cpu", "gpu"])
-def kernels(request, tmp_path_factory):
+def kernel_runner(request, tmp_path_factory):
     """Factory: CUDA source name -> runner with `launch(kernel, **numpy args)`, built once per session:
     "cpu" runs the kernels under g++ (tests/kernel_emulator.py), "gpu" on device 0 (tests/kernel_gpu.py).
     Each skips where its tools are missing."""

@@ -42,18 +42,18 @@ def attention_case(H, KVH, hd, block_size=4):
 
 @pytest.mark.parametrize("H, KVH, hd", [(4, 2, 80), (2, 2, 64), (2, 1, 256)])
 @pytest.mark.parametrize("window", [0, 5])
-def test_paged_attention_matches_numpy(kernels, H, KVH, hd, window):
+def test_paged_attention_matches_numpy(kernel_runner, H, KVH, hd, window):
     pool, batch, args = attention_case(H, KVH, hd)
     out = np.full((batch.num_tokens, H * hd), np.nan, np.float32)
-    kernels("attention").launch("paged_attention_f32", out=out, window=window, **args)
+    kernel_runner("attention").launch("paged_attention_f32", out=out, window=window, **args)
     want = REF.attention(args["q"], pool, 0, batch, args["scale"], window)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [0, 5])
-def test_split_attention_and_combine_match_numpy(kernels, window):
+def test_split_attention_and_combine_match_numpy(kernel_runner, window):
     pool, batch, args = attention_case(4, 2, 80)
-    lib = kernels("attention")
+    lib = kernel_runner("attention")
     n_chunks = num_chunks(args["max_blocks"], args["block_size"], chunk_keys=3, window=window)
     rows = batch.num_tokens * 4
     part_out = np.full((rows, n_chunks, 80), np.nan, np.float32)
@@ -99,11 +99,11 @@ def sample(lib, logits, settings, threads=None):
     return out_ids
 
 
-def test_greedy_sampling_takes_the_lowest_id_among_ties(kernels):
+def test_greedy_sampling_takes_the_lowest_id_among_ties(kernel_runner):
     logits = rand(3, 2053)
     logits[0, [5, 900, 2000]] = 9.0
     logits[1, [2052, 1030]] = 9.0
-    out = sample(kernels("sampling"), logits, [(0.0, 0, 1.0, 0.0, 1, 0)] * 3)
+    out = sample(kernel_runner("sampling"), logits, [(0.0, 0, 1.0, 0.0, 1, 0)] * 3)
     assert out.tolist() == [5, 1030, int(np.argmax(logits[2]))]
 
 
@@ -113,16 +113,16 @@ SETTINGS = [  # temperature, top_k, top_p, min_p, seed, counter
 ]
 
 
-def test_sampling_draws_the_token_the_contract_says(kernels):
+def test_sampling_draws_the_token_the_contract_says(kernel_runner):
     logits = rand(len(SETTINGS), 3001, seed=5) * 3
-    out = sample(kernels("sampling"), logits, SETTINGS)
+    out = sample(kernel_runner("sampling"), logits, SETTINGS)
     assert out.tolist() == [expected_draw(logits[i], *s) for i, s in enumerate(SETTINGS)]
 
 
-def test_sampling_is_a_function_of_seed_and_counter(kernels):
+def test_sampling_is_a_function_of_seed_and_counter(kernel_runner):
     logits = np.repeat(rand(1, 300, seed=6), 64, axis=0)
     settings = [(1.0, 0, 1.0, 0.0, 21, c) for c in range(64)]
-    out = sample(kernels("sampling"), logits, settings, threads=64)
+    out = sample(kernel_runner("sampling"), logits, settings, threads=64)
     assert out.tolist() == [expected_draw(logits[0], *s) for s in settings]
     assert len(set(out.tolist())) > 10  # different counters, different draws
 
@@ -131,15 +131,15 @@ def test_sampling_is_a_function_of_seed_and_counter(kernels):
     (2, 1.0, 0.0, {200, 3}), (3, 1.0, 0.0, {200, 3, 77}), (0, 0.65, 0.0, {200, 3}), (0, 0.85, 0.0, {200, 3, 77}),
     (0, 1.0, 0.6, {200, 3}), (0, 1.0, 0.2, {200, 3, 77}), (4, 0.8, 0.0, {200, 3, 77}), (1, 1.0, 0.0, {200}),
 ])
-def test_filters_keep_exactly_the_reference_set(kernels, top_k, top_p, min_p, kept):
+def test_filters_keep_exactly_the_reference_set(kernel_runner, top_k, top_p, min_p, kept):
     logits = np.full((1, 257), -30.0, np.float32)
     logits[0, [200, 3, 77, 150, 9]] = np.log([0.4, 0.3, 0.2, 0.07, 0.03])
     settings = [(1.0, top_k, top_p, min_p, 5, c) for c in range(128)]
-    out = sample(kernels("sampling"), np.repeat(logits, 128, axis=0), settings, threads=32)
+    out = sample(kernel_runner("sampling"), np.repeat(logits, 128, axis=0), settings, threads=32)
     assert set(out.tolist()) == kept
 
 
-def test_sampling_all_masked_logits_still_gives_a_valid_id(kernels):
+def test_sampling_all_masked_logits_still_gives_a_valid_id(kernel_runner):
     logits = np.full((2, 300), -np.inf, np.float32)
-    out = sample(kernels("sampling"), logits, [(0.0, 0, 1.0, 0.0, 1, 0), (1.0, 0, 1.0, 0.0, 1, 0)], threads=64)
+    out = sample(kernel_runner("sampling"), logits, [(0.0, 0, 1.0, 0.0, 1, 0), (1.0, 0, 1.0, 0.0, 1, 0)], threads=64)
     assert out.tolist() == [0, 0]
