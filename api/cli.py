@@ -62,6 +62,14 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefill-chunk", type=int, default=256)
     gen.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
     gen.set_defaults(func=_cmd_generate)
+
+    kernels = sub.add_parser("kernels", help="list the CUDA kernels; --check compiles them with NVRTC")
+    kernels.add_argument("--check", action="store_true", help="compile every source and print registers, shared memory, spills")
+    kernels.add_argument(
+        "--arch", nargs="+", default=["sm_80", "sm_86", "sm_89", "sm_90"], metavar="SM",
+        help="GPU archs to compile for (sm_80 sm_86 sm_89 sm_90 sm_100 sm_120)",
+    )
+    kernels.set_defaults(func=_cmd_kernels)
     return parser
 
 
@@ -72,6 +80,24 @@ def _cmd_serve(args) -> int:
     config = config_from_args(args)
     configure_logging(config.log_format, config.log_level)
     return run_server(config)
+
+
+def _cmd_kernels(args) -> int:
+    from cuda_kernels import registry
+    from cuda_kernels.build import NvrtcUnavailable, cache_dir
+    from cuda_kernels.check import run_check
+
+    if not args.check:
+        for source, names in registry.SOURCES.items():
+            print(f"{source}: {', '.join(names)}")
+        return 0
+    try:
+        status = run_check(args.arch, sys.stdout, sys.stderr)
+    except NvrtcUnavailable as exc:
+        print(f"strata: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"kernel cache: {cache_dir()}", file=sys.stderr)
+    return status
 
 
 def _cmd_pull(args) -> int:

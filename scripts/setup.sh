@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up a fresh clone: a .venv in the repo root with strata installed (editable, with test extras),
+# Sets up a fresh clone: a .venv in the repo root with strata installed (editable, with the test and cuda
+# extras: NVRTC compiles the CUDA kernels on any machine, GPU or not, so CI checks them),
 # and the default model fetched into $STRATA_HOME (default ~/.cache/strata). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ fi
 # Reinstall only when pyproject.toml changed since the last successful install.
 stamp=.venv/.strata-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install --quiet -e '.[test]'
+  .venv/bin/python -m pip install --quiet -e '.[test,cuda]'
   touch "$stamp"
 fi
 .venv/bin/strata pull "${STRATA_DEFAULT_MODEL:-smollm2}" >/dev/null

@@ -62,3 +62,34 @@ def load_tiny(tmp_path_factory):
         return made[key]
 
     return load
+
+
+
+@pytest.fixture(scope="session", params=["cpu", "gpu"])
+def kernel_runner(request, tmp_path_factory):
+    """Factory: CUDA source name -> runner with `launch(kernel, **numpy args)`, built once per session:
+    "cpu" runs the kernels under g++ (tests/kernel_emulator.py), "gpu" on device 0 (tests/kernel_gpu.py).
+    Each skips where its tools are missing."""
+    if request.param == "cpu":
+        from tests.kernel_emulator import EmulatedSource, compiler_available
+
+        if not compiler_available():
+            pytest.skip("g++ is needed to run the CUDA kernels on the CPU")
+        build_dir = tmp_path_factory.mktemp("emulated_kernels")
+        create = lambda source: EmulatedSource(source, build_dir)  # noqa: E731
+    else:
+        from tests.kernel_gpu import GpuSource, open_device
+
+        try:
+            arch = open_device()
+        except Exception as exc:  # no cuda-python, no driver or no device: all mean "no GPU here"
+            pytest.skip(f"no CUDA device: {exc}")
+        create = lambda source: GpuSource(source, arch)  # noqa: E731
+    built = {}
+
+    def load(source: str):
+        if source not in built:
+            built[source] = create(source)
+        return built[source]
+
+    return load

@@ -1,21 +1,17 @@
 """Numpy versions of the kernels of docs/CUDA_KERNELS.md, reading and writing memory through raw addresses.
 
 Used by tests/fake_cuda.py. Each takes (kernel name, {argument: value}) with pointers as int addresses.
-The KV block kernels need the pool's plane stride (num_slots * hd), which their contract arguments
-(planes, num_slots, block_elems) do not determine without the block size: BLOCK_SIZE["value"] supplies it.
 """
 from __future__ import annotations
 
 import ctypes
-import math
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 
-BLOCK_SIZE = {"value": 16}
-
+from cuda_kernels.attention import num_chunks
 
 def view(ptr, count: int, dtype=np.float32) -> np.ndarray:
     """count elements of dtype at a real address, as a writable numpy array."""
@@ -102,7 +98,7 @@ def _paged_attention(_, a):
 
 def _paged_attention_split(_, a):
     T, H, hd, C = a["T"], a["H"], a["hd"], a["chunk_keys"]
-    n_chunks = math.ceil(a["max_blocks"] * a["block_size"] / C)  # the grid the geometry function would give
+    n_chunks = num_chunks(a["max_blocks"], a["block_size"], C, a["window"])  # the grid the geometry gives
     part_out = view(a["part_out"], T * H * n_chunks * hd).reshape(T, H, n_chunks, hd)
     part_max = view(a["part_max"], T * H * n_chunks).reshape(T, H, n_chunks)
     part_sum = view(a["part_sum"], T * H * n_chunks).reshape(T, H, n_chunks)
@@ -147,8 +143,8 @@ def _gather_rows(_, a):
 
 def _pool_blocks(a):
     """The pool as [planes, num_blocks, block_elems] (plane stride num_slots * hd, see the docstring)."""
-    hd = a["block_elems"] // BLOCK_SIZE["value"]
-    num_blocks = a["num_slots"] // BLOCK_SIZE["value"]
+    hd = a["hd"]
+    num_blocks = a["num_slots"] // (a["block_elems"] // hd)
     return view(a["pool"], a["planes"] * a["num_slots"] * hd).reshape(a["planes"], num_blocks, a["block_elems"])
 
 

@@ -13,7 +13,8 @@ import re
 _ATTENTION = ("float* out, const float* q, const float* pool_k, const float* pool_v, const int* token_seq, "
               "const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd, "
               "int block_size, int num_slots, float scale, int window")
-_KV_BLOCKS = "float* staging, float* pool, const int* blocks, int n, int planes, int num_slots, int block_elems"
+_KV_BLOCKS = ("float* staging, float* pool, const int* blocks, int n, int planes, int num_slots, int block_elems, "
+               "int hd")
 _ROPE = "float* x, const int* positions, const float* cos, const float* sin, int T, int H, int hd, int rope_dims"
 _GATED = "float* out, const float* gate_up, int T, int F"
 SIGNATURES: dict[str, str] = {
@@ -35,7 +36,7 @@ SIGNATURES: dict[str, str] = {
     "gated_gelu_tanh_f32": _GATED,
     "gather_rows_f32": "float* out, const float* x, const long long* rows, int n_rows, int d",
     "copy_kv_blocks_f32": ("float* pool, const int* src_blocks, const int* dst_blocks, int n_pairs, int planes, "
-                           "int num_slots, int block_elems"),
+                           "int num_slots, int block_elems, int hd"),
     "gather_kv_blocks_f32": _KV_BLOCKS,
     "scatter_kv_blocks_f32": _KV_BLOCKS,
     "sample_f32": ("int* out_ids, const float* logits, int rows, int vocab, const float* temperature, "

@@ -110,7 +110,8 @@ class KVTransfers:
             src = b.index_array(np.array([s for s, _ in part], dtype=np.int32))
             dst = b.index_array(np.array([d for _, d in part], dtype=np.int32))
             b.launch("copy_kv_blocks_f32", pool=pool.ptr, src_blocks=src, dst_blocks=dst, n_pairs=len(part),
-                     planes=pool.planes, num_slots=pool.layout.num_slots, block_elems=pool.block_elems)
+                     planes=pool.planes, num_slots=pool.layout.num_slots, block_elems=pool.block_elems,
+                     hd=pool.layout.head_dim)
         b.synchronize()
 
     def _park(self, pool: CudaKVPool, host: CudaHostPool, pairs: list[tuple[int, int]]) -> None:
@@ -160,4 +161,5 @@ class KVTransfers:
 
     def _kernel(self, kernel: str, staging, pool: CudaKVPool, blocks, n: int) -> None:
         self.backend.launch(kernel, staging=staging, pool=pool.ptr, blocks=blocks, n=n, planes=pool.planes,
-                            num_slots=pool.layout.num_slots, block_elems=pool.block_elems)
+                            num_slots=pool.layout.num_slots, block_elems=pool.block_elems,
+                            hd=pool.layout.head_dim)

@@ -7,10 +7,9 @@ Shapes: T = rows of the step, d = model width, H / KVH = query / KV heads, hd = 
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from cuda_kernels import attention as attention_geometry
 from engine.backends import cuda_linear
 from engine.batch import BatchMeta
 
@@ -87,8 +86,9 @@ class CudaOps:
                     token_pos=self._index(batch.positions, np.int32), block_tables=block_tables,
                     max_blocks=max_blocks, T=T, H=H, KVH=lay.n_kv_heads, hd=hd, block_size=lay.block_size,
                     num_slots=lay.num_slots, scale=scale, window=window)
-        # Chunks over the widest table the step can read; a chunk past a query's own position is empty.
-        n_chunks = math.ceil(max_blocks * lay.block_size / CHUNK_KEYS)
+        # Chunks over the widest key range the step can read (the table, or the window): the kernel's own
+        # rule, since its grid has that many; a chunk past a query's own position is empty.
+        n_chunks = attention_geometry.num_chunks(max_blocks, lay.block_size, CHUNK_KEYS, window)
         if n_chunks > 1 and T <= SPLIT_MAX_T and self.kernels.has("paged_attention_split_f32"):
             part_out = self.empty((T, H, n_chunks, hd))
             part_max, part_sum = self.empty((T, H, n_chunks)), self.empty((T, H, n_chunks))

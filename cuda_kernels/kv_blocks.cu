@@ -1,0 +1,102 @@
+// KV pool writes and whole-block moves. Pool layout (docs/CUDA_KERNELS.md): float32
+// [layers, 2 (K, V), KVH, num_slots, hd], slot = block_id * block_size + offset. Seen from a block move
+// the pool is `planes` = layers * 2 * KVH planes of [num_slots, hd], and block b of a plane is the
+// contiguous run of block_elems = block_size * hd floats starting at b * block_elems:
+//
+//   plane p:  | block 0 | block 1 | ... | block num_blocks-1 |     (num_slots * hd floats)
+//
+// Block moves copy float4 when block_elems % 4 == 0 (every real head size), else single floats, with a
+// grid-stride loop so one launch covers any number of blocks (cuda_kernels/kv_blocks.py).
+
+// pool_layer_{k,v} are one layer's [KVH, num_slots, hd]; k, v are [T, KVH, hd]; slots are int64.
+// A negative slot (a padding row) is skipped.
+extern "C" __global__ void store_kv_f32(float* pool_layer_k, float* pool_layer_v, const float* k, const float* v,
+                                        const long long* slots, int T, int KVH, int hd, int num_slots) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)T * KVH * hd) return;
+    const long long row = i / hd;  // t * KVH + h
+    const int d = (int)(i - row * hd);
+    const int t = (int)(row / KVH);
+    const int h = (int)(row - (long long)t * KVH);
+    const long long slot = slots[t];
+    if (slot < 0) return;
+    const long long dst = ((long long)h * num_slots + slot) * hd + d;
+    pool_layer_k[dst] = k[i];
+    pool_layer_v[dst] = v[i];
+}
+
+// Where element `e` of block `block` in plane `plane` lives in the pool, in units of `vec` floats.
+__device__ __forceinline__ long long pool_index(int plane, int block, long long e, int num_slots, int hd,
+                                                int block_elems, int vec) {
+    return ((long long)plane * num_slots * hd + (long long)block * block_elems) / vec + e;
+}
+
+// Visits every (item, plane, element) of `n` blocks in every plane: fn(item, plane, element, flat index),
+// in units of `vec` floats; the flat index is the position in a [n, planes, block_elems] staging buffer.
+template <typename Fn>
+__device__ __forceinline__ void for_each_block_element(int n, int planes, int block_elems, int vec, Fn fn) {
+    const long long per_block = block_elems / vec;
+    const long long total = (long long)n * planes * per_block;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const long long rest = i / per_block;
+        const long long e = i - rest * per_block;
+        const int plane = (int)(rest % planes);
+        const int item = (int)(rest / planes);
+        fn(item, plane, e, i);
+    }
+}
+
+template <typename T>
+__device__ void copy_blocks(T* pool, const int* src_blocks, const int* dst_blocks, int n_pairs, int planes,
+                            int num_slots, int block_elems, int hd) {
+    const int vec = sizeof(T) / sizeof(float);
+    for_each_block_element(n_pairs, planes, block_elems, vec, [&](int pair, int plane, long long e, long long) {
+        pool[pool_index(plane, dst_blocks[pair], e, num_slots, hd, block_elems, vec)] =
+            pool[pool_index(plane, src_blocks[pair], e, num_slots, hd, block_elems, vec)];
+    });
+}
+
+// Copy-on-write: block src_blocks[i] -> dst_blocks[i] in every plane (every layer, K and V, every head).
+// Source and destination blocks must differ (they are distinct blocks of the pool).
+extern "C" __global__ void copy_kv_blocks_f32(float* pool, const int* src_blocks, const int* dst_blocks, int n_pairs,
+                                              int planes, int num_slots, int block_elems, int hd) {
+    if (block_elems % 4 == 0)
+        copy_blocks(reinterpret_cast<float4*>(pool), src_blocks, dst_blocks, n_pairs, planes, num_slots, block_elems, hd);
+    else
+        copy_blocks(pool, src_blocks, dst_blocks, n_pairs, planes, num_slots, block_elems, hd);
+}
+
+// is_gather: staging[i, plane, :] = pool block blocks[i] of plane; else the reverse.
+template <typename T>
+__device__ void move_blocks(T* staging, T* pool, const int* blocks, int n, int planes, int num_slots,
+                            int block_elems, int hd, bool is_gather) {
+    const int vec = sizeof(T) / sizeof(float);
+    for_each_block_element(n, planes, block_elems, vec, [&](int item, int plane, long long e, long long flat) {
+        const long long at = pool_index(plane, blocks[item], e, num_slots, hd, block_elems, vec);
+        if (is_gather)
+            staging[flat] = pool[at];
+        else
+            pool[at] = staging[flat];
+    });
+}
+
+// Park: pack blocks into staging [n, planes, block_elems] for one device -> pinned-host copy.
+extern "C" __global__ void gather_kv_blocks_f32(float* staging, float* pool, const int* blocks, int n, int planes,
+                                                int num_slots, int block_elems, int hd) {
+    if (block_elems % 4 == 0)
+        move_blocks(reinterpret_cast<float4*>(staging), reinterpret_cast<float4*>(pool), blocks, n, planes,
+                    num_slots, block_elems, hd, true);
+    else
+        move_blocks(staging, pool, blocks, n, planes, num_slots, block_elems, hd, true);
+}
+
+// Restore: unpack staging [n, planes, block_elems] (just copied from pinned host memory) into the pool.
+extern "C" __global__ void scatter_kv_blocks_f32(float* staging, float* pool, const int* blocks, int n, int planes,
+                                                 int num_slots, int block_elems, int hd) {
+    if (block_elems % 4 == 0)
+        move_blocks(reinterpret_cast<float4*>(staging), reinterpret_cast<float4*>(pool), blocks, n, planes,
+                    num_slots, block_elems, hd, false);
+    else
+        move_blocks(staging, pool, blocks, n, planes, num_slots, block_elems, hd, false);
+}

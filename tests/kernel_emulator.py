@@ -1,0 +1,103 @@
+"""Runs the CUDA kernel sources on the CPU, for checking them against the numpy reference without a GPU.
+
+Each .cu file is compiled by g++ together with tests/cuda_emulation/cuda_emulation.h (OS threads for CUDA
+threads, barriers for __syncthreads and warp shuffles) into a shared library with one `emu_launch_<kernel>`
+wrapper per kernel, called through ctypes with the geometry from the source's companion module. The
+control flow, indexing, reductions and synchronisation are the kernel's own; the arithmetic is the host's
+(no FMA contraction, glibc expf), so compare with a float32 tolerance. Blocks run one after another with
+one OS thread per CUDA thread: keep the problems small.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+from cuda_kernels import registry
+
+SHIM = Path(__file__).parent / "cuda_emulation" / "cuda_emulation.h"
+_EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\[\];")
+_POINTER_DTYPES = {"float": np.float32, "int": np.int32, "long long": np.int64,
+                   "unsigned long long": np.uint64, "unsigned char": np.uint8}
+
+
+def compiler_available() -> bool:
+    return shutil.which("g++") is not None
+
+
+def kernel_params(source_text: str, kernel: str) -> list[tuple[str, str]]:
+    """(C type, name) of each kernel parameter, read from the source."""
+    declaration = re.search(rf"\b{kernel}\s*\(([^)]*)\)", registry._COMMENTS.sub("", source_text)).group(1)
+    params = []
+    for part in declaration.split(","):
+        ctype, name = part.strip().rsplit(None, 1)
+        if name.startswith("*"):
+            ctype, name = ctype + "*", name[1:]
+        params.append((ctype.replace("const ", "").replace(" *", "*").strip(), name))
+    return params
+
+
+class EmulatedSource:
+    """One .cu file built for the host; `launch(kernel, **args)` runs a kernel over numpy arrays in place."""
+
+    def __init__(self, source: str, build_dir: Path):
+        self.name = registry.source_file_name(source)
+        text = registry.read_source(self.name)
+        self.params = {k: kernel_params(text, k) for k in registry.SOURCES[self.name]}
+        body = _EXTERN_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(emu::dynamic_shared_base);", text)
+        wrappers = [self._wrapper(k) for k in self.params]
+        program = f'#include "{SHIM}"\n{body}\n' + "\n".join(wrappers)
+        digest = hashlib.sha256((program + SHIM.read_text()).encode()).hexdigest()[:16]
+        library = build_dir / f"{Path(self.name).stem}-{digest}.so"
+        if not library.exists():
+            cpp = library.with_suffix(".cpp")
+            cpp.write_text(program)
+            subprocess.run(
+                ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
+                 "-o", str(library), str(cpp)],
+                check=True, capture_output=True, text=True,
+            )
+        self.lib = ctypes.CDLL(str(library))
+
+    def _wrapper(self, kernel: str) -> str:
+        params = ", ".join(f"{ctype} {name}" for ctype, name in self.params[kernel])
+        names = ", ".join(name for _, name in self.params[kernel])
+        return (
+            f'extern "C" void emu_launch_{kernel}(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,'
+            f" unsigned bz, unsigned long long shared, {params}) {{\n"
+            f"    emu::launch(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}}, shared, [&] {{ {kernel}({names}); }});\n}}\n"
+        )
+
+    def launch(self, kernel: str, threads: int | None = None, **args) -> None:
+        """Run `kernel` with arguments by name (arrays for pointers, Python numbers for scalars), with the
+        geometry of its companion module; `threads` overrides the block size (for kernels that allow it)."""
+        ints = {name: int(args[name]) for ctype, name in self.params[kernel] if ctype == "int"}
+        grid, block, shared = registry.geometry(kernel, **ints)
+        if threads is not None:
+            block = (threads, 1, 1)
+        c_args = [self._c_arg(kernel, ctype, name, args[name]) for ctype, name in self.params[kernel]]
+        getattr(self.lib, f"emu_launch_{kernel}")(
+            *(ctypes.c_uint(v) for v in (*grid, *block)), ctypes.c_ulonglong(shared), *c_args
+        )
+
+    @staticmethod
+    def _c_arg(kernel: str, ctype: str, name: str, value):
+        if ctype.endswith("*"):
+            if value is None:
+                return ctypes.c_void_p(0)
+            check_array(kernel, ctype, name, value)
+            return ctypes.c_void_p(value.ctypes.data)
+        return ctypes.c_int(int(value)) if ctype == "int" else ctypes.c_float(float(value))
+
+
+def check_array(kernel: str, ctype: str, name: str, value) -> None:
+    """A pointer argument must be a contiguous numpy array of the pointee's type."""
+    expected = _POINTER_DTYPES[ctype[:-1].strip()]
+    assert isinstance(value, np.ndarray) and value.dtype == expected and value.flags.c_contiguous, (
+        f"{kernel}: {name} must be a contiguous {np.dtype(expected)} array"
+    )
