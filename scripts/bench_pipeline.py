@@ -62,32 +62,45 @@ async def run_once(loaded, split: tuple[int, ...], groups: int, max_tokens: int)
     started = time.perf_counter()
     results = await asyncio.gather(*[stream(i, p) for i, p in enumerate(prompts(loaded.tokenizer, STREAMS))])
     wall = time.perf_counter() - started
-    busy = [s["busy_seconds"] for s in loop.pipeline.snapshot()]
+    stages = loop.pipeline.snapshot()
+    busy = [s["busy_seconds"] for s in stages]
     await loop.shutdown(1)
     span = max(end for _, _, end, _ in results) - min(first for _, first, _, _ in results)
     return {
         "ttft_ms": statistics.median(first - sent for sent, first, _, _ in results) * 1e3,
         "decode_tok_s": sum(t - 1 for *_, t in results) / span,
         "busy": [b / wall for b in busy],
+        "ms_per_job": [s["busy_seconds"] / max(s["jobs"], 1) * 1e3 for s in stages],
         "overlap": sum(busy) / wall,
     }
+
+
+def balanced_cut(model) -> int:
+    """The first layer of stage 1 that best balances weight bytes between two stages; the output head
+    (vocab x d, a fifth of SmolLM2-135M) counts on the last stage."""
+    w = model.weights
+    layer_bytes = [sum(getattr(v, "nbytes", 0) for v in vars(layer).values() if v is not None) for layer in w.layers]
+    head = w.output.nbytes
+    total = sum(layer_bytes) + head
+    return min(range(1, len(layer_bytes)), key=lambda c: abs(2 * sum(layer_bytes[:c]) - total))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--split", type=int, default=None, help="first layer of stage 1 (default: half)")
+    parser.add_argument("--split", type=int, default=None,
+                        help="first layer of stage 1 (default: the cut that balances weight bytes, head included)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     loaded = open_model(args.model, max_positions=1024)
-    cut = args.split or loaded.model.config.n_layers // 2
+    cut = args.split or balanced_cut(loaded.model)
     cores = os.cpu_count() or 1
     configs = [((), g, cores) for g in (1, 2, 4)] + [((), 1, 1)] + [((cut,), g, max(1, cores // 2)) for g in (1, 2, 4)]
-    print(f"model {loaded.path.name}, {loaded.model.config.n_layers} layers, {STREAMS} streams x "
-          f"{args.max_tokens} tokens; {cores} cores; load average {os.getloadavg()[0]:.2f}")
-    print("\n| stages | groups | BLAS threads/stage | TTFT ms | decode tok/s | stage busy share | overlap |")
-    print("| ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+    print(f"model {loaded.path.name}, {loaded.model.config.n_layers} layers, 2 stages cut at layer {cut}, "
+          f"{STREAMS} streams x {args.max_tokens} tokens; {cores} cores; load average {os.getloadavg()[0]:.2f}")
+    print("\n| stages | groups | BLAS threads/stage | TTFT ms | decode tok/s | stage busy share | ms per job | overlap |")
+    print("| ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |")
     for split, groups, threads in configs:
         runs = []
         with threadpool_limits(limits=threads, user_api="blas"):
@@ -95,8 +108,9 @@ def main() -> int:
                 runs.append(asyncio.run(run_once(loaded, split, groups, args.max_tokens)))
         row = sorted(runs, key=lambda r: r["decode_tok_s"])[len(runs) // 2]
         busy = " / ".join(f"{b:.2f}" for b in row["busy"])
+        per_job = " / ".join(f"{m:.1f}" for m in row["ms_per_job"])
         print(f"| {len(split) + 1} | {groups} | {threads} | {row['ttft_ms']:.0f} | {row['decode_tok_s']:.1f} | "
-              f"{busy} | {row['overlap']:.2f} |", flush=True)
+              f"{busy} | {per_job} | {row['overlap']:.2f} |", flush=True)
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     return 0
 
