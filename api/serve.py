@@ -40,8 +40,11 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
         bytes_per_block = loaded.model.config.kv_bytes_per_token() * BLOCK_SIZE
         num_blocks = max(per_slot_blocks, int(config.kv_cache_mib * 2**20) // bytes_per_block)
     bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE).total_bytes
-    plan = plan_memory(loaded.info.weight_bytes + num_blocks * bytes_per_block, config.conversation_cache_mib,
-                       config.conversation_cache_min_free_mib, bytes_per_block)
+    # What the engine itself holds in host RAM: numpy keeps weights and KV there; cuda keeps them on the GPU.
+    on_host = loaded.model.backend.name == "numpy"
+    engine_host_bytes = loaded.info.weight_bytes + num_blocks * bytes_per_block if on_host else 0
+    plan = plan_memory(engine_host_bytes, config.conversation_cache_mib, config.conversation_cache_min_free_mib,
+                       bytes_per_block)
     runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=plan.host_blocks,
                          layer_split=config.layer_cuts)
     groups = config.groups_for(len(runner.stages))
