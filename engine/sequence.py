@@ -66,6 +66,16 @@ class ModelRunner:
     def host_pool(self):
         return self.stages[0].host_pool if len(self.stages) == 1 else [s.host_pool for s in self.stages]
 
+    def check_stages(self) -> None:
+        """The stages' invariants (part of the cache's integrity check): their layers cover the model once,
+        in order, and every stage's device and host pool holds the same block ids."""
+        layers = [i for stage in self.stages for i in stage.layers]
+        assert layers == list(range(self.model.config.n_layers)), f"stage layers {layers}"
+        for stage in self.stages:
+            assert stage.layout.num_blocks == self.layout.num_blocks, f"{stage.describe()}: device pool size"
+            assert stage.layout.n_layers == len(stage.layers), f"{stage.describe()}: pool layers"
+            assert (stage.host_pool is None) == (self.host_layout.num_blocks == 0), f"{stage.describe()}: host pool"
+
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens; False (nothing changed) when the pool is full."""
         missing = blocks_needed(num_tokens, self.block_size) - len(seq.block_table)

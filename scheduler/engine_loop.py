@@ -187,6 +187,7 @@ class EngineLoop:
             self._postprocess(results)
             if self.integrity_checks:
                 self.cache.check_integrity()
+                self.runner.check_stages()
         finally:
             del self._in_flight[group]
             self._wake.set()
