@@ -280,12 +280,16 @@ class EngineLoop:
     def _slot_info(self, slot_id: int, request: Request | None) -> dict:
         if request is None:
             return {"id": slot_id, "state": "idle"}
+        stage = self.pipeline.where(request.group)
+        stats = self.pipeline.stats[stage] if stage is not None else None
         return {
             "id": slot_id,
             "state": "prefill" if request.is_prefilling else "decode",
             "request_id": request.request_id,
             "group": request.group,
-            "pipeline_stage": self.pipeline.where(request.group),
+            "pipeline_stage": stage,  # where this slot's group step is now, with that stage's load
+            "stage_queue_depth": stats.queue_depth if stats else None,
+            "stage_busy_seconds": round(stats.busy_seconds, 3) if stats else None,
             "prompt_tokens": request.prompt_len,
             "tokens_computed": request.seq.num_computed,
             "generated": len(request.output_ids),
