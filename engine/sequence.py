@@ -53,7 +53,10 @@ class ModelRunner:
             backend = backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own
         layout = replace(self.layout, n_layers=len(layers))
         host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks)) if host_blocks else None
-        return Stage(index, layers, backend, layout, backend.create_kv_pool(layout), host_pool)
+        # Block moves run on the event loop while the stage's worker may be computing another group's step
+        # (on blocks no step uses): a backend with per-thread state gives them a handle of their own.
+        mover = backend.sibling() if hasattr(backend, "sibling") else backend
+        return Stage(index, layers, backend, layout, backend.create_kv_pool(layout), host_pool, mover)
 
     @property
     def kv_pool(self):
@@ -92,7 +95,7 @@ class ModelRunner:
         host -> device restores, then device -> device copy-on-write. Only between a block's steps, and in
         every stage."""
         for stage in self.stages:
-            backend = stage.backend
+            backend = stage.mover
             if parks:
                 backend.park_blocks(stage.kv_pool, stage.host_pool, parks)
             if restores:
@@ -102,7 +105,7 @@ class ModelRunner:
 
     def read_block(self, tier: str, index: int):
         """Copy of one block's (K, V) from the device or the host pools, as numpy [layers, KVH, B, hd]."""
-        parts = [s.backend.read_block(s.kv_pool if tier == "device" else s.host_pool, index) for s in self.stages]
+        parts = [s.mover.read_block(s.kv_pool if tier == "device" else s.host_pool, index) for s in self.stages]
         if len(parts) == 1:
             return parts[0]
         return np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])
@@ -110,7 +113,7 @@ class ModelRunner:
     def write_block(self, device_id: int, k, v) -> None:
         for stage in self.stages:
             layers = slice(stage.layers.start, stage.layers.stop)
-            stage.backend.write_block(stage.kv_pool, device_id, k[layers], v[layers])
+            stage.mover.write_block(stage.kv_pool, device_id, k[layers], v[layers])
 
     def release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)

@@ -244,3 +244,30 @@ def test_graph_replay_equals_eager(cuda, tmp_path):
 
 def _decode_batch(seqs):
     return build_batch([(s.token_ids[-1:], len(s.token_ids) - 1, np.asarray(s.block_table)) for s in seqs], BLOCK)
+
+
+def test_a_layer_split_runs_each_stage_on_its_own_handle_and_matches_numpy(cuda, tmp_path):
+    """Stages get their own backend (stream, workspace) through for_stage, hand (x, h) over as host copies,
+    and block moves use a sibling handle; logits and every moved block equal the one-stage numpy run."""
+    write_tiny_gguf(tmp_path / "m.gguf", "qwen3", quant="Q8_0")
+    cuda.graphs = None
+    model = load_model(tmp_path / "m.gguf", cuda)[0]
+    reference = load_model(tmp_path / "m.gguf", NumpyBackend())[0]
+    split = ModelRunner(model, num_blocks=16, block_size=BLOCK, host_blocks=4, layer_split=(1, 2))
+    whole = ModelRunner(reference, num_blocks=16, block_size=BLOCK, host_blocks=4)
+    backends = [s.backend for s in split.stages]
+    assert backends[0] is cuda and len({id(b) for b in backends}) == 3
+    assert all(s.mover is not s.backend for s in split.stages)
+    logits = []
+    for runner in (split, whole):
+        seq = Sequence(list(range(3, 30)))
+        runner.ensure_blocks(seq, 40)
+        logits.append(runner.step([(seq, 27)]))
+        seq.token_ids.append(5)
+        logits.append(runner.step([(seq, 1)]))
+        runner.move_blocks([(1, 2)], [(2, 9)], [(0, 10)])  # park block 1, restore it as 9, copy 0 to 10
+    _close(logits[0], logits[2], REDUCE)
+    _close(logits[1], logits[3], REDUCE)
+    for tier, block in (("host", 2), ("device", 9), ("device", 10)):
+        for got, want in zip(split.read_block(tier, block), whole.read_block(tier, block)):
+            _close(got, want, REDUCE)

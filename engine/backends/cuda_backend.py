@@ -80,6 +80,12 @@ class CudaBackend(CudaOps):
         return CudaBackend(self.device.ordinal, stage=stage, wait_mode=self.waiter.mode,
                            graphs=self.graphs is not None)
 
+    def sibling(self) -> "CudaBackend":
+        """Another handle on this device for another thread: the event loop moves cache blocks (park,
+        restore, copy) while the stage's worker computes, and a backend's streams, workspace and staging
+        belong to one thread at a time."""
+        return CudaBackend(self.device.ordinal, stage=self.stage, wait_mode=self.waiter.mode, graphs=False)
+
     def send_hidden(self, hidden: tuple) -> tuple:
         """A stage's output (x, h) as host arrays: its workspace is reused by its next job while the next
         stage reads this one. Synchronises this stage's stream."""
