@@ -20,6 +20,7 @@ namespace emu {
 struct Warp {
     std::barrier<> barrier{32};
     unsigned long long mailbox[32];
+    alignas(16) unsigned char scratch[32 * 32];  // warp-collective PTX (ptx_emulation.h: mma operands)
 };
 struct Block {
     std::unique_ptr<std::barrier<>> barrier;
