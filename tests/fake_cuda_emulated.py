@@ -24,6 +24,12 @@ _LIBRARIES: dict[tuple[Path, str], EmulatedSource] = {}  # loaded once per proce
 # and pipeline stages may launch from several threads.
 _RUN_LOCK = threading.Lock()
 _KINDS = {"float*": "ptr", "int": "int", "float": "float"}
+# Red zones: every device allocation gets REDZONE extra bytes of a NaN / negative-index pattern after its
+# end, checked after every launch and copy, so a kernel writing past a buffer the backend sized too small
+# (split-K partials, staging, an ld_y offset) fails at that launch instead of corrupting a neighbour.
+REDZONE = 256
+CANARY = bytes.fromhex("addec0ff") * (REDZONE // 4)  # 0xffc0dead: a NaN as float, negative as int32/int64
+_NATURAL_ALIGNMENT = {"float*": 4, "int*": 4, "long long*": 8, "unsigned long long*": 8, "unsigned char*": 1}
 
 
 def _kind(ctype: str) -> str:
@@ -38,6 +44,30 @@ class EmulatedDriver(FakeDriver):
         self.build_dir = Path(build_dir)
         self._modules: dict[int, EmulatedSource] = {}
         self._functions: dict[int, tuple[EmulatedSource, str]] = {}
+        self.redzones: dict[int, int] = {}  # guarded allocation -> its size (the red zone starts there)
+        self._redzone_lock = threading.Lock()
+
+    def guard(self, address: int, nbytes: int) -> None:
+        ctypes.memmove(address + nbytes, CANARY, REDZONE)
+        with self._redzone_lock:
+            self.redzones[address] = nbytes
+
+    def unguard(self, address: int) -> None:
+        with self._redzone_lock:
+            self.redzones.pop(address, None)
+
+    def check_redzones(self, what: str) -> None:
+        with self._redzone_lock:
+            zones = list(self.redzones.items())
+        for address, nbytes in zones:
+            if ctypes.string_at(address + nbytes, REDZONE) != CANARY:
+                raise AssertionError(f"{what} wrote past the end of the {nbytes}-byte allocation at {address:#x}")
+
+    def _run(self, stream, work, what: str = "a copy or memset"):
+        def checked():
+            work()
+            self.check_redzones(what)
+        return super()._run(stream, checked)
 
     def cuModuleLoadData(self, image: bytes):
         name = bytes(image).decode()
@@ -72,10 +102,13 @@ class EmulatedDriver(FakeDriver):
         source, kernel = self._functions[function]
         params = source.params[kernel]
         slots = (ctypes.c_void_p * len(params)).from_address(int(kernel_params))
+        grid_what = f"{kernel} grid=({gx}, {gy}, {gz}) block=({bx}, {by}, {bz})"
         args = []  # read NOW: the backend's argument storage may be gone by the time a graph replays
-        for (ctype, _), slot in zip(params, slots):
+        for (ctype, name), slot in zip(params, slots):
             if ctype.endswith("*"):
-                args.append(ctypes.c_void_p(ctypes.c_void_p.from_address(slot).value))
+                pointer = ctypes.c_void_p.from_address(slot).value
+                self._check_alignment(kernel, ctype, name, pointer)
+                args.append(ctypes.c_void_p(pointer))
             elif ctype == "int":
                 args.append(ctypes.c_int(ctypes.c_int.from_address(slot).value))
             else:
@@ -85,7 +118,18 @@ class EmulatedDriver(FakeDriver):
         def work():
             with _RUN_LOCK:
                 source.launch_raw(kernel, (gx, gy, gz), (bx, by, bz), int(shared), args)
-        return self._run(stream, work)
+        return self._run(stream, work, grid_what)
+
+    @staticmethod
+    def _check_alignment(kernel: str, ctype: str, name: str, pointer: int | None) -> None:
+        """A GPU faults on a misaligned load: natural alignment for every pointer, and 16 bytes for the
+        quantised kernels' W, x (and bias), which they read with 16-byte vector loads (docs/CUDA_KERNELS.md)."""
+        if pointer is None:
+            return
+        need = _NATURAL_ALIGNMENT[ctype]
+        if kernel.startswith(("matvec_", "gemm_")) and name in ("W", "x"):
+            need = 16
+        assert pointer % need == 0, f"{kernel}: {name} at {pointer:#x} is not {need}-byte aligned"
 
 
 def install(monkeypatch, build_dir: Path) -> EmulatedDriver:
@@ -100,4 +144,37 @@ def install(monkeypatch, build_dir: Path) -> EmulatedDriver:
     monkeypatch.setattr(build, "compile_source", lambda source, arch="sm_90", extra_options=(): types.SimpleNamespace(
         cubin=source.encode(), kernels={}, cached=True, log="", compile_ms=0.0))
     monkeypatch.setenv("STRATA_CUDA_ARENA_MIB", str(fake_cuda.ARENA_BYTES // 2**20))
+    _guard_allocations(monkeypatch, fake)
     return fake
+
+
+def _guard_allocations(monkeypatch, fake: EmulatedDriver) -> None:
+    """Give every workspace array (GrowingPool) and every persistent allocation (Device.alloc: weights, KV
+    pools, graph inputs) a red zone after its end."""
+    from engine.backends import cuda_arena, cuda_device
+
+    pool_allocate, pool_free = cuda_arena.GrowingPool.allocate, cuda_arena.GrowingPool.free
+    device_alloc, device_unreserve = cuda_device.Device.alloc, cuda_device.Device.unreserve
+
+    def allocate(pool, nbytes):
+        address = pool_allocate(pool, nbytes + REDZONE)
+        fake.guard(address, nbytes)
+        return address
+
+    def free(pool, address):
+        fake.unguard(address)
+        pool_free(pool, address)
+
+    def alloc(device, nbytes, what):
+        address = device_alloc(device, nbytes + REDZONE, what)
+        fake.guard(address, nbytes)
+        return address
+
+    def unreserve(device, address):
+        fake.unguard(address)
+        device_unreserve(device, address)
+
+    monkeypatch.setattr(cuda_arena.GrowingPool, "allocate", allocate)
+    monkeypatch.setattr(cuda_arena.GrowingPool, "free", free)
+    monkeypatch.setattr(cuda_device.Device, "alloc", alloc)
+    monkeypatch.setattr(cuda_device.Device, "unreserve", unreserve)

@@ -12,8 +12,11 @@ from gguf.quants import dequantize, quantize
 
 from engine.backends.numpy_backend import NumpyBackend
 from engine.kv import KVLayout
+from engine.model import load_model
 from engine.quant_weights import LinearPart
+from engine.sequence import ModelRunner, Sequence
 from tests.test_cuda_backend import BLOCK, EXACT, GEMM, REDUCE, _close, _host, _kv_case, _rand
+from tests.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="session")
@@ -166,3 +169,37 @@ def test_kv_block_copy_park_restore_read_write_round_trip(emu):
         for got, want in zip(emu.read_block(pool, device_block), blocks[source]):
             np.testing.assert_array_equal(got, want)
     assert {"copy_kv_blocks_f32", "gather_kv_blocks_f32", "scatter_kv_blocks_f32"} <= set(emu.emulator.launches)
+
+
+def _greedy(model, prompt, steps=8, **runner_args):
+    """Greedy tokens after a prefill of `prompt` (a gemm step: more than 8 rows), then matvec decode steps;
+    also the prefill's last logits."""
+    runner = ModelRunner(model, num_blocks=16, block_size=8, **runner_args)
+    seq = Sequence(list(prompt))
+    runner.ensure_blocks(seq, len(prompt))
+    logits = runner.step([(seq, len(prompt))])
+    first, tokens = logits[-1].copy(), []
+    for _ in range(steps):
+        tokens.append(int(np.argmax(logits[-1])))
+        seq.token_ids.append(tokens[-1])
+        runner.ensure_blocks(seq, len(seq.token_ids))
+        logits = runner.step([(seq, 1)])
+    return tokens, first
+
+
+@pytest.mark.parametrize("arch, quant", [("llama", "Q4_0"), ("gemma3", "Q8_0")])
+def test_greedy_tokens_of_a_tiny_model_equal_numpy(emu, tmp_path, arch, quant):
+    write_tiny_gguf(tmp_path / "m.gguf", arch, quant=quant)
+    expected, expected_first = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15))
+    tokens, first = _greedy(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15))
+    _close(first, expected_first, GEMM)
+    assert tokens == expected
+    assert {f"gemm_{quant.lower()}", f"matvec_{quant.lower()}", "paged_attention_f32"} <= set(emu.emulator.launches)
+
+
+def test_two_stage_pipeline_equals_numpy(emu, tmp_path):
+    """layer_split=(1,): each stage on its own backend (for_stage), the hidden state handed over between them."""
+    write_tiny_gguf(tmp_path / "m.gguf", "llama", quant="Q8_0")
+    expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=6)
+    tokens, _ = _greedy(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15), steps=6, layer_split=(1,))
+    assert tokens == expected
