@@ -62,7 +62,7 @@ class EmulatedSource:
             cpp = library.with_suffix(".cpp")
             cpp.write_text(program)
             subprocess.run(
-                ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
+                ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-Wno-unknown-pragmas",
                  "-o", str(library), str(cpp)],
                 check=True, capture_output=True, text=True,
             )

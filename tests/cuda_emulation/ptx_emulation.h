@@ -48,13 +48,13 @@ inline void ptx_cvt_rn_f16x2_f32(unsigned& d, float a, float b) {
 inline void ptx_mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32(
     float& d0, float& d1, float& d2, float& d3, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
     unsigned b0, unsigned b1) {
-    static_assert(sizeof(emu::MmaMailbox) <= sizeof(emu::Warp::scratch), "mailbox fits the warp's scratch");
-    auto* box = reinterpret_cast<emu::MmaMailbox*>(emu::warp().scratch);
+    static_assert(sizeof(emu::MmaMailbox) <= sizeof(emu::Warp::scratch[0]), "mailbox fits the warp's scratch");
+    auto* box = reinterpret_cast<emu::MmaMailbox*>(emu::warp().scratch[emu::collective++ & 1]);
     const unsigned lane = emu::lane();
     const unsigned a[4] = {a0, a1, a2, a3}, b[2] = {b0, b1};
     std::memcpy(box->a[lane], a, sizeof a);
     std::memcpy(box->b[lane], b, sizeof b);
-    emu::warp().barrier.arrive_and_wait();
+    emu::wait(emu::warp().barrier);
     float A[16][16], B[16][8];
     for (int l = 0; l < 32; ++l) {
         const int g = l >> 2, t = l & 3;
@@ -69,7 +69,6 @@ inline void ptx_mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32(
             B[k + 1][g] = emu::half_bits_to_float(box->b[l][i] >> 16);
         }
     }
-    emu::warp().barrier.arrive_and_wait();  // nobody posts the next mma's fragments before all have read these
     const int g = lane >> 2, t = lane & 3;
     float* d[4] = {&d0, &d1, &d2, &d3};
     for (int i = 0; i < 4; ++i) {
