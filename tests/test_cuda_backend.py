@@ -179,9 +179,10 @@ def test_paged_attention_over_scattered_blocks_with_gqa_matches_numpy(cuda, wind
 
 
 def test_long_context_decode_uses_split_attention_and_matches_numpy(cuda):
-    layout = KVLayout(num_blocks=90, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
-    table = np.random.default_rng(5).permutation(90)[:80]  # 1280 keys: several 512-key chunks
-    got, want, _ = _kv_case(cuda, layout, [(1270, 1, table), (600, 2, table[40:])], 0, np.random.default_rng(6))
+    layout = KVLayout(num_blocks=120, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
+    blocks = np.random.default_rng(5).permutation(120)  # 1280 keys: several 512-key chunks
+    # Disjoint tables: two rows of one store_kv writing the same slot race on a GPU (no order between blocks).
+    got, want, _ = _kv_case(cuda, layout, [(1270, 1, blocks[:80]), (600, 2, blocks[80:])], 0, np.random.default_rng(6))
     _close(got, want, REDUCE)
     log = _launch_log(cuda)
     assert log is None or "paged_attention_split_f32" in log
