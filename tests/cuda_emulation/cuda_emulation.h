@@ -116,45 +116,58 @@ inline void launch(dim3 grid, dim3 threads, size_t shared_bytes, const std::func
     body = &kernel;
     block_dim = threads;
     grid_dim = grid;
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                Block b;
-                b.barrier.expected = n;
-                b.warps.resize((n + 31) / 32);
-                for (unsigned w = 0; w < b.warps.size(); ++w) b.warps[w].barrier.expected = std::min(32u, n - 32 * w);
-                b.dynamic_shared.assign(shared_bytes + 16, 0xA5);  // garbage, as on a GPU
-                dynamic_shared_base = b.dynamic_shared.data();
-                block = &b;
-                block_idx = dim3{bx, by, bz};
-                for (unsigned t = 0; t < n; ++t) {
-                    Fiber& f = fibers[t];
-                    f.idx = dim3{t % threads.x, (t / threads.x) % threads.y, t / (threads.x * threads.y)};
-                    f.collective = 0;
-                    f.done = false;
-                    getcontext(&f.context);
-                    f.context.uc_stack.ss_sp = f.stack.get();
-                    f.context.uc_stack.ss_size = STACK_BYTES;
-                    f.context.uc_link = nullptr;
-                    makecontext(&f.context, fiber_main, 0);
-                }
-                for (bool running = true; running;) {  // round-robin until every fiber has returned
-                    running = false;
-                    const unsigned long long before = progress;
-                    for (auto& f : fibers) {
-                        if (f.done) continue;
-                        running = true;
-                        current = &f;
-                        thread_idx = f.idx;
-                        collective = f.collective;
-                        swapcontext(&scheduler, &f.context);
-                    }
-                    if (running && progress == before) {  // every live fiber waits on a barrier nobody can open
-                        std::fprintf(stderr, "emulated kernel deadlock in block (%u, %u, %u)\n", bx, by, bz);
-                        std::abort();
-                    }
-                }
+    // Blocks in a shuffled order, and every other block's fibers scheduled last-to-first: a GPU promises
+    // no order between blocks, nor between threads up to a barrier, so a kernel (or a backend aliasing its
+    // inputs and outputs) that depends on one fails here instead of on some GPU some day.
+    const unsigned long long blocks = (unsigned long long)grid.x * grid.y * grid.z;
+    std::vector<unsigned long long> order(blocks);
+    for (unsigned long long i = 0; i < blocks; ++i) order[i] = i;
+    unsigned long long state = 0x9E3779B97F4A7C15ull ^ blocks;
+    for (unsigned long long i = blocks; i > 1; --i) {  // Fisher-Yates with a fixed-seed xorshift
+        state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+        std::swap(order[i - 1], order[state % i]);
+    }
+    for (unsigned long long position = 0; position < blocks; ++position) {
+        const unsigned long long flat = order[position];
+        const unsigned bx = flat % grid.x, by = (flat / grid.x) % grid.y, bz = flat / ((unsigned long long)grid.x * grid.y);
+        const bool reverse = position & 1;
+        Block b;
+        b.barrier.expected = n;
+        b.warps.resize((n + 31) / 32);
+        for (unsigned w = 0; w < b.warps.size(); ++w) b.warps[w].barrier.expected = std::min(32u, n - 32 * w);
+        b.dynamic_shared.assign(shared_bytes + 16, 0xA5);  // garbage, as on a GPU
+        dynamic_shared_base = b.dynamic_shared.data();
+        block = &b;
+        block_idx = dim3{bx, by, bz};
+        for (unsigned t = 0; t < n; ++t) {
+            Fiber& f = fibers[t];
+            f.idx = dim3{t % threads.x, (t / threads.x) % threads.y, t / (threads.x * threads.y)};
+            f.collective = 0;
+            f.done = false;
+            getcontext(&f.context);
+            f.context.uc_stack.ss_sp = f.stack.get();
+            f.context.uc_stack.ss_size = STACK_BYTES;
+            f.context.uc_link = nullptr;
+            makecontext(&f.context, fiber_main, 0);
+        }
+        for (bool running = true; running;) {  // round-robin until every fiber has returned
+            running = false;
+            const unsigned long long before = progress;
+            for (unsigned i = 0; i < n; ++i) {
+                Fiber& f = fibers[reverse ? n - 1 - i : i];
+                if (f.done) continue;
+                running = true;
+                current = &f;
+                thread_idx = f.idx;
+                collective = f.collective;
+                swapcontext(&scheduler, &f.context);
             }
+            if (running && progress == before) {  // every live fiber waits on a barrier nobody can open
+                std::fprintf(stderr, "emulated kernel deadlock in block (%u, %u, %u)\n", bx, by, bz);
+                std::abort();
+            }
+        }
+    }
 }
 }  // namespace emu
 
