@@ -23,6 +23,7 @@ from engine.backends import cuda_abi
 
 SHIM = Path(__file__).parent / "cuda_emulation" / "cuda_emulation.h"
 PTX_SHIM = Path(__file__).parent / "cuda_emulation" / "ptx_emulation.h"
+_STATIC_SHARED = re.compile(r"^(\s*)__shared__\s+([^;]*);", re.M)
 _ASM = re.compile(r"\basm\s*(?:volatile\s*)?\(")
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\[\];")
 _POINTER_DTYPES = {"float": np.float32, "int": np.int32, "long long": np.int64,
@@ -54,6 +55,7 @@ class EmulatedSource:
         self.params = {k: kernel_params(text, k) for k in registry.SOURCES[self.name]}
         body = _EXTERN_SHARED.sub(r"\1* \2 = reinterpret_cast<\1*>(emu::dynamic_shared_base);", text)
         body = translate_asm(body)
+        body = _STATIC_SHARED.sub(_garbage_shared, body)
         wrappers = [self._wrapper(k) for k in self.params]
         program = f'#include "{SHIM}"\n#include "{PTX_SHIM}"\n{body}\n' + "\n".join(wrappers)
         digest = hashlib.sha256((program + SHIM.read_text() + PTX_SHIM.read_text()).encode()).hexdigest()[:16]
@@ -162,3 +164,25 @@ def _split_top(text: str, sep: str) -> list[str]:
 def _operand(text: str) -> str:
     """'"+f"(c[0])' -> 'c[0]'."""
     return re.fullmatch(r'\s*"[^"]*"\s*\((.*)\)\s*', text, re.S).group(1).strip()
+
+
+def _garbage_shared(match: re.Match) -> str:
+    """`__shared__ float a[4], b[4];` -> the function-static arrays (blocks run one after another), filled with
+    garbage by the first thread of each block that reaches them: a GPU block starts with undefined shared
+    memory, not the previous block's values, so a read before a write shows up."""
+    indent, declaration = match.groups()
+    names = [re.findall(r"\w+", re.sub(r"__align__\(\d+\)", "", part).split("[")[0])[-1]
+             for part in _declarators(declaration)]
+    fills = " ".join(f"emu::garbage_once(&{name}, sizeof({name}));" for name in names)
+    return f"{indent}static {declaration}; {fills}"
+
+
+def _declarators(declaration: str) -> list[str]:
+    """'float a[4], b[4]' -> ['float a[4]', ' b[4]'] (commas outside brackets)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(declaration):
+        depth += {"[": 1, "]": -1, "(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(declaration[start:i])
+            start = i + 1
+    return parts + [declaration[start:]]

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <utility>
 #include <memory>
 #include <vector>
 
@@ -76,6 +77,21 @@ inline thread_local Fiber* current = nullptr;
 inline thread_local ucontext_t scheduler;
 inline thread_local const std::function<void()>* body = nullptr;
 inline unsigned char* dynamic_shared_base = nullptr;
+inline unsigned long long block_serial = 0;  // counts blocks run, for garbage_once
+
+// Static __shared__ arrays are function-statics here; kernel_emulator.py follows each declaration with a call
+// that fills the array with 0xFF bytes (NaN as float, -1 as an int) once per block, as a GPU block starts
+// with undefined shared memory rather than the previous block's values.
+inline void garbage_once(void* address, size_t nbytes) {
+    static thread_local std::vector<std::pair<void*, unsigned long long>> filled;
+    for (auto& [a, serial] : filled)
+        if (a == address) {
+            if (serial != block_serial) std::memset(address, 0xFF, nbytes), serial = block_serial;
+            return;
+        }
+    std::memset(address, 0xFF, nbytes);
+    filled.emplace_back(address, block_serial);
+}
 
 inline unsigned flat_thread() { return thread_idx.x + block_dim.x * (thread_idx.y + block_dim.y * thread_idx.z); }
 inline unsigned lane() { return flat_thread() & 31; }
@@ -131,6 +147,7 @@ inline void launch(dim3 grid, dim3 threads, size_t shared_bytes, const std::func
         const unsigned long long flat = order[position];
         const unsigned bx = flat % grid.x, by = (flat / grid.x) % grid.y, bz = flat / ((unsigned long long)grid.x * grid.y);
         const bool reverse = position & 1;
+        ++block_serial;
         Block b;
         b.barrier.expected = n;
         b.warps.resize((n + 31) / 32);
