@@ -158,6 +158,7 @@ def _guard_allocations(monkeypatch, fake: EmulatedDriver) -> None:
 
     def allocate(pool, nbytes):
         address = pool_allocate(pool, nbytes + REDZONE)
+        ctypes.memset(address, 0xFF, nbytes)  # workspace holds whatever the last user left (even with poison off)
         fake.guard(address, nbytes)
         return address
 
@@ -167,6 +168,7 @@ def _guard_allocations(monkeypatch, fake: EmulatedDriver) -> None:
 
     def alloc(device, nbytes, what):
         address = device_alloc(device, nbytes + REDZONE, what)
+        ctypes.memset(address, 0xFF, nbytes)  # cuMemAlloc memory is not zeroed: NaN as float, -1 as int
         fake.guard(address, nbytes)
         return address
 
