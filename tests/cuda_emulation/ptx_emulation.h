@@ -55,26 +55,29 @@ inline void ptx_mma_sync_aligned_m16n8k16_row_col_f32_f16_f16_f32(
     std::memcpy(box->a[lane], a, sizeof a);
     std::memcpy(box->b[lane], b, sizeof b);
     emu::wait(emu::warp().barrier);
-    float A[16][16], B[16][8];
-    for (int l = 0; l < 32; ++l) {
-        const int g = l >> 2, t = l & 3;
-        for (int i = 0; i < 4; ++i) {
-            const int row = g + 8 * (i & 1), col = 2 * t + 8 * (i >> 1);
-            A[row][col] = emu::half_bits_to_float(box->a[l][i] & 0xFFFF);
-            A[row][col + 1] = emu::half_bits_to_float(box->a[l][i] >> 16);
-        }
-        for (int i = 0; i < 2; ++i) {
-            const int k = 2 * t + 8 * i;
-            B[k][g] = emu::half_bits_to_float(box->b[l][i] & 0xFFFF);
-            B[k + 1][g] = emu::half_bits_to_float(box->b[l][i] >> 16);
-        }
-    }
+    // This lane's outputs need rows g and g + 8 of A (held by lanes 4g .. 4g + 3) and columns 2t, 2t + 1 of B
+    // (held by lanes 4c .. 4c + 3 for column c): decode just those.
     const int g = lane >> 2, t = lane & 3;
-    float* d[4] = {&d0, &d1, &d2, &d3};
+    float a_rows[2][16], b_cols[2][16];
+    for (int tp = 0; tp < 4; ++tp) {
+        for (int i = 0; i < 4; ++i) {
+            const unsigned reg = box->a[4 * g + tp][i];
+            const int col = 2 * tp + 8 * (i >> 1);
+            a_rows[i & 1][col] = emu::half_bits_to_float(reg & 0xFFFF);
+            a_rows[i & 1][col + 1] = emu::half_bits_to_float(reg >> 16);
+        }
+        for (int j = 0; j < 2; ++j)
+            for (int i = 0; i < 2; ++i) {
+                const unsigned reg = box->b[4 * (2 * t + j) + tp][i];
+                const int k = 2 * tp + 8 * i;
+                b_cols[j][k] = emu::half_bits_to_float(reg & 0xFFFF);
+                b_cols[j][k + 1] = emu::half_bits_to_float(reg >> 16);
+            }
+    }
+    float* d[4] = {&d0, &d1, &d2, &d3};  // d0, d1: row g; d2, d3: row g + 8; columns 2t, 2t + 1
     for (int i = 0; i < 4; ++i) {
-        const int row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
         float sum = *d[i];
-        for (int k = 0; k < 16; ++k) sum += A[row][k] * B[k][col];
+        for (int k = 0; k < 16; ++k) sum += a_rows[i >> 1][k] * b_cols[i & 1][k];
         *d[i] = sum;
     }
 }
