@@ -123,7 +123,8 @@ class EmulatedDriver(FakeDriver):
     @staticmethod
     def _check_alignment(kernel: str, ctype: str, name: str, pointer: int | None) -> None:
         """A GPU faults on a misaligned load: natural alignment for every pointer, and 16 bytes for the
-        quantised kernels' W, x (and bias), which they read with 16-byte vector loads (docs/CUDA_KERNELS.md)."""
+        quantised kernels' W and x, which they read with vector loads (docs/CUDA_KERNELS.md; y and bias need
+        only 4: a fused part's are offset by its column start)."""
         if pointer is None:
             return
         need = _NATURAL_ALIGNMENT[ctype]
