@@ -1,8 +1,10 @@
 """The CUDA backend against the numpy reference: every op, the KV pool, whole models, graphs.
 
-Each test runs twice: on a real GPU (marked `cuda`, skipped without one) and on tests/fake_cuda.py, a CPU
-stand-in for the driver and kernels that checks the backend's own code (argument packing against the
-contract, pointer offsets, staging, graph capture) on every machine. Outputs are poisoned with NaN before
+Each test runs three times: on a real GPU (marked `cuda`, skipped without one); on tests/fake_cuda.py, a CPU
+stand-in for the driver with numpy twins of the kernels that checks the backend's own code (argument packing
+against the contract, pointer offsets, staging, graph capture); and on tests/fake_cuda_emulated.py, the same
+driver running the real kernel sources under g++ (with red zones and alignment checks), so the backend and
+the kernels are checked against each other without a GPU. Outputs are poisoned with NaN before
 each op, so an element a kernel fails to write shows up.
 """
 import numpy as np
@@ -22,30 +24,47 @@ BLOCK = 16
 EXACT, REDUCE, GEMM = (1e-5, 1e-6), (1e-4, 1e-5), (3e-2, 3e-2)  # (rtol, atol): elementwise, reductions, fp16 mma
 
 
-@pytest.fixture(params=[pytest.param("gpu", marks=pytest.mark.cuda), "fake"])
+@pytest.fixture(scope="session")
+def emulator_dir(tmp_path_factory):
+    """Where the g++ builds of the kernel sources go (once per session)."""
+    from tests.kernel_emulator import compiler_available
+
+    if not compiler_available():
+        pytest.skip("g++ is needed to run the CUDA kernels on the CPU")
+    return tmp_path_factory.mktemp("emulated_backend_kernels")
+
+
+@pytest.fixture(params=[pytest.param("gpu", marks=pytest.mark.cuda), "fake", "emulated"])
 def cuda(request, monkeypatch):
-    """A fresh CudaBackend (graphs off; the graph tests turn them on), poisoning every new activation."""
+    """A fresh CudaBackend (graphs off; the graph tests turn them on), poisoning every new activation.
+    "fake": numpy twins of the kernels; "emulated": the real kernel sources under g++ (fake_cuda_emulated)."""
+    driver = None
     if request.param == "gpu":
         from engine.backends.cuda_device import probe
 
         available, reason = probe()
         if not available:
             pytest.skip(f"no CUDA device: {reason}")
-    else:
+    elif request.param == "fake":
         from tests import fake_cuda
 
-        fake_cuda.install(monkeypatch)
+        driver = fake_cuda.install(monkeypatch)
+    else:
+        from tests import fake_cuda_emulated
+
+        driver = fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
     from engine.backends.cuda_backend import CudaBackend
 
     backend = CudaBackend(graphs=False)
     backend.poison = True
+    backend.test_driver = driver
     yield backend
     backend.close()
 
 
 def _launch_log(backend) -> list[str] | None:
-    """Kernels launched so far, as the fake driver records them (None on a GPU, which keeps no log)."""
-    driver = getattr(backend.kernels, "driver", None)
+    """Kernels launched so far, as the fake drivers record them (None on a GPU, which keeps no log)."""
+    driver = backend.test_driver
     return None if driver is None else driver.launches
 
 
@@ -160,9 +179,10 @@ def test_paged_attention_over_scattered_blocks_with_gqa_matches_numpy(cuda, wind
 
 
 def test_long_context_decode_uses_split_attention_and_matches_numpy(cuda):
-    layout = KVLayout(num_blocks=90, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
-    table = np.random.default_rng(5).permutation(90)[:80]  # 1280 keys: several 512-key chunks
-    got, want, _ = _kv_case(cuda, layout, [(1270, 1, table), (600, 2, table[40:])], 0, np.random.default_rng(6))
+    layout = KVLayout(num_blocks=120, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
+    blocks = np.random.default_rng(5).permutation(120)  # 1280 keys: several 512-key chunks
+    # Disjoint tables: two rows of one store_kv writing the same slot race on a GPU (no order between blocks).
+    got, want, _ = _kv_case(cuda, layout, [(1270, 1, blocks[:80]), (600, 2, blocks[80:])], 0, np.random.default_rng(6))
     _close(got, want, REDUCE)
     log = _launch_log(cuda)
     assert log is None or "paged_attention_split_f32" in log
