@@ -286,8 +286,12 @@ def test_a_layer_split_runs_each_stage_on_its_own_handle_and_matches_numpy(cuda,
         seq.token_ids.append(5)
         logits.append(runner.step([(seq, 1)]))
         runner.move_blocks([(1, 2)], [(2, 9)], [(0, 10)])  # park block 1, restore it as 9, copy 0 to 10
-    _close(logits[0], logits[2], REDUCE)
-    _close(logits[1], logits[3], REDUCE)
+    # The 27-row prefill runs the fp16 tensor-core gemm on real kernels: its tolerance for everything after.
+    _close(logits[0], logits[2], GEMM)
+    _close(logits[1], logits[3], GEMM)
     for tier, block in (("host", 2), ("device", 9), ("device", 10)):
         for got, want in zip(split.read_block(tier, block), whole.read_block(tier, block)):
-            _close(got, want, REDUCE)
+            _close(got, want, GEMM)
+    blocks = [split.read_block(tier, block)[0] for tier, block in (("device", 1), ("host", 2), ("device", 9))]
+    np.testing.assert_array_equal(blocks[0], blocks[1])  # a move copies bits, whatever computed them
+    np.testing.assert_array_equal(blocks[1], blocks[2])
