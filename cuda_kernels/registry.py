@@ -46,8 +46,27 @@ def source_file_name(name: str) -> str:
     return file_name
 
 
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([\w.]+\.cuh)".*$', re.M)
+
+
 def read_source(name: str) -> str:
-    return (KERNEL_DIR / source_file_name(name)).read_text()
+    """A source's text as NVRTC and the CPU emulator compile it: `#include "x.cuh"` of a header in
+    cuda_kernels/ is replaced by the header's text (NVRTC is given no include path; one expansion step
+    here keeps the build, its cache key and the emulator on the same text)."""
+    return expand_includes((KERNEL_DIR / source_file_name(name)).read_text())
+
+
+def expand_includes(text: str, directory: Path = KERNEL_DIR, seen: tuple[str, ...] = ()) -> str:
+    """Replace each local `#include "name.cuh"` by that header (recursively; a cycle is a ValueError)."""
+    def insert(match: re.Match) -> str:
+        header = match.group(1)
+        if header in seen:
+            raise ValueError(f"#include cycle through {header}")
+        path = directory / header
+        if not path.is_file():
+            raise ValueError(f'#include "{header}": no such header in {directory}')
+        return f"// ---- {header} ----\n" + expand_includes(path.read_text(), directory, seen + (header,))
+    return _LOCAL_INCLUDE.sub(insert, text)
 
 
 def source_of(kernel: str) -> str:

@@ -22,7 +22,9 @@ def nvrtc_compile(source_name: str, arch: str) -> tuple[bytes, str]:
     """(CUBIN, compile log with ptxas -v resource lines) of cuda_kernels/<source_name> for `arch`."""
     from cuda.bindings import nvrtc
 
-    src = (KERNEL_DIR / source_name).read_bytes()
+    from cuda_kernels.registry import read_source
+
+    src = read_source(source_name).encode()
     prog = _ok(nvrtc.nvrtcCreateProgram(src, source_name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
         opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17", b"--ptxas-options=-v"]

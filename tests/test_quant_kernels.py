@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from cuda_kernels import gemm_quant, matvec_quant
+from cuda_kernels.registry import expand_includes, read_source
 from cuda_kernels.quant_types import (MATVEC_MAX_T, QUANT_TYPES, check_in_dim, kernel_name, row_bytes,
                                       supported, use_gemm)
 from tests.cuda_helpers import KERNEL_DIR, Device, nvrtc_compile, random_weight
 
 SOURCES = {"matvec_quant.cu": "matvec", "gemm_quant.cu": "gemm"}
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
-DECODERS = re.compile(r"// ==== BEGIN GGUF BLOCK DECODERS ====.*// ==== END GGUF BLOCK DECODERS ====", re.S)
 
 
 def _expected_names(source: str) -> set[str]:
@@ -34,16 +34,26 @@ def _require_nvrtc():
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_source_declares_every_kernel_as_the_registry_parses_it(source):
-    text = (KERNEL_DIR / source).read_text()
+    text = read_source(source)
     declared = set(re.findall(r'extern "C" __global__ void (\w+)\(', text))
     assert declared == _expected_names(source)
-    assert "#include" not in text
+    assert "#include" not in text  # NVRTC gets no include path: the registry expanded gguf_blocks.cuh
 
 
-def test_both_sources_carry_the_same_block_decoders():
-    sections = [DECODERS.search((KERNEL_DIR / source).read_text()) for source in SOURCES]
-    assert all(sections), "decoder markers missing"
-    assert sections[0].group(0) == sections[1].group(0), "edit the decoders in both files alike"
+def test_both_sources_take_the_block_decoders_from_one_header():
+    header = (KERNEL_DIR / "gguf_blocks.cuh").read_text()
+    for source in SOURCES:
+        assert '#include "gguf_blocks.cuh"' in (KERNEL_DIR / source).read_text()
+        assert header in read_source(source)
+
+
+def test_include_expansion_names_a_missing_header_and_a_cycle(tmp_path):
+    (tmp_path / "a.cuh").write_text('#include "b.cuh"\n')
+    (tmp_path / "b.cuh").write_text('#include "a.cuh"\n')
+    with pytest.raises(ValueError, match="cycle"):
+        expand_includes('#include "a.cuh"\n', tmp_path)
+    with pytest.raises(ValueError, match="missing.cuh"):
+        expand_includes('#include "missing.cuh"\n', tmp_path)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
