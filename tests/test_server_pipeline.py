@@ -1,6 +1,8 @@
 """The server with a layer split and batch groups, on the real model: the agent workload computes only what
 is new, the stages show up in /pipeline, /slots and /metrics, and the disk tier survives a restart with a
 different split (a cached block is the whole model's, whatever the stages)."""
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -52,3 +54,18 @@ def test_the_disk_tier_is_shared_by_different_layer_splits(smollm2, tmp_path):
         state.engine.cache.check_integrity()
         loads = state.engine.cache.stats["disk_loads"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] and loads > 0
+
+
+@pytest.mark.parametrize("layer_split, groups", [("10,20", "4"), ("15", "2")])
+def test_four_concurrent_streams_through_the_pipeline_match_the_unpipelined_server(smollm2, layer_split, groups):
+    prompts = ["Tell me about cats.", "What is 2+2?", "Write a haiku about rain.", "List some fruits."]
+
+    def replies(**config):
+        with running_server(smollm2, batch=4, ctx_size=1024, **config) as (url, _):
+            def one(prompt):
+                return _chat(url, [{"role": "user", "content": prompt}], max_tokens=16)[0]
+
+            with ThreadPoolExecutor(4) as pool:
+                return list(pool.map(one, prompts))
+
+    assert replies(layer_split=layer_split, batch_groups=groups) == replies(batch_groups="1")
