@@ -19,6 +19,7 @@ import asyncio
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 
 from engine.loader import open_model  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from engine.sequence import ModelRunner  # noqa: E402
+from engine.sequence import ModelRunner, Sequence  # noqa: E402
 from scheduler.engine_loop import EngineLoop  # noqa: E402
 from scheduler.request import Request  # noqa: E402
 
@@ -75,6 +76,44 @@ async def run_once(loaded, split: tuple[int, ...], groups: int, max_tokens: int)
     }
 
 
+def thread_scaling(loaded, cut: int, steps: int = 20) -> dict:
+    """What two stage workers can gain on this machine, without the engine: the ms of one 2-row decode step
+    through stage 0's layers alone, and the same step in two threads at once (each on its own runner and
+    sequences), with 1 BLAS thread. A speedup near 2 means numpy releases the GIL and the cores are free."""
+    def make():
+        runner = ModelRunner(loaded.model, 64, 16, layer_split=(cut,))
+        seqs = [Sequence(list(range(10, 110))) for _ in range(2)]
+        for seq in seqs:
+            runner.ensure_blocks(seq, 100 + 2 * steps)  # pairs[0] decodes in both timings
+        batch_seqs = [(seq, 100) for seq in seqs]
+        runner.run_stage(runner.stages[0], runner.prepare(batch_seqs), None)
+        runner.commit(batch_seqs)
+        return runner, seqs
+
+    def decode(runner, seqs):
+        for _ in range(steps):
+            for seq in seqs:
+                seq.token_ids.append(5)
+            work = [(seq, 1) for seq in seqs]
+            runner.run_stage(runner.stages[0], runner.prepare(work), None)
+            runner.commit(work)
+
+    pairs = [make(), make()]
+
+    def timed(n: int) -> float:
+        threads = [threading.Thread(target=decode, args=pairs[i]) for i in range(n)]
+        started = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return (time.perf_counter() - started) / steps * 1e3
+
+    with threadpool_limits(limits=1, user_api="blas"):
+        alone, together = timed(1), timed(2)
+    return {"alone_ms": alone, "together_ms": together, "speedup": 2 * alone / together}
+
+
 def balanced_cut(model) -> int:
     """The first layer of stage 1 that best balances weight bytes between two stages; the output head
     (vocab x d, a fifth of SmolLM2-135M) counts on the last stage."""
@@ -111,7 +150,11 @@ def main() -> int:
         per_job = " / ".join(f"{m:.1f}" for m in row["ms_per_job"])
         print(f"| {len(split) + 1} | {groups} | {threads} | {row['ttft_ms']:.0f} | {row['decode_tok_s']:.1f} | "
               f"{busy} | {per_job} | {row['overlap']:.2f} |", flush=True)
-    print(f"\nload average after: {os.getloadavg()[0]:.2f}")
+    scaling = thread_scaling(loaded, cut)
+    print(f"\nstage 0 (layers 0-{cut - 1}), one 2-row decode step, 1 BLAS thread: {scaling['alone_ms']:.1f} ms alone, "
+          f"{scaling['together_ms']:.1f} ms with a second thread doing the same at once "
+          f"(two threads give {scaling['speedup']:.2f}x the work per second)")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 
 
