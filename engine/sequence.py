@@ -48,15 +48,12 @@ class ModelRunner:
         self.allocator = BlockAllocator(num_blocks)
 
     def _make_stage(self, index: int, layers: range, num_blocks: int, host_blocks: int) -> Stage:
-        backend = self.model.backend
-        if hasattr(backend, "for_stage"):
-            backend = backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own
+        backend = self.model.backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own
         layout = replace(self.layout, n_layers=len(layers))
         host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks)) if host_blocks else None
         # Block moves run on the event loop while the stage's worker may be computing another group's step
         # (on blocks no step uses): a backend with per-thread state gives them a handle of their own.
-        mover = backend.sibling() if hasattr(backend, "sibling") else backend
-        return Stage(index, layers, backend, layout, backend.create_kv_pool(layout), host_pool, mover)
+        return Stage(index, layers, backend, layout, backend.create_kv_pool(layout), host_pool, backend.sibling())
 
     @property
     def kv_pool(self):
@@ -134,12 +131,11 @@ class ModelRunner:
         """One stage's share of a forward: embeds on the first stage, applies the head on the last (then
         returns host logits), otherwise returns the hidden state for the next stage."""
         model, backend, last = self.model, stage.backend, stage.layers.stop == self.model.config.n_layers
-        run_forward = getattr(backend, "run_forward", None)  # cuda: graph replay of whole decode steps
-        if stage.is_first and last and run_forward is not None:
-            return run_forward(model, batch, stage.kv_pool)
+        if stage.is_first and last:
+            return backend.run_forward(model, batch, stage.kv_pool)  # cuda: graph replay of decode steps
         if stage.is_first:
             hidden = model.embed(batch, backend)
-        elif hasattr(backend, "receive_hidden"):  # cuda: into this stage's own workspace, on its stream
+        else:  # cuda: into this stage's own workspace, on its stream
             hidden = backend.receive_hidden(hidden, batch)
         hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers, backend)
         if last:
@@ -147,8 +143,7 @@ class ModelRunner:
         # The hand-off buffer: a stage's workspace is reused by its next job while the next stage still
         # reads this one, so a backend with device memory hands over a host copy (what crossing to another
         # GPU needs anyway); numpy hands over its arrays as they are.
-        send = getattr(backend, "send_hidden", None)
-        return send(hidden) if send is not None else hidden
+        return backend.send_hidden(hidden)
 
     @staticmethod
     def commit(work: list[tuple[Sequence, int]]) -> None:

@@ -41,11 +41,7 @@ class Stage:
     layout: KVLayout  # this stage's device pool (n_layers = len(layers))
     kv_pool: Any
     host_pool: Any | None  # this stage's share of the host tier (None without one)
-    mover: Backend | None = None  # the handle block moves use, from the event loop's thread (default: backend)
-
-    def __post_init__(self):
-        if self.mover is None:
-            self.mover = self.backend
+    mover: Backend  # the handle block moves use, from the event loop's thread (backend.sibling())
 
     @property
     def is_first(self) -> bool:

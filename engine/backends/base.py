@@ -88,3 +88,20 @@ class Backend(Protocol):
         """[T, 2F] (gate | up) -> act(gate) * up, [T, F]."""
 
     def gather_rows(self, x: Array, rows: np.ndarray) -> Array: ...
+
+    # -- pipeline stages (engine/stages.py, engine/sequence.py ModelRunner.run_stage) ------------------
+    def for_stage(self, stage: int) -> "Backend":
+        """The handle pipeline stage `stage` computes on: the same weights, its own stream and workspace
+        where the backend has such (numpy: itself)."""
+
+    def sibling(self) -> "Backend":
+        """A handle for another thread (the event loop's block moves while a stage computes)."""
+
+    def send_hidden(self, hidden: tuple) -> tuple:
+        """A non-last stage's output (x, h) as the next stage may read it after this stage goes on."""
+
+    def receive_hidden(self, hidden: tuple, batch: BatchMeta) -> tuple:
+        """Start a step that enters at a later layer with the handed-off (x, h)."""
+
+    def run_forward(self, model, batch: BatchMeta, pool: Any) -> np.ndarray:
+        """model.forward(batch, pool) for a one-stage model (cuda: replayed from a graph when it can)."""

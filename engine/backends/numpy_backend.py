@@ -144,6 +144,22 @@ class NumpyBackend:
             return x
         return x[rows]
 
+    # -- pipeline stages: numpy has no per-thread state, so every stage and thread shares this object --
+    def for_stage(self, stage: int) -> "NumpyBackend":
+        return self
+
+    def sibling(self) -> "NumpyBackend":
+        return self
+
+    def send_hidden(self, hidden: tuple) -> tuple:
+        return hidden  # the next stage only reads the arrays; this stage's next job makes new ones
+
+    def receive_hidden(self, hidden: tuple, batch: BatchMeta) -> tuple:
+        return hidden
+
+    def run_forward(self, model, batch: BatchMeta, pool: NumpyKVPool) -> np.ndarray:
+        return model.forward(batch, pool)
+
 
 def _copy_between(src_pool: NumpyKVPool, dst_pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
     """Copy whole blocks (all layers, K and V) from src_pool block a to dst_pool block b, per (a, b)."""
