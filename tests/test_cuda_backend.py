@@ -18,6 +18,7 @@ from engine.kv import KVLayout
 from engine.model import load_model
 from engine.quant_weights import LinearPart
 from engine.sequence import ModelRunner, Sequence
+from tests.reference_helpers import chunked_step_logits, greedy_with_logits
 from tests.tiny_gguf import write_tiny_gguf
 
 BLOCK = 16
@@ -193,33 +194,29 @@ def test_kv_block_copy_park_restore_read_write_round_trip(cuda):
     rng = np.random.default_rng(7)
     pool, host = cuda.create_kv_pool(layout), cuda.create_host_pool(KVLayout(6, BLOCK, 2, 2, 8))
     blocks = {b: (_rand(rng, 2, 2, BLOCK, 8), _rand(rng, 2, 2, BLOCK, 8)) for b in range(8)}
+
+    def expect(tier_pool, pairs):  # (block read back, block whose data it must hold), K and V
+        for block, source in pairs:
+            for got, want in zip(cuda.read_block(tier_pool, block), blocks[source]):
+                np.testing.assert_array_equal(got, want)
+
     for b, (k, v) in blocks.items():
         cuda.write_block(pool, b, k, v)
-    for b, (k, v) in blocks.items():
-        got_k, got_v = cuda.read_block(pool, b)
-        np.testing.assert_array_equal(got_k, k)
-        np.testing.assert_array_equal(got_v, v)
+    expect(pool, [(b, b) for b in blocks])
     cuda.copy_blocks(pool, [(1, 6), (2, 7)])
-    np.testing.assert_array_equal(cuda.read_block(pool, 6)[0], blocks[1][0])
+    expect(pool, [(6, 1), (7, 2)])
     cuda.park_blocks(pool, host, [(3, 4), (4, 5), (0, 0), (5, 2)])  # host slots 4, 5 form one run
-    np.testing.assert_array_equal(cuda.read_block(host, 5)[1], blocks[4][1])
+    expect(host, [(4, 3), (5, 4), (0, 0), (2, 5)])
     cuda.restore_blocks(host, pool, [(4, 1), (5, 0), (0, 7)])
-    for device_block, source in ((1, 3), (0, 4), (7, 0)):
-        np.testing.assert_array_equal(cuda.read_block(pool, device_block)[0], blocks[source][0])
-    np.testing.assert_array_equal(cuda.read_block(pool, 2)[1], blocks[2][1])  # untouched
+    expect(pool, [(1, 3), (0, 4), (7, 0), (2, 2), (6, 1)])  # the last two untouched
+    launched = _launch_log(cuda)
+    if launched is not None:
+        assert {"copy_kv_blocks_f32", "gather_kv_blocks_f32", "scatter_kv_blocks_f32"} <= set(launched)
 
 
-def _greedy(model, prompt, steps=16):
-    runner = ModelRunner(model, num_blocks=16, block_size=BLOCK)
-    seq = Sequence(list(prompt))
-    runner.ensure_blocks(seq, len(prompt))
-    logits, tokens = runner.step([(seq, len(prompt))]), []
-    for _ in range(steps):
-        tokens.append(int(np.argmax(logits[-1])))
-        seq.token_ids.append(tokens[-1])
-        runner.ensure_blocks(seq, len(seq.token_ids))
-        logits = runner.step([(seq, 1)])
-    return tokens
+def _greedy(model, prompt, steps=16, **runner_args):
+    """Greedy tokens after a one-step prefill of `prompt` (the gemm when it has more than 8 rows)."""
+    return greedy_with_logits(model, list(prompt), steps, chunk=len(prompt), block_size=BLOCK, **runner_args)[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
@@ -273,22 +270,18 @@ def test_a_layer_split_runs_each_stage_on_its_own_handle_and_matches_numpy(cuda,
     cuda.graphs = None
     model = load_model(tmp_path / "m.gguf", cuda)[0]
     reference = load_model(tmp_path / "m.gguf", NumpyBackend())[0]
-    split = ModelRunner(model, num_blocks=16, block_size=BLOCK, host_blocks=4, layer_split=(1, 2))
-    whole = ModelRunner(reference, num_blocks=16, block_size=BLOCK, host_blocks=4)
+    split = ModelRunner(model, num_blocks=16, block_size=4, host_blocks=4, layer_split=(1, 2))
+    whole = ModelRunner(reference, num_blocks=16, block_size=4, host_blocks=4)
     backends = [s.backend for s in split.stages]
     assert backends[0] is cuda and len({id(b) for b in backends}) == 3
     assert all(s.mover is not s.backend for s in split.stages)
-    logits = []
+    prompts = [list(range(3, 16)), list(range(40, 47))]  # batched chunks: a 13-row gemm step, then decode
+    logits = [chunked_step_logits(runner, prompts) for runner in (split, whole)]
     for runner in (split, whole):
-        seq = Sequence(list(range(3, 30)))
-        runner.ensure_blocks(seq, 40)
-        logits.append(runner.step([(seq, 27)]))
-        seq.token_ids.append(5)
-        logits.append(runner.step([(seq, 1)]))
         runner.move_blocks([(1, 2)], [(2, 9)], [(0, 10)])  # park block 1, restore it as 9, copy 0 to 10
-    # The 27-row prefill runs the fp16 tensor-core gemm on real kernels: its tolerance for everything after.
-    _close(logits[0], logits[2], GEMM)
-    _close(logits[1], logits[3], GEMM)
+    # A prefill chunk runs the fp16 tensor-core gemm on real kernels: its tolerance for everything after.
+    for got, want in zip(*logits):
+        _close(got, want, GEMM)
     for tier, block in (("host", 2), ("device", 9), ("device", 10)):
         for got, want in zip(split.read_block(tier, block), whole.read_block(tier, block)):
             _close(got, want, GEMM)

@@ -1,7 +1,8 @@
 """The CUDA backend on the REAL kernel sources, run on the CPU (tests/fake_cuda_emulated.py), beyond what
 tests/test_cuda_backend.py already runs emulated: four weight types fused into one matrix (ld_y column ranges)
-on both sides of the matvec/gemm threshold, the split-K attention path on a short context, KV block moves,
-Q4_0 models, and pipelines of two and three stages. A mismatch between backend and kernels in argument order,
+on both sides of the matvec/gemm threshold, the split-K attention path on a short context, wide heads and GQA
+groups, Q4_0 models, and real models (opt-in). KV block moves and layer splits run emulated in
+test_cuda_backend.py. A mismatch between backend and kernels in argument order,
 int vs pointer, index dtypes, buffer sizes (red zones) or offsets fails here without a GPU.
 
 The emulator runs one OS thread per CUDA thread, block after block: shapes are kept small.
@@ -18,6 +19,7 @@ from engine.model import load_model
 from engine.quant_weights import LinearPart
 from engine.sequence import ModelRunner, Sequence
 from tests.test_cuda_backend import GEMM, REDUCE, _close, _host, _kv_case, _rand, emulator_dir  # noqa: F401
+from tests.reference_helpers import greedy_with_logits
 from tests.tiny_gguf import write_tiny_gguf
 
 
@@ -114,46 +116,11 @@ def test_attention_with_wide_heads_and_gqa_groups_matches_numpy(emu, monkeypatch
     assert ("paged_attention_split_f32" in emu.test_driver.launches) == split
 
 
-def test_kv_block_copy_park_restore_read_write_round_trip(emu):
-    layout = KVLayout(num_blocks=8, block_size=4, n_layers=2, n_kv_heads=2, head_dim=8)
-    rng = np.random.default_rng(7)
-    pool, host = emu.create_kv_pool(layout), emu.create_host_pool(KVLayout(6, 4, 2, 2, 8))
-    blocks = {b: (_rand(rng, 2, 2, 4, 8), _rand(rng, 2, 2, 4, 8)) for b in range(8)}
-    for b, (k, v) in blocks.items():
-        emu.write_block(pool, b, k, v)
-    for b, (k, v) in blocks.items():
-        got_k, got_v = emu.read_block(pool, b)
-        np.testing.assert_array_equal(got_k, k)
-        np.testing.assert_array_equal(got_v, v)
-    emu.copy_blocks(pool, [(1, 6), (2, 7)])
-    for dst, src in ((6, 1), (7, 2)):
-        for got, want in zip(emu.read_block(pool, dst), blocks[src]):
-            np.testing.assert_array_equal(got, want)
-    emu.park_blocks(pool, host, [(3, 4), (4, 5), (0, 0), (5, 2)])  # host slots 4, 5 form one run
-    for host_block, source in ((4, 3), (5, 4), (0, 0), (2, 5)):
-        for got, want in zip(emu.read_block(host, host_block), blocks[source]):
-            np.testing.assert_array_equal(got, want)
-    emu.restore_blocks(host, pool, [(4, 1), (5, 0), (0, 7)])
-    for device_block, source in ((1, 3), (0, 4), (7, 0), (2, 2), (6, 1)):  # the last two untouched
-        for got, want in zip(emu.read_block(pool, device_block), blocks[source]):
-            np.testing.assert_array_equal(got, want)
-    assert {"copy_kv_blocks_f32", "gather_kv_blocks_f32", "scatter_kv_blocks_f32"} <= set(emu.test_driver.launches)
-
-
-def _greedy(model, prompt, steps=8, **runner_args):
-    """Greedy tokens after a prefill of `prompt` (a gemm step: more than 8 rows), then matvec decode steps;
-    also the prefill's last logits."""
-    runner = ModelRunner(model, num_blocks=16, block_size=8, **runner_args)
-    seq = Sequence(list(prompt))
-    runner.ensure_blocks(seq, len(prompt))
-    logits = runner.step([(seq, len(prompt))])
-    first, tokens = logits[-1].copy(), []
-    for _ in range(steps):
-        tokens.append(int(np.argmax(logits[-1])))
-        seq.token_ids.append(tokens[-1])
-        runner.ensure_blocks(seq, len(seq.token_ids))
-        logits = runner.step([(seq, 1)])
-    return tokens, first
+def _greedy(model, prompt, steps=8):
+    """Greedy tokens after a one-step prefill of `prompt` (a gemm step: more than 8 rows), then matvec decode
+    steps; also the prefill's last logits."""
+    tokens, rows = greedy_with_logits(model, list(prompt), steps, chunk=len(prompt), block_size=8)
+    return tokens, rows[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -166,44 +133,6 @@ def test_greedy_tokens_of_a_q4_0_tiny_model_equal_numpy(emu, tmp_path, arch):
     _close(first, expected_first, GEMM)
     assert tokens == expected
     assert {f"gemm_{quant.lower()}", f"matvec_{quant.lower()}", "paged_attention_f32"} <= set(emu.test_driver.launches)
-
-
-def test_two_stage_pipeline_equals_numpy(emu, tmp_path):
-    """layer_split=(1,): each stage on its own backend (for_stage), the hidden state handed over between them."""
-    write_tiny_gguf(tmp_path / "m.gguf", "llama", quant="Q8_0")
-    expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=6)
-    tokens, _ = _greedy(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15), steps=6, layer_split=(1,))
-    assert tokens == expected
-
-
-def test_three_stage_batches_and_block_moves_equal_numpy(emu, tmp_path):
-    """Two sequences in chunked-prefill and decode batches over three stages (each its own backend, KV pool
-    and host pool), then park, restore and copy-on-write across every stage: logits and blocks as numpy's."""
-    write_tiny_gguf(tmp_path / "m.gguf", "qwen3", n_layer=4)
-    rng = np.random.default_rng(9)
-    prompts = [rng.integers(3, 250, size=n).tolist() for n in (13, 7)]
-
-    def run(backend):
-        runner = ModelRunner(load_model(tmp_path / "m.gguf", backend)[0], 16, 4, host_blocks=4, layer_split=(1, 3))
-        seqs, logits = [Sequence(list(p)) for p in prompts], []
-        for chunk in (5, 8, 1, 1):  # chunked prefill (a gemm step of 13 rows), then decode steps
-            work = [(s, min(chunk, s.num_pending)) for s in seqs if s.num_pending]
-            for s, k in work:
-                assert runner.ensure_blocks(s, s.num_computed + k)
-            logits.append(runner.step(work))
-            for s in seqs:
-                s.token_ids.append(7)
-        runner.move_blocks([(1, 2)], [], [])  # park block 1 to host slot 2
-        runner.move_blocks([], [(2, 9)], [(1, 10)])  # restore it to block 9, copy block 1 to block 10
-        return logits, [runner.read_block("device", b) for b in (0, 1, 9, 10)], runner.read_block("host", 2)
-
-    want_logits, want_blocks, want_host = run(NumpyBackend())
-    got_logits, got_blocks, got_host = run(emu)
-    for got, want in zip(got_logits, want_logits):
-        _close(got, want, GEMM)
-    for got, want in zip([*got_blocks, got_host], [*want_blocks, want_host]):
-        for g, w in zip(got, want):
-            _close(g, w, GEMM)  # K/V projections of a gemm step: fp16 operands
 
 
 @pytest.mark.slow

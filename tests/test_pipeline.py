@@ -12,6 +12,7 @@ from scheduler.engine_loop import EngineLoop
 from scheduler.pipeline import Pipeline, StageFailure
 from scheduler.request import Request
 from scheduler.step import sample_step
+from tests.reference_helpers import chunked_step_logits
 
 SPLITS = [(), (2,), (1, 3)]  # one, two and three stages of a 4-layer model
 
@@ -39,18 +40,8 @@ def test_a_split_model_computes_bit_identical_logits(load_tiny, arch):
     n = model.config.n_layers
     prompts = [_prompt(13, 1), _prompt(7, 2)]
 
-    def run(split):
-        runner = ModelRunner(model, 32, 4, layer_split=split)
-        seqs = [Sequence(list(p)) for p in prompts]
-        out = []
-        for chunk in (5, 8, 1, 1):  # chunked prefill, then decode-sized steps
-            work = [(s, min(chunk, s.num_pending)) for s in seqs if s.num_pending]
-            for s, k in work:
-                assert runner.ensure_blocks(s, s.num_computed + k)
-            out.append(runner.step(work))
-            for s in seqs:
-                s.token_ids.append(7)
-        return out
+    def run(split):  # chunked prefill, then decode-sized steps
+        return chunked_step_logits(ModelRunner(model, 32, 4, layer_split=split), prompts)
 
     whole = run(())
     for split in [(1,), (2, n - 1)]:
