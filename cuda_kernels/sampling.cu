@@ -9,6 +9,13 @@
 // Ties at a top-k / top-p threshold are all kept. The draw is an inverse CDF over the kept tokens in id
 // order (each thread sums a contiguous chunk, then a block scan), with one uniform from Philox4x32-10 keyed
 // by seeds[row] at counter counters[row]: the same (seed, counter) always picks the same token.
+// Grammar-constrained rows (optional): allowed_mask holds bitmask rows in llguidance's layout, int32 words,
+// bit (id % 32) of word (id / 32) set = id allowed, mask_words words a row (>= ceil(vocab / 32); bits past
+// vocab are ignored). Row r uses mask row mask_rows[r], or mask row r when mask_rows is null; a negative
+// mask_rows[r], or a null allowed_mask, leaves row r unconstrained. The indirection lets a batch hold masks
+// only for its constrained rows, and lets rows share one. A disallowed token reads as a -inf logit before
+// anything else, so greedy, every filter and the draw see exactly the host contract run on logits with
+// the disallowed ones set to -inf (a row with no allowed finite logit gives 0, as all -inf logits do).
 // Launch: grid (rows), block 1024 (cuda_kernels/sampling.py).
 
 #define SAMPLE_THREADS 1024
@@ -49,12 +56,26 @@ __device__ unsigned int philox_first_word(unsigned long long seed, unsigned int 
     return c0;
 }
 
+// One row's logits as the sampler sees them: a token the row's mask disallows reads as -inf. Every read of
+// a logit goes through here, so no filter can see a disallowed token's real value; mask is null for an
+// unconstrained row (a block-uniform branch, and the plain load of before).
+struct Logits {
+    const float* x;
+    const unsigned int* mask;
+    __device__ float operator[](int i) const {
+        if (mask && !((mask[i >> 5] >> (i & 31)) & 1u)) return __int_as_float(0xff800000);  // -inf
+        return x[i];
+    }
+};
+
 // Highest logit and its lowest id, for the whole block.
-__device__ void block_argmax(const float* x, int vocab, SampleShared& sh, float& best_value, int& best_id) {
+__device__ void block_argmax(const Logits& x, int vocab, SampleShared& sh, float& best_value, int& best_id) {
     float value = __int_as_float(0xff800000);  // -inf
     int id = vocab;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x)
-        if (x[i] > value) { value = x[i]; id = i; }  // ids rise within a thread: strict > keeps the lowest
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = x[i];
+        if (v > value) { value = v; id = i; }  // ids rise within a thread: strict > keeps the lowest
+    }
     for (int offset = 16; offset > 0; offset >>= 1) {
         const float other_value = __shfl_xor_sync(FULL_MASK, value, offset);
         const int other_id = __shfl_xor_sync(FULL_MASK, id, offset);
@@ -74,7 +95,7 @@ __device__ void block_argmax(const float* x, int vocab, SampleShared& sh, float&
 }
 
 struct Scaled {
-    const float* x;
+    Logits x;
     float temperature;
     float max_scaled;
     __device__ float scaled(int i) const { return x[i] / temperature; }
@@ -148,16 +169,20 @@ __device__ void block_inclusive_scan(float value, SampleShared& sh) {
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_f32(int* out_ids, const float* logits, int rows, int vocab, const float* temperature, const int* top_k,
-           const float* top_p, const float* min_p, const unsigned long long* seeds, const int* counters) {
+           const float* top_p, const float* min_p, const unsigned long long* seeds, const int* counters,
+           const int* allowed_mask, int mask_words, const int* mask_rows) {
     __shared__ SampleShared sh;
     const int r = blockIdx.x;
     if (r >= rows) return;
-    const float* x = logits + (long long)r * vocab;
+    // Words are read as unsigned so the shift in Logits is a plain bit test whatever bit 31 holds.
+    const unsigned int* masks = reinterpret_cast<const unsigned int*>(allowed_mask);
+    const int mask_row = masks == nullptr ? -1 : mask_rows == nullptr ? r : mask_rows[r];
+    const Logits x{logits + (long long)r * vocab, mask_row < 0 ? nullptr : masks + (long long)mask_row * mask_words};
     float best_value;
     int best_id;
     block_argmax(x, vocab, sh, best_value, best_id);
-    // The greedy answer, and the fallback of the draw below. Only NaN or all -inf logits leave best_id at
-    // vocab; a valid id (0) is still better than one past the vocabulary.
+    // The greedy answer, and the fallback of the draw below. Only NaN or all -inf logits (a mask allowing
+    // none but -inf ones included) leave best_id at vocab; a valid id (0) still beats one past the vocabulary.
     if (threadIdx.x == 0) out_ids[r] = best_id < vocab ? best_id : 0;
     const float temp = temperature[r];
     if (!(temp > 0.0f) || best_id >= vocab || !(best_value > __int_as_float(0xff800000))) return;

@@ -10,6 +10,11 @@ _PHILOX_M0, _PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 _PHILOX_W0, _PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 
 
+def mask_words(vocab: int) -> int:
+    """Words in one row of sample_f32's allowed_mask (llguidance's bitmask: bit id % 32 of int32 word id / 32)."""
+    return (vocab + 31) // 32
+
+
 def geometry(kernel: str, **ints: int):
     """(grid, block, dynamic shared bytes) for sample_f32: one 1024-thread block per row."""
     if kernel != "sample_f32":

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cuda_kernels.attention import num_chunks
-from cuda_kernels.sampling import philox_uniform
+from cuda_kernels.sampling import mask_words, philox_uniform
 from engine.backends.numpy_backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout
@@ -89,14 +89,31 @@ def expected_draw(logits, temperature, top_k, top_p, min_p, seed, counter) -> in
     return int(np.searchsorted(np.cumsum(mass), u, side="right"))
 
 
-def sample(lib, logits, settings, threads=None):
+def sample(lib, logits, settings, threads=None, allowed_mask=None, mask_rows=None):
+    """allowed_mask: int32 bitmask rows (pack_mask) or None; mask_rows: row -> mask row (-1 = none) or None."""
     rows = len(settings)
     column = lambda i, dtype: np.array([s[i] for s in settings], dtype=dtype)  # noqa: E731
     out_ids = np.full(rows, -1, np.int32)
     lib.launch("sample_f32", threads=threads, out_ids=out_ids, logits=logits, rows=rows, vocab=logits.shape[1],
                temperature=column(0, np.float32), top_k=column(1, np.int32), top_p=column(2, np.float32),
-               min_p=column(3, np.float32), seeds=column(4, np.uint64), counters=column(5, np.int32))
+               min_p=column(3, np.float32), seeds=column(4, np.uint64), counters=column(5, np.int32),
+               allowed_mask=allowed_mask, mask_words=0 if allowed_mask is None else allowed_mask.shape[1],
+               mask_rows=None if mask_rows is None else np.asarray(mask_rows, np.int32))
     return out_ids
+
+
+def pack_mask(allowed, words=None):
+    """bool [n, vocab] -> int32 [n, words] in llguidance's layout: bit id % 32 of word id / 32 set = allowed."""
+    words = words or mask_words(allowed.shape[1])
+    packed = np.packbits(allowed, axis=1, bitorder="little")  # bit id % 8 of byte id / 8
+    out = np.zeros((allowed.shape[0], words * 4), np.uint8)
+    out[:, : packed.shape[1]] = packed
+    return out.view("<u4").view(np.int32).copy()
+
+
+def masked_draw(logits, allowed, *setting) -> int:
+    """The masked contract on the host: disallowed logits set to -inf, then the unmasked contract."""
+    return expected_draw(np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32), *setting)
 
 
 def test_greedy_sampling_takes_the_lowest_id_among_ties(kernel_runner):
@@ -142,4 +159,72 @@ def test_filters_keep_exactly_the_reference_set(kernel_runner, top_k, top_p, min
 def test_sampling_all_masked_logits_still_gives_a_valid_id(kernel_runner):
     logits = np.full((2, 300), -np.inf, np.float32)
     out = sample(kernel_runner("sampling"), logits, [(0.0, 0, 1.0, 0.0, 1, 0), (1.0, 0, 1.0, 0.0, 1, 0)], threads=64)
+    assert out.tolist() == [0, 0]
+
+
+def test_masked_greedy_takes_the_best_allowed_token_lowest_id_on_ties(kernel_runner):
+    logits = rand(4, 2053, seed=7)  # 2053 = 64 words + 5 bits: the last word is partial
+    logits[:, 10] = 20.0  # the best token overall, disallowed wherever a mask applies
+    logits[:, [33, 2052, 700]] = 9.0  # the best allowed ones, tied
+    allowed = np.zeros((2, 2053), bool)
+    allowed[0, ::7] = True  # lower tokens (not 10: 10 % 7 != 0) and the tied best
+    allowed[0, [33, 700, 2052]] = True
+    allowed[1, [2052, 1, 2]] = True
+    mask_rows = [0, -1, 1, 0]  # rows 0 and 3 share mask row 0; row 1 is unconstrained
+    out = sample(kernel_runner("sampling"), logits, [(0.0, 0, 1.0, 0.0, 1, 0)] * 4, allowed_mask=pack_mask(allowed),
+                 mask_rows=mask_rows)
+    assert out.tolist() == [33, 10, 2052, 33]
+
+
+MASKED_SETTINGS = SETTINGS + [(0.0, 0, 1.0, 0.0, 1, 0), (0.5, 5, 0.8, 0.1, 17, 3)]
+
+
+@pytest.mark.parametrize("density", [0.5, 0.02])  # 0.02: fewer allowed tokens (~20) than several top-k
+def test_masked_sampling_draws_the_host_twins_token(kernel_runner, density):
+    vocab, counters = 1001, 8
+    settings = [(t, k, p, m, seed + c, counter + 31 * c) for c in range(counters)
+                for t, k, p, m, seed, counter in MASKED_SETTINGS]
+    rng = np.random.default_rng(11)
+    logits = rand(len(settings), vocab, seed=8) * 3
+    allowed = rng.random((len(settings), vocab)) < density
+    allowed[:, rng.integers(vocab)] = True
+    words = mask_words(vocab) + 3  # a padded row stride: only the first ceil(vocab / 32) words are read
+    out = sample(kernel_runner("sampling"), logits, settings, threads=128, allowed_mask=pack_mask(allowed, words))
+    want = [masked_draw(logits[i], allowed[i], *s) for i, s in enumerate(settings)]
+    assert out.tolist() == want
+    assert all(allowed[i, token] for i, token in enumerate(out))
+
+
+def test_rows_without_a_mask_sample_as_before(kernel_runner):
+    logits = rand(len(SETTINGS), 3001, seed=5) * 3
+    lib = kernel_runner("sampling")
+    unmasked = sample(lib, logits, SETTINGS)
+    none_allowed = pack_mask(np.zeros((1, 3001), bool))  # would force id 0 on any row that used it
+    assert sample(lib, logits, SETTINGS, allowed_mask=none_allowed, mask_rows=[-1] * len(SETTINGS)).tolist() \
+        == unmasked.tolist()
+    all_allowed = pack_mask(np.ones((len(SETTINGS), 3001), bool))
+    assert sample(lib, logits, SETTINGS, allowed_mask=all_allowed).tolist() == unmasked.tolist()
+    assert unmasked.tolist() == [expected_draw(logits[i], *s) for i, s in enumerate(SETTINGS)]
+
+
+def test_a_mask_allowing_one_token_always_returns_it(kernel_runner):
+    vocab = 77  # 2 full words and 13 bits
+    only = [0, 31, 32, 76, 40, 5]
+    logits = np.repeat(rand(1, vocab, seed=9) * 4, len(only) * 16, axis=0)
+    logits[:, only] = -25.0  # the allowed token is the least likely one
+    allowed = np.zeros((len(only), vocab), bool)
+    allowed[np.arange(len(only)), only] = True
+    mask = pack_mask(allowed)
+    mask[:, -1] |= np.int32(-1 << 13)  # bits past the vocabulary are set, and must be ignored
+    settings = [MASKED_SETTINGS[(j + c) % len(MASKED_SETTINGS)][:4] + (3, c) for j in range(len(only))
+                for c in range(16)]
+    out = sample(kernel_runner("sampling"), logits, settings, threads=32, allowed_mask=mask,
+                 mask_rows=np.repeat(np.arange(len(only)), 16))
+    assert out.tolist() == np.repeat(only, 16).tolist()
+
+
+def test_a_mask_allowing_nothing_gives_id_zero_as_all_inf_logits_do(kernel_runner):
+    logits = rand(2, 300, seed=10)
+    out = sample(kernel_runner("sampling"), logits, [(0.0, 0, 1.0, 0.0, 1, 0), (1.0, 0, 1.0, 0.0, 1, 0)],
+                 threads=64, allowed_mask=pack_mask(np.zeros((1, 300), bool)), mask_rows=[0, 0])
     assert out.tolist() == [0, 0]

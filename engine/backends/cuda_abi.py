@@ -41,7 +41,7 @@ SIGNATURES: dict[str, str] = {
     "scatter_kv_blocks_f32": _KV_BLOCKS,
     "sample_f32": ("int* out_ids, const float* logits, int rows, int vocab, const float* temperature, "
                    "const int* top_k, const float* top_p, const float* min_p, const unsigned long long* seeds, "
-                   "const int* counters"),
+                   "const int* counters, const int* allowed_mask, int mask_words, const int* mask_rows"),
 }
 # matvec_<q> / gemm_<q>: the table's signature plus `int ld_y` after `in` (the paragraph under that table).
 QUANT_SIGNATURE = ("float* y, const unsigned char* W, const float* x, const float* bias, int T, int out, int in, "
