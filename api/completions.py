@@ -5,36 +5,43 @@ responses: a watcher on the ASGI receive channel), which frees its slot before t
 """
 from __future__ import annotations
 
-import asyncio
 from typing import AsyncIterator
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from api.errors import APIError, bad_request, context_overflow, internal_error, not_found_model, overloaded
+from api.chat_output import ReplyAssembler
+from api.chat_turn import ChatTurn, build_constraint, render_turn
+from api.errors import bad_request, internal_error, not_found_model
 from api.openai_format import ResponseBuilder, sse
 from api.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from api.tenancy import cache_salt_for
-from engine.loader import encode_chat_prompt
-from scheduler.engine_loop import QueueFullError, ShuttingDownError
+from api.tool_specs import normalise_tools
+from api.turn_runner import collect_or_disconnect, fit_max_tokens, start_chat_turn, submit
 from scheduler.request import Delta, Request
 
-_RETRY_AFTER_S = 2
 
 
-def render_chat(state, messages, tools, add_generation_prompt: bool) -> str:
-    """Messages (schema objects) through the model's chat template; template errors become 400s."""
-    dicts = [m.as_template_dict() for m in messages]
-    try:
-        return state.loaded.chat_template.render(dicts, tools=tools, add_generation_prompt=add_generation_prompt)
-    except ValueError as exc:
-        raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
+def render_chat(state, messages, tools, add_generation_prompt: bool, template_kwargs: dict | None = None) -> str:
+    """Messages (schema objects) through the model's chat template, as a chat completion renders them
+    (tools normalised, the generic format's system prompt); template errors become 400s."""
+    turn = ChatTurn([m.as_template_dict() for m in messages], normalise_tools(tools),
+                    template_kwargs=dict(template_kwargs or {}), add_generation_prompt=add_generation_prompt)
+    return render_turn(state, turn)
 
 
-def _prompt_ids(state, body, kind: str) -> list[int]:
+def chat_turn_from_body(body: ChatCompletionRequest) -> ChatTurn:
+    """The dialect-free turn of a chat-completions body."""
+    specs = normalise_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
+    return ChatTurn(body.template_messages(), specs, body.response_format, kwargs, body.add_generation_prompt,
+                    conversation_key=body.prompt_cache_key)
+
+
+def _completion_prompt_ids(state, body) -> list[int]:
     tokenizer = state.loaded.tokenizer
-    if kind == "chat":
-        return encode_chat_prompt(tokenizer, render_chat(state, body.messages, body.tools, body.add_generation_prompt))
     prompt = body.prompt_ids_or_text()
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special=True, parse_special=True)
@@ -50,58 +57,87 @@ def _check_model(state, name: str) -> None:
 
 
 async def handle(state, http_request: HTTPRequest, request_id: str, kind: str, raw: bytes) -> Response:
-    body = parse_body(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)
+    if kind == "chat":
+        return await _handle_chat(state, http_request, request_id, parse_body(ChatCompletionRequest, raw))
+    body = parse_body(CompletionRequest, raw)
     _check_model(state, body.model)
-    prompt_ids = _prompt_ids(state, body, kind)
+    prompt_ids = _completion_prompt_ids(state, body)
     if not prompt_ids:
-        raise bad_request("the prompt is empty after tokenization", param="prompt" if kind != "chat" else "messages")
-    room = state.ctx_size - len(prompt_ids)
-    params = body.sampling_params(default_max_tokens=max(room, 1), default_seed=state.config.seed)
-    if len(prompt_ids) + params.max_tokens > state.ctx_size:
-        raise context_overflow(len(prompt_ids), params.max_tokens, state.ctx_size)
+        raise bad_request("the prompt is empty after tokenization", param="prompt")
+    constraint = build_constraint(state.protocol, ChatTurn([], normalise_tools(None), body.response_format))
+    params = body.sampling_params_for(fit_max_tokens(state, len(prompt_ids), body.requested_max_tokens),
+                                      default_seed=state.config.seed)
     top_logprobs = body.top_logprobs_count()
     salt = cache_salt_for(state.config, http_request.headers.get("authorization", ""), body.cache_salt)
-    request = Request(request_id, prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
-                      describe_position=_position_describer(state, body) if kind == "chat" else None)
-    try:
-        stream = state.engine.submit(request)
-    except QueueFullError as exc:
-        raise overloaded(_RETRY_AFTER_S, str(exc)) from exc
-    except ShuttingDownError as exc:
-        raise overloaded(_RETRY_AFTER_S, str(exc)) from exc
+    stream = submit(state, Request(request_id, prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
+                                   constraint=constraint))
     builder = ResponseBuilder(kind, request_id, body.model, state.loaded.tokenizer)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse_events(stream, builder, include_usage, top_logprobs is not None),
+        return StreamingResponse(_sse_events(stream, builder, body.include_usage, top_logprobs is not None),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    echo_text = state.loaded.tokenizer.decode(prompt_ids) if kind == "completion" and body.echo else ""
+    echo_text = state.loaded.tokenizer.decode(prompt_ids) if body.echo else ""
     return await _whole_response(http_request, stream, builder, top_logprobs is not None, echo_text)
 
 
-def _position_describer(state, body):
-    """token position -> which chat message it falls in, for the log line that explains a cache miss.
+async def _handle_chat(state, http_request: HTTPRequest, request_id: str, body: ChatCompletionRequest) -> Response:
+    _check_model(state, body.model)
+    top_logprobs = body.top_logprobs_count()
+    run = start_chat_turn(state, http_request, request_id, chat_turn_from_body(body),
+                          requested_max_tokens=body.requested_max_tokens,
+                          make_params=lambda n: body.sampling_params_for(n, default_seed=state.config.seed),
+                          client_salt=body.cache_salt, top_logprobs=top_logprobs, num_tools=len(body.tools or []))
+    builder = ResponseBuilder("chat", request_id, body.model, state.loaded.tokenizer)
+    want_logprobs = top_logprobs is not None
+    if body.stream:
+        events = _chat_sse_events(run.stream, builder, run.assembler, body.include_usage, want_logprobs)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _whole_chat(http_request, run.stream, builder, run.assembler, want_logprobs)
 
-    Renders growing prefixes of the conversation only when asked (a miss), never on the hot path."""
-    def describe(position: int) -> str:
-        tokenizer, messages = state.loaded.tokenizer, body.messages
-        for count in range(1, len(messages) + 1):
-            try:
-                text = render_chat(state, messages[:count], body.tools, add_generation_prompt=False)
-            except APIError:
-                return ""
-            if len(encode_chat_prompt(tokenizer, text)) > position:
-                where = f"message {count - 1} ({messages[count - 1].role})"
-                return where + (", or the tool list before it" if count == 1 and body.tools else "")
-        return "the generation prompt"
 
-    return describe
+async def _chat_sse_events(stream: AsyncIterator[Delta], builder: ResponseBuilder, assembler: ReplyAssembler,
+                           include_usage: bool, want_logprobs: bool) -> AsyncIterator[bytes]:
+    """Chat chunks: the role first, then parsed deltas (markup held back by the parser), a last chunk with the
+    finish reason (always, even after an error), the usage chunk when asked, [DONE]."""
+    try:
+        yield sse(builder.chat_chunk({"role": "assistant", "content": ""}))
+        async for delta in stream:
+            if delta.error:
+                yield sse({"error": {"message": delta.error, "type": "server_error", "param": None, "code": None}})
+            parsed = assembler.feed(delta.text)
+            logprobs = delta.logprobs if want_logprobs else None
+            body = assembler.delta(parsed)
+            if body or logprobs:
+                yield sse(builder.chat_chunk(body, logprobs=logprobs))
+            if delta.finish_reason is not None:
+                tail = assembler.delta(assembler.finish())
+                if tail:
+                    yield sse(builder.chat_chunk(tail))
+                yield sse(builder.chat_chunk({}, assembler.finish_reason(delta.finish_reason)))
+                if include_usage:
+                    yield sse(builder.usage_chunk(delta.usage))
+                break
+        yield sse("[DONE]")
+    finally:
+        await stream.aclose()  # a disconnect lands here: closing the stream aborts the request
+
+
+async def _whole_chat(http_request, stream, builder: ResponseBuilder, assembler: ReplyAssembler,
+                      want_logprobs: bool) -> Response:
+    outcome = await collect_or_disconnect(http_request, stream)
+    if outcome is None:
+        return Response(status_code=499)
+    text, logprobs, last = outcome
+    if last.finish_reason == "error":
+        raise internal_error(last.error or "generation failed")
+    assembler.feed(text)
+    assembler.finish()
+    return JSONResponse(builder.chat_whole(assembler.message(), logprobs if want_logprobs else None,
+                                           assembler.finish_reason(last.finish_reason), last.usage))
 
 
 async def _sse_events(stream: AsyncIterator[Delta], builder: ResponseBuilder, include_usage: bool,
                       want_logprobs: bool) -> AsyncIterator[bytes]:
     try:
-        if builder.kind == "chat":
-            yield sse(builder.chunk(None, first=True))
         async for delta in stream:
             if delta.error:
                 yield sse({"error": {"message": delta.error, "type": "server_error", "param": None, "code": None}})
@@ -119,32 +155,11 @@ async def _sse_events(stream: AsyncIterator[Delta], builder: ResponseBuilder, in
 
 
 async def _whole_response(http_request, stream, builder, want_logprobs: bool, echo_text: str) -> Response:
-    async def collect():
-        text, logprobs, last = [], [], None
-        async for delta in stream:
-            text.append(delta.text)
-            logprobs += delta.logprobs
-            last = delta
-        return "".join(text), logprobs, last
-
-    collector = asyncio.ensure_future(collect())
-    watcher = asyncio.ensure_future(_wait_for_disconnect(http_request))
-    done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if collector not in done:  # the client went away: stop computing for it
-        collector.cancel()
-        await asyncio.gather(collector, return_exceptions=True)
-        await stream.aclose()
+    outcome = await collect_or_disconnect(http_request, stream)
+    if outcome is None:
         return Response(status_code=499)
-    watcher.cancel()
-    text, logprobs, last = collector.result()
+    text, logprobs, last = outcome
     if last.finish_reason == "error":
         raise internal_error(last.error or "generation failed")
     finish = "stop" if last.finish_reason == "abort" else last.finish_reason
     return JSONResponse(builder.whole(echo_text + text, logprobs if want_logprobs else None, finish, last.usage))
-
-
-async def _wait_for_disconnect(http_request: HTTPRequest) -> None:
-    while True:
-        message = await http_request.receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -22,6 +22,10 @@ LOG_FORMATS = ("kv", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # auto: cuda when cuda-python, a driver and a device are there, else numpy (engine/loader.choose_backend).
 BACKENDS = ("auto", "numpy", "cuda")
+# auto: picked from the chat template (api/tool_calls.detect_format); the names of api/tool_calls' registry.
+TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "generic")
+# Where thinking text goes: vLLM's older field, its newer one, or left in content unparsed.
+REASONING_FORMATS = ("reasoning_content", "reasoning", "none")
 MIN_CTX_SIZE = 16
 ENV_PREFIX = "STRATA_"
 # Names the config file path, like --config; not a field, so it never reaches ServerConfig.
@@ -65,6 +69,10 @@ class ServerConfig:
     served_model_name: str | None = _opt(None, "model id shown by the API (unset: the model file's stem)",
                                          metavar="NAME")
     chat_template: str | None = _opt(None, "jinja file overriding the model's chat template", metavar="FILE")
+    tool_call_format: str = _opt("auto", "how the model writes tool calls (auto: from the chat template; generic: "
+                                         "the server describes the tools in the system prompt)", TOOL_CALL_FORMATS)
+    reasoning_format: str = _opt("reasoning_content", "message field for a thinking model's reasoning text "
+                                                      "(none: leave it in content)", REASONING_FORMATS)
     log_format: str = _opt("kv", "log line format", LOG_FORMATS)
     log_level: str = _opt("info", "lowest level logged", LOG_LEVELS)
     threads: int | None = _opt(None, "BLAS threads (unset: all cores)")

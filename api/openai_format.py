@@ -41,28 +41,33 @@ class ResponseBuilder:
 
     def whole(self, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str, usage: Usage,
               text_offset: int = 0) -> dict:
-        """The non-streaming response."""
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self.chat_logprobs(logprobs), "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(logprobs, text_offset),
-                      "finish_reason": finish_reason}
+        """The non-streaming text completion (chat: ``chat_whole``)."""
+        choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(logprobs, text_offset),
+                  "finish_reason": finish_reason}
         body = self._envelope([choice], chunk=False)
         body["usage"] = usage_body(usage)
         return body
 
-    def chunk(self, delta: Delta | None, first: bool = False, want_logprobs: bool = False) -> dict:
-        """One streamed chunk; first=True sends the assistant role (chat)."""
-        text = delta.text if delta else ""
+    def chunk(self, delta: Delta | None, want_logprobs: bool = False) -> dict:
+        """One streamed text-completion chunk (chat: ``chat_chunk``)."""
         logprobs = (delta.logprobs if delta else []) if want_logprobs else None
-        finish = delta.finish_reason if delta else None
-        if self.kind == "chat":
-            content = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": content, "logprobs": self.chat_logprobs(logprobs), "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(logprobs, 0),
-                      "finish_reason": finish}
+        choice = {"index": 0, "text": delta.text if delta else "", "logprobs": self.completion_logprobs(logprobs, 0),
+                  "finish_reason": delta.finish_reason if delta else None}
+        return self._envelope([choice], chunk=True)
+
+    def chat_whole(self, message: dict, logprobs: list[TokenLogprob] | None, finish_reason: str,
+                   usage: Usage) -> dict:
+        """The non-streaming chat response around an assembled message (api/chat_output.py)."""
+        choice = {"index": 0, "message": message, "logprobs": self.chat_logprobs(logprobs),
+                  "finish_reason": finish_reason}
+        body = self._envelope([choice], chunk=False)
+        body["usage"] = usage_body(usage)
+        return body
+
+    def chat_chunk(self, delta: dict, finish_reason: str | None = None,
+                   logprobs: list[TokenLogprob] | None = None) -> dict:
+        """One streamed chat chunk around a parsed delta (content / reasoning / tool_calls)."""
+        choice = {"index": 0, "delta": delta, "logprobs": self.chat_logprobs(logprobs), "finish_reason": finish_reason}
         return self._envelope([choice], chunk=True)
 
     def usage_chunk(self, usage: Usage) -> dict:

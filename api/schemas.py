@@ -3,10 +3,10 @@
 Import everything from here: the shared pieces (``RequestBody``, ``ChatMessage``, ``parse_body``,
 ``usage_dict``) live in ``api.schemas_base`` and are re-exported. Besides the conventions described
 there (extra fields ignored, null = default, strict types), fields we cannot honour are rejected by name
-rather than silently dropped: ``n`` != 1, ``response_format`` other than ``{"type": "text"}`` (JSON mode and
-json_schema are not implemented yet), a non-empty ``logit_bias``, for chat the legacy ``functions`` /
-``function_call`` (use ``tools`` / ``tool_choice``), and for completions ``best_of`` != 1 and ``suffix``.
-Harmless hints (``parallel_tool_calls``, ``store``, ``user``, ...) are accepted and ignored.
+rather than silently dropped: ``n`` != 1, a ``response_format`` type other than text / json_object /
+json_schema, a non-empty ``logit_bias``, for chat the legacy ``functions`` / ``function_call`` (use ``tools``
+/ ``tool_choice``), and for completions ``best_of`` != 1 and ``suffix``. Harmless hints (``store``,
+``metadata``, ``service_tier``, ``verbosity``, ``user``) are accepted and ignored.
 
 Tokenizer routes, in both dialects clients use:
 - POST /tokenize: vLLM's ``{model?, prompt}`` or ``{model?, messages, tools?, add_generation_prompt?,
@@ -60,23 +60,23 @@ class SamplingFields(RequestBody):
     prompt_cache_key: str | None = None
     cache_salt: str | None = None  # requests with different salts never share cached KV (vLLM's field)
     ignore_eos: bool = False  # vLLM extension
-    response_format: dict[str, Any] | None = None  # only {"type": "text"} (the default) is accepted
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (through the grammar)
     logit_bias: dict[str, Any] | None = None  # only {} is accepted
 
     @field_validator("response_format", mode="before")
     @classmethod
     def _check_response_format(cls, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
-            raise ValueError("response_format must be an object like {'type': 'text'}")
+            raise ValueError("response_format must be an object like {'type': 'json_object'}")
         kind = value.get("type")
-        if kind is None:
-            raise ValueError("a 'type' is required; only 'text' is supported")
-        if kind == "text":
+        if kind in ("text", "json_object"):
             return value
-        if kind in ("json_object", "json_schema"):
-            raise ValueError(f"type {kind!r} is not supported yet: this server has no JSON mode "
-                             "or json_schema structured output; omit response_format or use {'type': 'text'}")
-        raise ValueError(f"type {kind!r} is not supported; only 'text' is")
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("type 'json_schema' needs json_schema: {name, schema: {...}, strict?}")
+            return value
+        raise ValueError(f"type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'")
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -111,6 +111,11 @@ class SamplingFields(RequestBody):
         """Whether a streamed response ends with a usage chunk."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
+    def sampling_params_for(self, max_tokens: int, default_seed: int | None = None) -> SamplingParams:
+        """Engine sampling settings with ``max_tokens`` as the server decided it (clamped to the context's
+        room). Raises APIError."""
+        return self._sampling(max_tokens, default_seed)
+
     def _sampling(self, max_tokens: int, default_seed: int | None) -> SamplingParams:
         seed = default_seed if self.seed in (None, -1) else self.seed
         try:
@@ -138,8 +143,10 @@ class ChatCompletionRequest(SamplingFields):
     """Body of POST /v1/chat/completions."""
 
     messages: Messages
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None  # normalised by api/tool_specs.py (non-function tools included)
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None  # passed to the chat template (gpt-oss, Qwen3 variants read it)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # wins over max_tokens
     logprobs: bool = False
@@ -233,6 +240,11 @@ class CompletionRequest(SamplingFields):
         if value != 1:
             raise ValueError("only best_of=1 is supported")
         return value
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """The client's limit (OpenAI's default of 16 when it sent none)."""
+        return self.max_tokens
 
     def prompt_ids_or_text(self) -> str | list[int]:
         """The one prompt: text to tokenize, or token ids to use as they are."""

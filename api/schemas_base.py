@@ -46,7 +46,7 @@ class ChatMessage(RequestBody):
     (assistant messages only: a reply that was only tool calls)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    tool_calls: list[dict[str, Any]] | None = None  # passed through to the chat template as sent
+    tool_calls: list[dict[str, Any]] | None = None  # to the template with arguments as a mapping
     name: str | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # llama-server / vLLM extension; Qwen3-style templates read it
@@ -77,11 +77,28 @@ class ChatMessage(RequestBody):
     def as_template_dict(self) -> dict[str, Any]:
         """The dict the chat template sees: role, flattened content, and the optional fields that are set."""
         out: dict[str, Any] = {"role": self.role, "content": self.text}
-        for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
+        for key in ("name", "tool_call_id", "reasoning_content"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
+        if self.tool_calls:
+            out["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
         return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A history tool call in the shape HF chat templates read: ``arguments`` as a mapping (clients send the
+    OpenAI JSON string; templates apply ``tojson`` to it), the rest as sent. Parsing is deterministic, so the
+    same history renders byte-identically every turn; arguments that are not JSON stay a string."""
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = orjson.loads(arguments) if arguments.strip() else {}
+        except orjson.JSONDecodeError:
+            parsed = arguments
+        function["arguments"] = parsed
+    return {**call, "type": call.get("type", "function"), "function": function}
 
 
 def _check_messages(messages: list[ChatMessage]) -> list[ChatMessage]:

@@ -12,6 +12,7 @@ import sys
 
 import uvicorn
 
+from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
 from engine.loader import LoadedModel, open_model
@@ -63,7 +64,9 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens", num_blocks, BLOCK_SIZE,
              runner.layout.total_bytes / 2**20, config.batch, config.ctx_size)
-    return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases)
+    protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
+                                    config.reasoning_format)
+    return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol)
 
 
 def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from api import completions
+from api.chat_protocol import ChatProtocol
 from api.config import ServerConfig
 from api.errors import APIError, internal_error, too_large, unauthorized
 from api.logging_setup import new_request_id, request_id_var
@@ -41,6 +42,7 @@ class ServerState:
     served_name: str
     model_aliases: set[str] = field(default_factory=set)
     is_shutting_down: bool = False
+    protocol: ChatProtocol | None = None  # tool-call format, reasoning tags, grammar (api/chat_protocol.py)
 
 
 def endpoint(handler):
@@ -120,6 +122,7 @@ async def cache(state: ServerState, http_request, request_id) -> Response:
     """The conversation cache per tier: blocks cached / in use / total, parks, restores, drops."""
     usage = state.engine.cache.usage()
     usage["block_size"] = state.engine.cache.block_size
+    usage["conversations"] = state.engine.conversations.snapshot()  # the ones clients named, latest first
     return JSONResponse(usage)
 
 
@@ -142,7 +145,8 @@ async def tokenize(state: ServerState, http_request, request_id) -> Response:
             return JSONResponse({"tokens": pieces})
         return JSONResponse({"tokens": ids})
     if body.kind == "messages":  # vLLM chat form
-        prompt = completions.render_chat(state, body.messages, body.tools, body.add_generation_prompt)
+        prompt = completions.render_chat(state, body.messages, body.tools, body.add_generation_prompt,
+                                         body.chat_template_kwargs)
         ids = encode_chat_prompt(tokenizer, prompt)
     else:
         ids = tokenizer.encode(body.prompt, add_special=body.add_special_tokens, parse_special=True)
@@ -163,7 +167,8 @@ async def detokenize(state: ServerState, http_request, request_id) -> Response:
 @endpoint
 async def apply_template(state: ServerState, http_request, request_id) -> Response:
     body = parse_body(ApplyTemplateRequest, await read_body(state, http_request))
-    return JSONResponse({"prompt": completions.render_chat(state, body.messages, body.tools, True)})
+    return JSONResponse({"prompt": completions.render_chat(state, body.messages, body.tools, True,
+                                                                     body.chat_template_kwargs)})
 
 
 @endpoint

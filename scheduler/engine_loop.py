@@ -6,7 +6,8 @@ requests' next tokens plus at most one prefill chunk into one batched forward, s
 others' decode by at most one chunk. Steps run through the pipeline stages of a layer split
 (scheduler/pipeline.py), each stage on a worker of its own, while the event loop keeps serving HTTP; with
 several groups the stages work on different groups at once. Everything else (admission, detokenisation,
-stop strings, finishing) happens on the loop between a group's steps.
+stop strings, grammar state, finishing) happens on the loop between a group's steps; a constrained request's
+next-token mask is begun when its step is scheduled, so it is computed beside the forward pass.
 
     submit(request) -> async iterator of Delta      abort(request_id)      shutdown(timeout_s)
 """
@@ -23,6 +24,7 @@ from engine.sequence import ModelRunner, Sequence
 from engine.tokenizer import Tokenizer
 from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import flush_to_disk, load_disk_index
+from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
 from scheduler.metrics import Metrics
 from scheduler.output import OutputProcessor
@@ -63,6 +65,7 @@ class EngineLoop:
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.output = OutputProcessor(tokenizer, progress_interval_s)
+        self.conversations = ConversationLog()  # named by the clients, for /cache
         self._slots: list[Request | None] = [None] * num_slots
         self._waiting: deque[Request] = deque()
         self._by_id: dict[str, Request] = {}
@@ -243,6 +246,9 @@ class EngineLoop:
         prefilling = next((r for r in running if r.is_prefilling), None)
         if prefilling is not None:
             work.append((prefilling, min(self.prefill_chunk, prefilling.seq.num_pending)))
+        for request, n in work:
+            if request.constraint is not None and n == request.seq.num_pending:  # this step samples its token
+                request.constraint.begin_mask()  # computed beside the forward pass; sample_step waits for it
         return work
 
     def _postprocess(self, results: list[StepResult]) -> None:
@@ -268,6 +274,9 @@ class EngineLoop:
             self.cache.release(request.seq.token_ids, request.seq.num_computed, request.allocation)
         self._by_id.pop(request.request_id, None)
         self.output.finish(request, reason, error)
+        if request.conversation_key:
+            self.conversations.record(request.conversation_key, request.request_id, request.prompt_len,
+                                      request.cached_tokens)
         m = self.metrics
         m.requests.labels(reason).inc()
         m.prompt_tokens.inc(request.prompt_len)

@@ -31,10 +31,20 @@ class OutputProcessor:
         decoder, stops = self._state(request)
         request.output_ids.append(result.token)
         text = stops.push(decoder.push(result.token))
+        constraint = request.constraint
+        grammar_done = False
+        if constraint is not None:
+            constraint.accept(result.token)
+            # A complete grammar ends the reply with this token: no EOS-only step, and finish("stop") does not
+            # flush, so the held-back text (a partial UTF-8 character, a stop-string prefix) goes out now.
+            grammar_done = constraint.is_finished
+            if grammar_done and not stops.stopped:
+                text += stops.push(decoder.flush())
+                text += stops.flush()
         logprobs = [result.logprob] if result.logprob is not None else []
         if text or logprobs or not stops.stopped:
             request.outbox.put_nowait(Delta(text=text, token_ids=[result.token], logprobs=logprobs))
-        if stops.stopped:
+        if stops.stopped or grammar_done:
             return "stop"
         if len(request.output_ids) >= params.max_tokens:
             return "length"
@@ -44,7 +54,7 @@ class OutputProcessor:
         """Flush held-back text, send the final delta with usage, and log the request's summary."""
         decoder, stops = self._text_state.pop(request.request_id, (None, None))
         tail = ""
-        if decoder is not None and reason != "stop":
+        if decoder is not None:  # a reply ending on EOS too: a held-back "#" of a "###" stop string is text
             tail = stops.push(decoder.flush()) + stops.flush()
         usage = request.usage()
         request.outbox.put_nowait(Delta(text=tail, finish_reason=reason, usage=usage, error=error))
@@ -69,15 +79,18 @@ class OutputProcessor:
         position = miss["position"]
         where = request.describe_position(position) if request.describe_position else ""
         where = f" ({where})" if where else ""
+        named = f"conversation {request.conversation_key!r}: " if request.conversation_key else ""
+        base = {"request_id": request.request_id, "position": position}
+        if request.conversation_key:
+            base["conversation"] = request.conversation_key
         if miss["cause"] == "evicted":
             age_s = time.time() - miss["evicted_at"]
-            log.info("prompt diverged from the cache at token %d%s: the rest was evicted from the %s tier "
-                     "%.0f s ago (%s)", position, where, miss["tier"], age_s, miss["reason"],
-                     extra={"fields": {"request_id": request.request_id, "miss": "evicted", "position": position}})
+            log.info("%sprompt diverged from the cache at token %d%s: the rest was evicted from the %s tier "
+                     "%.0f s ago (%s)", named, position, where, miss["tier"], age_s, miss["reason"],
+                     extra={"fields": {**base, "miss": "evicted"}})
         else:
-            log.info("prompt diverged from the nearest cached sequence (%s) at token %d%s", miss["conversation"],
-                     position, where,
-                     extra={"fields": {"request_id": request.request_id, "miss": "diverged", "position": position}})
+            log.info("%sprompt diverged from the nearest cached sequence (%s) at token %d%s", named,
+                     miss["conversation"], position, where, extra={"fields": {**base, "miss": "diverged"}})
 
     def _state(self, request: Request):
         state = self._text_state.get(request.request_id)
@@ -96,15 +109,18 @@ class OutputProcessor:
         fields = {
             "request_id": request.request_id, "finish_reason": reason, "prompt_tokens": request.prompt_len,
             "reused_tokens": reused, "reused_device": device, "reused_host": host, "reused_disk": disk,
-            "computed_tokens": computed, "generated_tokens": len(request.output_ids),
+            "computed_tokens": computed, "generated_tokens": len(request.output_ids), "tools": request.num_tools,
             "queue_ms": round(((request.admitted_s or time.perf_counter()) - request.arrival_s) * 1e3, 1),
             "total_ms": round((time.perf_counter() - request.arrival_s) * 1e3, 1),
         }
         if error:
             fields["error"] = error
+        if request.conversation_key:
+            fields["conversation"] = request.conversation_key
         log.info(
             "prompt %d tokens = %d reused (device %d, host %d, disk %d) + %d read in %.0f ms (%.0f tok/s), "
-            "%d generated",
+            "%d generated, %d tools",
             request.prompt_len, reused, device, host, disk, computed, read_ms, rate, len(request.output_ids),
+            request.num_tools,
             extra={"fields": fields},
         )

@@ -4,11 +4,14 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import Sequence
 from scheduler.prefix_cache import Allocation
+
+if TYPE_CHECKING:
+    from engine.grammar import TokenConstraint
 
 
 @dataclass
@@ -67,6 +70,9 @@ class Request:
     allocation: "Allocation | None" = None
     cache_salt: str = ""  # requests with different salts never share cached blocks
     describe_position: Callable[[int], str] | None = None  # token position -> "message 3 (user)" for logs
+    constraint: "TokenConstraint | None" = None  # grammar on the sampled tokens (engine/grammar.py)
+    num_tools: int = 0  # tool definitions the request carried, for the summary log line
+    conversation_key: str | None = None  # the client's name for the conversation (prompt_cache_key, session id)
 
     @property
     def prompt_len(self) -> int:

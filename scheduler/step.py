@@ -1,7 +1,9 @@
 """The end of one engine step, on the last pipeline stage's worker: sampling from the step's logits.
 
 Sampling runs there (not on the event loop) because sorting a 50K-entry distribution for top-p is
-milliseconds of numpy that would otherwise stall HTTP handling.
+milliseconds of numpy that would otherwise stall HTTP handling. A request with a grammar waits here for the
+token mask its constraint began computing when the step was scheduled (engine/grammar.py), normally done by
+now: it ran beside the forward pass.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ def sample_step(work: list[tuple[Request, int]], logits: np.ndarray) -> list[Ste
         if request.seq.num_pending:  # prompt chunk that did not reach the end of the prompt
             results.append(StepResult(request, None))
             continue
-        token = request.sampler.sample(row)
+        mask = request.constraint.mask() if request.constraint is not None else None
+        token = request.sampler.sample(row, mask)
         logprob = _logprob(row, token, request.top_logprobs) if request.top_logprobs is not None else None
         results.append(StepResult(request, token, logprob))
     return results

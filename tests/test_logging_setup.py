@@ -9,7 +9,7 @@ import pytest
 from api.logging_setup import (OWNED_LOGGERS, configure_logging, new_request_id, request_id_var,
                                use_request_id)
 
-SUMMARY = "prompt 120 tokens = 0 reused (device 0, host 0, disk 0) + 120 read in 350 ms (343 tok/s), 40 generated"
+SUMMARY = "prompt 120 tokens = 0 reused (device 0, host 0, disk 0) + 120 read in 350 ms (343 tok/s), 40 generated, 0 tools"
 
 
 @pytest.fixture

@@ -84,3 +84,55 @@ def test_held_back_prefix_is_released_when_it_does_not_complete():
 def test_earliest_of_several_stops_wins():
     m = StopStringMatcher(["world", "lo"])
     assert m.push("hello world") == "hel"
+
+
+# -- grammar masks (llguidance's bitmask layout: int32 words, bit j of word i allows token 32 * i + j) ------
+def _bitmask(allowed_ids, vocab):
+    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+    for i in allowed_ids:
+        words[i // 32] |= np.uint32(1 << (i % 32))
+    return words.view(np.int32)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=2.0, top_k=5, top_p=0.9, min_p=0.01),
+    SamplingParams(temperature=0.7, presence_penalty=-2.0, frequency_penalty=-2.0),  # pulls repeats *up*
+])
+def test_sampler_never_picks_a_masked_token(params):
+    vocab, rng = 1000, np.random.default_rng(1)
+    sampler = Sampler(SamplingParams(**{**params.__dict__, "seed": 5}))
+    for step in range(200):
+        allowed = rng.choice(vocab, size=int(rng.integers(1, 40)), replace=False)
+        logits = rng.normal(size=vocab).astype(np.float32)
+        logits[np.setdiff1d(np.arange(vocab), allowed)[:50]] = 50.0  # the best logits are all disallowed
+        assert sampler.sample(logits, _bitmask(allowed, vocab)) in set(allowed.tolist())
+
+
+def test_greedy_under_a_mask_is_the_best_allowed_token_lowest_id_on_ties():
+    s = Sampler(SamplingParams(temperature=0))
+    assert s.sample(_logits(9, 5, 7, 7, 1), _bitmask([1, 2, 3, 4], 5)) == 2
+    assert s.sample(_logits(9, 5, 7, 7, 1), _bitmask([4], 5)) == 4
+
+
+def test_temperature_draws_only_and_all_allowed_tokens():
+    s = Sampler(SamplingParams(temperature=1.0, seed=0))
+    logits = np.zeros(70, dtype=np.float32)
+    assert {s.sample(logits, _bitmask([3, 33, 64], 70)) for _ in range(300)} == {3, 33, 64}
+
+
+def test_tokens_past_the_mask_are_disallowed_and_an_empty_mask_raises():
+    s = Sampler(SamplingParams(temperature=0))
+    logits = np.zeros(40, dtype=np.float32)
+    logits[35] = 10.0  # the model's rows may be wider than the vocabulary the mask covers
+    assert s.sample(logits, _bitmask([2], 32)) == 2
+    with pytest.raises(ValueError, match="allows no token"):
+        s.sample(logits, _bitmask([], 40))
+
+
+def test_allowed_tokens_with_only_minus_inf_logits_still_returns_an_allowed_one():
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=0)):
+        logits = np.full(64, -np.inf, dtype=np.float32)
+        logits[0] = 1.0
+        assert Sampler(params).sample(logits, _bitmask([40, 50], 64)) == 40

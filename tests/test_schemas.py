@@ -66,7 +66,8 @@ def test_template_dict_keeps_tool_fields():
     messages = [USER, {"role": "assistant", "content": None, "tool_calls": calls},
                 {"role": "tool", "content": "42", "tool_call_id": "c1"}]
     dicts = parse_body(ChatCompletionRequest, chat(messages=messages)).template_messages()
-    assert dicts[1] == {"role": "assistant", "content": None, "tool_calls": calls}
+    template_calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}]
+    assert dicts[1] == {"role": "assistant", "content": None, "tool_calls": template_calls}
     assert dicts[2] == {"role": "tool", "content": "42", "tool_call_id": "c1"}
 
 
@@ -213,20 +214,20 @@ def test_usage_reports_cached_tokens():
 # -- parameters we cannot honour are refused by name, never silently dropped ---------------------------------
 
 @pytest.mark.parametrize("kind", ["json_object", "json_schema"])
-def test_json_response_formats_are_rejected_as_not_supported_yet(kind):
+def test_json_response_formats_are_accepted_for_the_grammar(kind):
     fmt = {"type": kind} if kind == "json_object" else {"type": kind, "json_schema": {"name": "x", "schema": {}}}
     for model_cls, raw in ((ChatCompletionRequest, chat(response_format=fmt)),
                            (CompletionRequest, completion(response_format=fmt))):
-        error = reject(model_cls, raw)
-        assert error.param == "response_format"
-        assert f"'{kind}'" in error.message and "not supported yet" in error.message
-        assert "JSON mode" in error.message and "json_schema" in error.message
+        assert parse_body(model_cls, raw).response_format == fmt
 
 
 def test_other_response_formats_are_rejected():
-    assert reject(ChatCompletionRequest, chat(response_format={"type": "grammar"})).param == "response_format"
-    assert "'type' is required" in reject(ChatCompletionRequest, chat(response_format={})).message
+    error = reject(ChatCompletionRequest, chat(response_format={"type": "grammar"}))
+    assert error.param == "response_format" and "'grammar'" in error.message and "json_schema" in error.message
+    assert reject(ChatCompletionRequest, chat(response_format={})).param == "response_format"
     assert reject(ChatCompletionRequest, chat(response_format="json")).param == "response_format"
+    error = reject(ChatCompletionRequest, chat(response_format={"type": "json_schema", "json_schema": "x"}))
+    assert "json_schema" in error.message
 
 
 def test_text_response_format_and_null_are_accepted():

@@ -38,9 +38,17 @@ def test_empty_messages_is_400(url):
     assert error["param"] == "messages"
 
 
-def test_absurd_max_tokens_is_400_naming_both_numbers_and_the_flag(url):
-    error = _error(httpx.post(url + CHAT, json={**GOOD, "max_tokens": 10**9}), 400)
-    assert "1000000000" in error["message"] and "512" in error["message"] and "--ctx-size" in error["message"]
+def test_absurd_max_tokens_is_clamped_to_the_room_the_context_leaves(url):
+    response = httpx.post(url + CHAT, json={**GOOD, "max_tokens": 10**9, "temperature": 0}, timeout=60)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 512
+
+
+def test_a_prompt_longer_than_the_context_is_400_naming_the_numbers_and_the_flag(url):
+    long_prompt = {**GOOD, "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 7}
+    error = _error(httpx.post(url + CHAT, json=long_prompt), 400)
+    assert "512" in error["message"] and "7 for max_tokens" in error["message"] and "--ctx-size" in error["message"]
     assert error["code"] == "context_length_exceeded"
 
 

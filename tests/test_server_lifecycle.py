@@ -28,7 +28,7 @@ CHAT = "/v1/chat/completions"
 PROGRESS = re.compile(r"reading the prompt: (\d+) of (\d+) tokens, (\d+) s so far")
 # The per-request summary line; the "(device D, host H, disk K)" breakdown of the reused tokens is optional.
 SUMMARY = re.compile(r"prompt (?P<N>\d+) tokens = (?P<R>\d+) reused(?: \(device \d+, host \d+, disk \d+\))? "
-                     r"\+ (?P<M>\d+) read in \d+ ms \(\d+ tok/s\), (?P<G>\d+) generated")
+                     r"\+ (?P<M>\d+) read in \d+ ms \(\d+ tok/s\), (?P<G>\d+) generated, (?P<U>\d+) tools")
 
 
 # -- graceful stop -------------------------------------------------------------------------------------------
@@ -212,8 +212,8 @@ def test_progress_lines_count_up_and_each_request_has_one_summary_line(tiny, req
         assert all(total == n and seconds >= 0 for _, total, seconds in progress)
         summaries = _lines_of(request_log, rid, SUMMARY)
         assert len(summaries) == 1, f"{rid}: {len(summaries)} summary lines"
-        prompt_n, reused, computed, generated = summaries[0]
-        assert (prompt_n, reused, computed, generated) == (n, 0, n, generate[rid])
+        prompt_n, reused, computed, generated, tools = summaries[0]
+        assert (prompt_n, reused, computed, generated, tools) == (n, 0, n, generate[rid], 0)
         fields = next(r.fields for r in request_log if r.getMessage().startswith("prompt ")
                       and r.fields["request_id"] == rid)
         assert (fields["prompt_tokens"], fields["generated_tokens"], fields["finish_reason"]) == (n, generate[rid],

@@ -1,0 +1,68 @@
+"""What the served model speaks beyond plain text: its tool-call format, its reasoning tags, its grammar compiler.
+
+Decided once per model at start (from the chat template, or --tool-call-format / --reasoning-format) and
+logged once, so an operator can tell from the start-up log which format a model got and whether the server
+writes the tool list into the system prompt itself (the generic format, for templates that ignore
+``tools``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from api.tool_calls import ReasoningTags, ToolFormat, detect_format, detect_reasoning, get_format
+from engine.chat_template import ChatTemplate
+from engine.grammar import GrammarCompiler
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger("strata.api")
+
+
+@dataclass
+class ChatProtocol:
+    """The served model's tool-call format and reasoning tags, and its grammar compiler (built on first use:
+    a large vocabulary takes a moment, and most requests never need a grammar)."""
+
+    tool_format: ToolFormat
+    reasoning: ReasoningTags | None
+    reasoning_field: str | None  # "reasoning_content" | "reasoning"; None: reasoning stays in content
+    tokenizer: Tokenizer
+    special_token_ids: dict[str, int] = field(default_factory=dict)  # control-token text -> id, for grammars
+    _compiler: GrammarCompiler | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self.tokenizer)
+            return self._compiler
+
+
+def create_chat_protocol(template: ChatTemplate, tokenizer: Tokenizer, tool_call_format: str = "auto",
+                         reasoning_format: str = "reasoning_content") -> ChatProtocol:
+    """Pick the tool-call format and reasoning tags for a model and log the choice once."""
+    if tool_call_format == "auto":
+        fmt, how = detect_format(template.template), "picked from the chat template"
+    else:
+        fmt, how = get_format(tool_call_format), "set by --tool-call-format"
+    reasoning = detect_reasoning(template.template) if reasoning_format != "none" else None
+    field_name = reasoning_format if reasoning is not None else None
+    if fmt.renders_in_template:
+        log.info("tool calls: format %s (%s, template %s)", fmt.name, how, template.source,
+                 extra={"fields": {"tool_call_format": fmt.name}})
+    else:
+        log.info("tool calls: format %s (%s, template %s): the chat template does not render tools, so the "
+                 "server writes the tool list and the answer format into the system prompt itself, and a grammar "
+                 "keeps replies in that format", fmt.name, how, template.source,
+                 extra={"fields": {"tool_call_format": fmt.name}})
+    if reasoning is not None:
+        log.info("reasoning: %s...%s text goes to message.%s", reasoning.start, reasoning.end, field_name,
+                 extra={"fields": {"reasoning_field": field_name}})
+    # llguidance matches a control token only by id (<[id]>), never by its text: markers such as Mistral's
+    # [TOOL_CALLS] must be written that way in the format's grammar.
+    specials = {tokenizer.id_to_token(i): i for i in sorted(tokenizer.special_ids)}
+    protocol = ChatProtocol(fmt, reasoning, field_name, tokenizer, specials)
+    protocol.grammar.prepare()  # 0.15 s (49K vocab) to 0.7 s (152K) holding the GIL: at start, not in a request
+    return protocol

@@ -1,0 +1,122 @@
+"""One chat turn, prepared: the rendered prompt, its token ids, the grammar on the reply and the reply's parser.
+
+Every dialect (chat completions now; Responses and Messages translate into the same ``ChatTurn``) goes
+through ``prepare_turn``: one template render, one tokenizer call, one grammar choice:
+
+    tool_choice required / a named function  -> the format's tool-call grammar from the first token
+    response_format json_object / json_schema -> that JSON grammar
+    tool_choice auto                          -> free text, constrained once the format's trigger appears
+                                                 (generic format: its JSON grammar from the first token)
+    tool_choice none                          -> free text (generic format: the plain-response JSON)
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.chat_protocol import ChatProtocol
+from api.errors import bad_request
+from api.generic_tools import rewrite_history
+from api.tool_calls import OutputParser, create_output_parser, prompt_opens_reasoning
+from api.tool_specs import ToolSpecs
+from engine.grammar import GrammarError, TokenConstraint, json_object_grammar, json_schema_grammar
+from engine.loader import encode_chat_prompt
+
+log = logging.getLogger("strata.api")
+GENERIC_RESPONSE_ONLY = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
+
+
+@dataclass
+class ChatTurn:
+    """A chat request as every dialect hands it in: template messages, tools, reply format, template variables."""
+
+    messages: list[dict[str, Any]]
+    specs: ToolSpecs
+    response_format: dict[str, Any] | None = None  # OpenAI's shape: {"type": "json_schema", "json_schema": {...}}
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    conversation_key: str | None = None  # the client's name for the conversation (prompt_cache_key, session id)
+
+
+@dataclass
+class PreparedTurn:
+    """What the engine and the reply writer need: prompt ids, the constraint, how to parse the reply."""
+
+    prompt_text: str
+    prompt_ids: list[int]
+    constraint: TokenConstraint | None
+    protocol: ChatProtocol
+    parses_tools: bool
+    starts_in_reasoning: bool
+    tools: list[dict[str, Any]]
+    custom_tool_names: frozenset[str] = frozenset()
+
+    def create_parser(self) -> OutputParser:
+        fmt = self.protocol.tool_format if self.parses_tools else None
+        return create_output_parser(fmt, self.tools if self.parses_tools else None,
+                                    reasoning=self.protocol.reasoning if self.protocol.reasoning_field else None,
+                                    starts_in_reasoning=self.starts_in_reasoning)
+
+
+def render_turn(state, turn: ChatTurn) -> str:
+    """The prompt text of a turn; template errors are 400s naming the template."""
+    protocol: ChatProtocol = state.protocol
+    fmt, specs = protocol.tool_format, turn.specs
+    messages, tools = turn.messages, specs.tools or None
+    if specs.tools and not fmt.renders_in_template:
+        system = fmt.system_prompt(specs.tools)
+        messages, tools = rewrite_history(messages, system or ""), None
+    kwargs = dict(turn.template_kwargs)
+    try:
+        return state.loaded.chat_template.render(messages, tools=tools, add_generation_prompt=turn.add_generation_prompt,
+                                                 **kwargs)
+    except ValueError as exc:
+        raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
+
+
+def _reply_grammar(protocol: ChatProtocol, turn: ChatTurn) -> tuple[str | None, str | None, str]:
+    """(grammar text, lazy trigger, the request field it answers for) or (None, None, "")."""
+    fmt, specs = protocol.tool_format, turn.specs
+    if specs.calls_possible and specs.mode == "required":
+        grammar = fmt.grammar(specs.tools, required=True, forced_name=specs.forced_name,
+                              allow_parallel=specs.allow_parallel, special_token_ids=protocol.special_token_ids)
+        return grammar, None, "tool_choice"
+    kind = (turn.response_format or {}).get("type")
+    if kind == "json_schema":
+        spec = turn.response_format.get("json_schema") or {}
+        return json_schema_grammar(spec.get("schema") or {}, strict=bool(spec.get("strict", True))), None, "response_format"
+    if kind == "json_object":
+        return json_object_grammar(), None, "response_format"
+    if specs.calls_possible:
+        grammar = fmt.grammar(specs.tools, required=False, forced_name=None, allow_parallel=specs.allow_parallel,
+                              special_token_ids=protocol.special_token_ids)
+        return grammar, fmt.lazy_trigger, "tools"
+    if specs.tools and not fmt.renders_in_template:  # generic, tool_choice none: a plain answer in its JSON
+        return json_schema_grammar(GENERIC_RESPONSE_ONLY), None, "tool_choice"
+    return None, None, ""
+
+
+def build_constraint(protocol: ChatProtocol, turn: ChatTurn) -> TokenConstraint | None:
+    """The grammar on the reply, compiled; a grammar llguidance cannot compile is a 400 naming the field."""
+    grammar, trigger, param = _reply_grammar(protocol, turn)
+    if grammar is None:
+        return None
+    try:
+        return protocol.grammar.constraint(grammar, lazy_trigger=trigger)
+    except GrammarError as exc:
+        raise bad_request(f"{param}: the grammar for this request does not compile: {exc}", param=param) from exc
+
+
+def prepare_turn(state, turn: ChatTurn) -> PreparedTurn:
+    """Render, tokenize, and choose the grammar and parser of one chat turn. Raises APIError."""
+    protocol: ChatProtocol = state.protocol
+    text = render_turn(state, turn)
+    prompt_ids = encode_chat_prompt(state.loaded.tokenizer, text)
+    constraint = build_constraint(protocol, turn)
+    specs = turn.specs
+    parses_tools = specs.calls_possible or (bool(specs.tools) and not protocol.tool_format.renders_in_template)
+    reasoning = protocol.reasoning
+    starts_in_reasoning = reasoning is not None and prompt_opens_reasoning(text, reasoning)
+    return PreparedTurn(text, prompt_ids, constraint, protocol, parses_tools, starts_in_reasoning, specs.tools,
+                        specs.custom_names)

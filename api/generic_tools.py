@@ -1,0 +1,70 @@
+"""The generic tool format's side of the prompt: for templates that do not render ``tools`` (SmolLM2, Gemma 3).
+
+The server describes the tools in the system prompt (the text comes from the format itself) and the model
+answers with JSON, ``{"tool_calls": [...]}`` or ``{"response": "..."}``. The history must then be written
+the way such a model would have produced and read it: an assistant turn that called tools becomes the JSON
+of those calls, a plain assistant turn becomes ``{"response": ...}``, and tool results become user turns
+(templates like Gemma's accept only user/assistant turns, alternating), consecutive results joined in one.
+Every rewrite is a pure function of the history, so the rendered prefix stays byte-identical turn after turn.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _call_json(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    return {"name": function.get("name", ""), "arguments": function.get("arguments", {})}
+
+
+def _tool_result(message: dict[str, Any], names_by_id: dict[str, str]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    name = message.get("name") or names_by_id.get(message.get("tool_call_id") or "")
+    if name:
+        result["name"] = name
+    if message.get("tool_call_id"):
+        result["tool_call_id"] = message["tool_call_id"]
+    result["content"] = message.get("content") or ""
+    return result
+
+
+def rewrite_history(messages: list[dict[str, Any]], system_prompt: str) -> list[dict[str, Any]]:
+    """Template dicts for a generic-format model: the tool description joined to the first system message
+    (or a system message of its own), tool calls and results written as the JSON the format uses."""
+    out: list[dict[str, Any]] = []
+    names_by_id: dict[str, str] = {}
+    pending_results: list[dict[str, Any]] = []
+
+    def flush_results() -> None:
+        if pending_results:
+            out.append({"role": "user", "content": _dumps({"tool_results": list(pending_results)})})
+            pending_results.clear()
+
+    for message in messages:
+        role = message["role"]
+        if role == "tool":
+            pending_results.append(_tool_result(message, names_by_id))
+            continue
+        flush_results()
+        if role == "assistant" and message.get("tool_calls"):
+            for call in message["tool_calls"]:
+                if call.get("id"):
+                    names_by_id[call["id"]] = (call.get("function") or {}).get("name", "")
+            content = _dumps({"tool_calls": [_call_json(c) for c in message["tool_calls"]]})
+            out.append({"role": "assistant", "content": content})
+        elif role == "assistant":
+            out.append({"role": "assistant", "content": _dumps({"response": message.get("content") or ""})})
+        else:
+            out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")})
+    flush_results()
+    if out and out[0]["role"] in ("system", "developer"):
+        first = out[0]
+        out[0] = {**first, "role": "system", "content": ((first.get("content") or "") + "\n\n" + system_prompt).strip()}
+    else:
+        out.insert(0, {"role": "system", "content": system_prompt})
+    return out

@@ -1,0 +1,64 @@
+"""The registry of tool-call formats, picking one from a chat template, and assembling a reply's parser."""
+from __future__ import annotations
+
+from api.tool_calls.base import OutputParser, PlainContentParser, ToolFormat, function_specs
+from api.tool_calls.generic import GenericFormat
+from api.tool_calls.hermes import HermesFormat
+from api.tool_calls.llama3_json import Llama3JsonFormat
+from api.tool_calls.mistral import MistralFormat
+from api.tool_calls.qwen3_coder import Qwen3CoderFormat
+from api.tool_calls.reasoning import ReasoningSplitter, ReasoningTags
+
+FORMATS: dict[str, ToolFormat] = {
+    fmt.name: fmt
+    for fmt in (HermesFormat(), Qwen3CoderFormat(), Llama3JsonFormat(), MistralFormat(), GenericFormat())
+}
+
+_LLAMA3_MARKERS = ("<|python_tag|>", "<|start_header_id|>")
+
+
+def get_format(name: str) -> ToolFormat:
+    """The format registered as ``name``; ValueError naming the known formats otherwise."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        known = ", ".join(sorted(FORMATS))
+        raise ValueError(f"unknown tool-call format {name!r}; known formats: {known}") from None
+
+
+def detect_format(template_source: str) -> ToolFormat:
+    """Pick the format from the Jinja chat-template text.
+
+    A template that never mentions ``tools`` cannot render them: "generic" (the server prompts for the
+    format itself). Otherwise, by the markup the template teaches, checked in this order: ``<function=``
+    -> qwen3_coder (its template also has ``<tool_call>``), ``<tool_call>`` -> hermes, ``[TOOL_CALLS]`` ->
+    mistral, ``<|python_tag|>`` or Llama 3 header tokens -> llama3_json. A template that renders tools but
+    matches none of these falls back to hermes, the format most open models are fine-tuned on.
+    """
+    if "tools" not in template_source:
+        return FORMATS["generic"]
+    if "<function=" in template_source:
+        return FORMATS["qwen3_coder"]
+    if "<tool_call>" in template_source:
+        return FORMATS["hermes"]
+    if "[TOOL_CALLS]" in template_source:
+        return FORMATS["mistral"]
+    if any(marker in template_source for marker in _LLAMA3_MARKERS):
+        return FORMATS["llama3_json"]
+    return FORMATS["hermes"]
+
+
+def create_output_parser(fmt: ToolFormat | None, tools: list[dict] | None, *, reasoning: ReasoningTags | None,
+                         starts_in_reasoning: bool) -> OutputParser:
+    """The parser for one reply: reasoning split off first, then ``fmt``'s tool calls in what remains.
+
+    Without a format or without function tools the reply is plain content (after the reasoning split).
+    """
+    inner: OutputParser
+    if fmt is not None and function_specs(tools):
+        inner = fmt.create_parser(list(tools or []))
+    else:
+        inner = PlainContentParser()
+    if reasoning is None:
+        return inner
+    return ReasoningSplitter(inner, reasoning, starts_in_reasoning=starts_in_reasoning)

@@ -1,0 +1,132 @@
+"""Running one prepared chat turn through the engine, the same way for every dialect.
+
+A dialect (chat completions, Responses, Messages) parses its body into a ``ChatTurn``, then calls
+``start_chat_turn``: one render and tokenizer call (``prepare_turn``), the reply budget clamped to the
+context, the cache salt, the engine request with its grammar, and a ``ReplyAssembler`` that parses the reply.
+The dialect only translates the assembler's deltas into its own events or whole body.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from starlette.requests import Request as HTTPRequest
+
+from api.chat_output import ReplyAssembler
+from api.chat_turn import ChatTurn, PreparedTurn, prepare_turn, render_turn
+from api.errors import APIError, bad_request, context_overflow, overloaded
+from api.tenancy import cache_salt_for
+from engine.loader import encode_chat_prompt
+from engine.sampling import SamplingParams
+from scheduler.engine_loop import QueueFullError, ShuttingDownError
+from scheduler.request import Delta, Request
+
+log = logging.getLogger("strata.api")
+RETRY_AFTER_S = 2
+
+
+@dataclass
+class TurnRun:
+    """A submitted turn: the engine request, its delta stream, the prepared prompt, the reply's parser."""
+
+    request: Request
+    stream: AsyncIterator[Delta]
+    prepared: PreparedTurn
+    assembler: ReplyAssembler
+
+
+def fit_max_tokens(state, prompt_len: int, requested: int | None) -> int:
+    """The reply's token budget: what the client asked for, clamped (with a log line) to the room the
+    context leaves, as llama-server and Ollama do; only a prompt that leaves no room at all is a 400
+    (code context_length_exceeded)."""
+    room = state.ctx_size - prompt_len
+    if room < 1:
+        raise context_overflow(prompt_len, requested or 1, state.ctx_size)
+    if requested is None:
+        return room
+    if requested > room:
+        log.info("max_tokens %d is more than the %d tokens the context leaves after a %d-token prompt; "
+                 "clamped to %d", requested, room, prompt_len, room,
+                 extra={"fields": {"requested_max_tokens": requested, "max_tokens": room}})
+        return room
+    return requested
+
+
+def submit(state, request: Request) -> AsyncIterator[Delta]:
+    """Queue a request on the engine; a full queue or a stopping server is a 503 with Retry-After."""
+    try:
+        return state.engine.submit(request)
+    except (QueueFullError, ShuttingDownError) as exc:
+        raise overloaded(RETRY_AFTER_S, str(exc)) from exc
+
+
+def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: ChatTurn, *,
+                    requested_max_tokens: int | None, make_params: Callable[[int], SamplingParams],
+                    client_salt: str | None = None, top_logprobs: int | None = None,
+                    num_tools: int | None = None) -> TurnRun:
+    """Prepare, budget and submit one chat turn. ``make_params(max_tokens)`` builds the dialect's sampling
+    settings once the budget is known. Raises APIError (400 for the prompt, 503 when the queue is full)."""
+    prepared = prepare_turn(state, turn)
+    if not prepared.prompt_ids:
+        raise bad_request("the prompt is empty after tokenization", param="messages")
+    params = make_params(fit_max_tokens(state, len(prepared.prompt_ids), requested_max_tokens))
+    salt = cache_salt_for(state.config, http_request.headers.get("authorization", ""), client_salt)
+    request = Request(request_id, prepared.prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
+                      describe_position=position_describer(state, turn), constraint=prepared.constraint,
+                      num_tools=len(turn.specs.tools) if num_tools is None else num_tools,
+                      conversation_key=turn.conversation_key)
+    stream = submit(state, request)
+    return TurnRun(request, stream, prepared, ReplyAssembler(prepared.create_parser(), state.protocol.reasoning_field))
+
+
+def position_describer(state, turn: ChatTurn) -> Callable[[int], str]:
+    """token position -> which message it falls in, for the log line that explains a cache miss.
+
+    Renders growing prefixes of the conversation only when asked (a miss), never on the hot path."""
+    def describe(position: int) -> str:
+        tokenizer, messages = state.loaded.tokenizer, turn.messages
+        for count in range(1, len(messages) + 1):
+            head = ChatTurn(messages[:count], turn.specs, template_kwargs=turn.template_kwargs,
+                            add_generation_prompt=False)
+            try:
+                text = render_turn(state, head)
+            except APIError:
+                return ""
+            if len(encode_chat_prompt(tokenizer, text)) > position:
+                where = f"message {count - 1} ({messages[count - 1]['role']})"
+                return where + (", or the tool list before it" if count == 1 and turn.specs.tools else "")
+        return "the generation prompt"
+
+    return describe
+
+
+async def collect_or_disconnect(http_request: HTTPRequest, stream: AsyncIterator[Delta]):
+    """(text, logprobs, last delta) of a whole reply, or None when the client went away first (the request
+    is then aborted)."""
+    async def collect():
+        text, logprobs, last = [], [], None
+        async for delta in stream:
+            text.append(delta.text)
+            logprobs += delta.logprobs
+            last = delta
+        return "".join(text), logprobs, last
+
+    collector = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(wait_for_disconnect(http_request))
+    done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if collector not in done:  # the client went away: stop computing for it
+        collector.cancel()
+        await asyncio.gather(collector, return_exceptions=True)
+        await stream.aclose()
+        return None
+    watcher.cancel()
+    return collector.result()
+
+
+async def wait_for_disconnect(http_request: HTTPRequest) -> None:
+    while True:
+        message = await http_request.receive()
+        if message["type"] == "http.disconnect":
+            return
