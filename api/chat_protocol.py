@@ -49,7 +49,11 @@ def create_chat_protocol(template: ChatTemplate, tokenizer: Tokenizer, tool_call
         fmt, how = get_format(tool_call_format), "set by --tool-call-format"
     reasoning = detect_reasoning(template.template) if reasoning_format != "none" else None
     field_name = reasoning_format if reasoning is not None else None
-    if fmt.renders_in_template:
+    if fmt.renders_in_template and "tools" not in template.template:
+        log.warning("tool calls: format %s (%s), but the chat template (%s) never renders tools: tool definitions "
+                    "will not reach the model; use --tool-call-format generic or a --chat-template that renders "
+                    "them", fmt.name, how, template.source, extra={"fields": {"tool_call_format": fmt.name}})
+    elif fmt.renders_in_template:
         log.info("tool calls: format %s (%s, template %s)", fmt.name, how, template.source,
                  extra={"fields": {"tool_call_format": fmt.name}})
     else:

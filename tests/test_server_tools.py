@@ -203,3 +203,39 @@ def test_prompt_cache_key_names_the_conversation_in_the_log_and_in_cache(server,
     assert len([r for r in named if r.getMessage().startswith("prompt ")]) == 2
     entry = next(c for c in httpx.get(url + "/cache").json()["conversations"] if c["key"] == "session-7")
     assert entry["turns"] == 2 and entry["last_cached_tokens"] == entry["last_prompt_tokens"] - 1
+
+
+# DeepSeek-R1 / Qwen3 style: earlier replies lose their reasoning, the generation prompt opens <think>.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.split('</think>')[-1] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("reasoning_format", ["reasoning_content", "reasoning"])
+def test_a_prompt_that_opens_think_sends_the_reply_to_the_reasoning_field(smollm2, reasoning_format):
+    loaded = dataclasses.replace(smollm2, chat_template=ChatTemplate(THINKING_TEMPLATE, "test:thinking"))
+    with running_server(loaded, ctx_size=1024, batch=1, reasoning_format=reasoning_format) as (url, state):
+        assert state.protocol.reasoning is not None
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        kwargs = dict(model="smollm2", messages=ASK, temperature=0, max_tokens=12)
+        message = client.chat.completions.create(**kwargs).choices[0].message.model_dump()
+        other = {"reasoning_content", "reasoning"} - {reasoning_format}
+        assert message[reasoning_format] and not message["content"] and not any(message.get(k) for k in other)
+        streamed = [c.choices[0].delta.model_dump() for c in client.chat.completions.create(stream=True, **kwargs)
+                    if c.choices]
+        assert "".join(d.get(reasoning_format) or "" for d in streamed) == message[reasoning_format]
+        # chat_template_kwargs reach the template: without thinking the reply is plain content
+        plain = client.chat.completions.create(extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                                               **kwargs).choices[0].message.model_dump()
+        assert plain["content"] and not plain.get(reasoning_format)
+
+
+def test_reasoning_format_none_leaves_thinking_in_content(smollm2):
+    loaded = dataclasses.replace(smollm2, chat_template=ChatTemplate(THINKING_TEMPLATE, "test:thinking"))
+    with running_server(loaded, ctx_size=1024, batch=1, reasoning_format="none") as (url, state):
+        assert state.protocol.reasoning is None
+        reply = httpx.post(url + "/v1/chat/completions", timeout=60,
+                           json={"model": "smollm2", "messages": ASK, "temperature": 0, "max_tokens": 8}).json()
+        message = reply["choices"][0]["message"]
+        assert message["content"] and "reasoning_content" not in message
