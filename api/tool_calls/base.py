@@ -141,30 +141,3 @@ class ToolFormat:
 
     def __repr__(self) -> str:
         return f"<ToolFormat {self.name}>"
-
-
-# The package interface was specified as living here; the implementations are in registry.py and
-# reasoning.py (which import this module), so these delegate at call time instead of importing at load.
-def get_format(name: str) -> ToolFormat:
-    """See ``api.tool_calls.registry.get_format``."""
-    from api.tool_calls.registry import get_format as implementation
-    return implementation(name)
-
-
-def detect_format(template_source: str) -> ToolFormat:
-    """See ``api.tool_calls.registry.detect_format``."""
-    from api.tool_calls.registry import detect_format as implementation
-    return implementation(template_source)
-
-
-def create_output_parser(fmt: ToolFormat | None, tools: list[dict] | None, *, reasoning: ReasoningTags | None,
-                         starts_in_reasoning: bool) -> OutputParser:
-    """See ``api.tool_calls.registry.create_output_parser``."""
-    from api.tool_calls.registry import create_output_parser as implementation
-    return implementation(fmt, tools, reasoning=reasoning, starts_in_reasoning=starts_in_reasoning)
-
-
-def detect_reasoning(template_source: str) -> ReasoningTags | None:
-    """See ``api.tool_calls.reasoning.detect_reasoning``."""
-    from api.tool_calls.reasoning import detect_reasoning as implementation
-    return implementation(template_source)
