@@ -64,12 +64,17 @@ def load_tiny(tmp_path_factory):
     return load
 
 
+# A variant that needs a GPU is a fixture or test parameter named "gpu" carrying this mark, so that
+# `pytest -m cuda` (scripts/device_check.sh) selects it and the CPU variants beside it stay unmarked;
+# tests/test_cuda_selection.py fails if a device variant is left out of `-m cuda`.
+GPU = pytest.param("gpu", marks=pytest.mark.cuda)
 
-@pytest.fixture(scope="session", params=["cpu", "gpu"])
+
+@pytest.fixture(scope="session", params=["cpu", GPU])
 def kernel_runner(request, tmp_path_factory):
     """Factory: CUDA source name -> runner with `launch(kernel, **numpy args)`, built once per session:
-    "cpu" runs the kernels under g++ (tests/kernel_emulator.py), "gpu" on device 0 (tests/kernel_gpu.py).
-    Each skips where its tools are missing."""
+    "cpu" runs the kernels under g++ (tests/kernel_emulator.py), "gpu" on device 0 (tests/kernel_gpu.py,
+    marked `cuda`). Each skips where its tools are missing."""
     if request.param == "cpu":
         from tests.kernel_emulator import EmulatedSource, compiler_available
 

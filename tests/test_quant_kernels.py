@@ -102,8 +102,10 @@ def test_geometry_covers_every_row_and_token():
 
 # ---- on a GPU ----------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.cuda)])
 def device():
+    """Device 0 with both sources compiled for its arch; the "gpu" param carries the `cuda` mark, so every
+    test using it is selected by `pytest -m cuda` (tests/conftest.py)."""
     try:
         from cuda.bindings import driver
     except ImportError:
@@ -135,7 +137,6 @@ def _run(device, kind, type_name, raw, x, bias, out, col, ld_y):
     return device.download(y_ptr, y)
 
 
-@pytest.mark.cuda
 @pytest.mark.parametrize("kind, token_counts, tolerance",
                          [("matvec", (1, 3, 8), 1e-4), ("gemm", (17, 64, 130), 1e-2)], ids=["matvec", "gemm"])
 @pytest.mark.parametrize("type_name", QUANT_TYPES)
