@@ -7,7 +7,8 @@ through ``prepare_turn``: one template render, one tokenizer call, one grammar c
     response_format json_object / json_schema -> that JSON grammar
     tool_choice auto                          -> free text, constrained once the format's trigger appears
                                                  (generic format: its JSON grammar from the first token)
-    tool_choice none                          -> free text (generic format: the plain-response JSON)
+    tool_choice none                          -> free text, no call parsed (generic format: text that
+                                                 cannot begin its tool-call JSON)
 """
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from api.chat_protocol import ChatProtocol
 from api.errors import bad_request
 from api.generic_tools import rewrite_history
 from api.tool_calls import OutputParser, create_output_parser, prompt_opens_reasoning
+from api.tool_calls.generic import ANSWER_TEXT_TERMINAL
 from api.tool_specs import ToolSpecs
 from engine.grammar import GrammarError, TokenConstraint, json_object_grammar, json_schema_grammar
 from engine.loader import encode_chat_prompt
 
 log = logging.getLogger("strata.api")
-GENERIC_RESPONSE_ONLY = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}
 
 
 @dataclass
@@ -92,8 +93,8 @@ def _reply_grammar(protocol: ChatProtocol, turn: ChatTurn) -> tuple[str | None, 
         grammar = fmt.grammar(specs.tools, required=False, forced_name=None, allow_parallel=specs.allow_parallel,
                               special_token_ids=protocol.special_token_ids)
         return grammar, fmt.lazy_trigger, "tools"
-    if specs.tools and not fmt.renders_in_template:  # generic, tool_choice none: a plain answer in its JSON
-        return json_schema_grammar(GENERIC_RESPONSE_ONLY), None, "tool_choice"
+    if specs.tools and not fmt.renders_in_template:  # the system prompt offers tools, tool_choice forbids them
+        return f"start: ANSWER_TEXT\n{ANSWER_TEXT_TERMINAL}\n", None, "tool_choice"
     return None, None, ""
 
 
@@ -115,7 +116,7 @@ def prepare_turn(state, turn: ChatTurn) -> PreparedTurn:
     prompt_ids = encode_chat_prompt(state.loaded.tokenizer, text)
     constraint = build_constraint(protocol, turn)
     specs = turn.specs
-    parses_tools = specs.calls_possible or (bool(specs.tools) and not protocol.tool_format.renders_in_template)
+    parses_tools = specs.calls_possible
     reasoning = protocol.reasoning
     starts_in_reasoning = reasoning is not None and prompt_opens_reasoning(text, reasoning)
     return PreparedTurn(text, prompt_ids, constraint, protocol, parses_tools, starts_in_reasoning, specs.tools,

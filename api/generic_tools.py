@@ -1,9 +1,9 @@
 """The generic tool format's side of the prompt: for templates that do not render ``tools`` (SmolLM2, Gemma 3).
 
 The server describes the tools in the system prompt (the text comes from the format itself) and the model
-answers with JSON, ``{"tool_calls": [...]}`` or ``{"response": "..."}``. The history must then be written
+calls tools with JSON, ``{"tool_calls": [...]}``, or answers in plain text. The history must then be written
 the way such a model would have produced and read it: an assistant turn that called tools becomes the JSON
-of those calls, a plain assistant turn becomes ``{"response": ...}``, and tool results become user turns
+of those calls (in the layout the grammar generates), a plain answer stays as it is, and tool results become user turns
 (templates like Gemma's accept only user/assistant turns, alternating), consecutive results joined in one.
 Every rewrite is a pure function of the history, so the rendered prefix stays byte-identical turn after turn.
 """
@@ -57,8 +57,6 @@ def rewrite_history(messages: list[dict[str, Any]], system_prompt: str) -> list[
                     names_by_id[call["id"]] = (call.get("function") or {}).get("name", "")
             content = _dumps({"tool_calls": [_call_json(c) for c in message["tool_calls"]]})
             out.append({"role": "assistant", "content": content})
-        elif role == "assistant":
-            out.append({"role": "assistant", "content": _dumps({"response": message.get("content") or ""})})
         else:
             out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")})
     flush_results()

@@ -153,7 +153,7 @@ def test_generic_system_prompt_is_deterministic() -> None:
     assert all(get_format(name).system_prompt(TOOLS) is None for name in FORMAT_NAMES[:-1])
     text = fmt.system_prompt(TOOLS)
     assert fmt.system_prompt(json.loads(json.dumps(TOOLS))) == text  # same tools, same bytes
-    assert '{"tool_calls": [{"name": "<tool name>"' in text and '{"response": "<your answer>"}' in text
+    assert '{"tool_calls": [{"name": "<tool name>"' in text and "plain text (not JSON)" in text
     assert "- get_weather: Current weather for a city." in text and '"enum": ["celsius", "fahrenheit"]' in text
     assert "apply_patch" not in text  # not a function tool
 
@@ -247,11 +247,12 @@ def test_grammar_constrains_arguments_by_schema(name: str) -> None:
         _grammar(name, forced_name="apply_patch")
 
 
-def test_generic_lazy_grammar_allows_a_response_or_calls() -> None:
+def test_generic_auto_grammar_allows_calls_or_a_plain_text_answer() -> None:
     lazy = _grammar("generic", required=False)
-    assert _accepts(lazy, GOOD["generic"][0]) and _accepts(lazy, GENERIC_RESPONSE)
-    assert not _accepts(lazy, GENERIC_RESPONSE.replace("response", "answer"))
-    assert not _accepts(_grammar("generic"), GENERIC_RESPONSE)  # required: no plain response
+    answer = "Hello \"there\" \u00e9, {not json} here.\nSecond line."
+    assert _accepts(lazy, GOOD["generic"][0]) and _accepts(lazy, answer) and _accepts(lazy, "\n" + answer)
+    assert not _accepts(lazy, GENERIC_RESPONSE)  # a "{" begins the tool-call object, nothing else
+    assert not _accepts(_grammar("generic"), answer)  # required: no plain answer
 
 
 def test_grammar_uses_special_token_ids() -> None:

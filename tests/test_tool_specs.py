@@ -91,7 +91,7 @@ def test_generic_history_rewrite_is_the_json_the_format_uses():
     assert json.loads(out[3]["content"]) == {"tool_results": [
         {"name": "get_weather", "tool_call_id": "c1", "content": "sunny"},
         {"name": "get_weather", "tool_call_id": "c2", "content": "rain"}]}
-    assert json.loads(out[4]["content"]) == {"response": "Sunny in Paris, rain in Rome."}
+    assert out[4] == {"role": "assistant", "content": "Sunny in Paris, rain in Rome."}  # a plain answer stays
     assert rewrite_history(messages, "TOOLS") == out  # a pure function: the prefix renders the same every turn
 
 

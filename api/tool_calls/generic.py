@@ -1,9 +1,11 @@
 """The generic format, for templates that do not render tools (SmolLM2, Gemma 3).
 
-The server itself puts the tools and the answer format into the system prompt, and the whole reply is one
-JSON object: ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}`` or ``{"response": "..."}``.
-The parser streams the decoded "response" string as content and the calls as tool calls. A reply that is
-not such an object (the model ignored the instructions, no grammar was applied) is content as written.
+The server itself puts the tools and the answer format into the system prompt. A reply that calls tools is
+one JSON object, ``{"tool_calls": [{"name": ..., "arguments": {...}}, ...]}``; a direct answer is plain text
+(it must not start with ``{``), so the model ends it with its own end-of-turn token, as it was trained to: a
+JSON string answer (``{"response": "..."}``, llama.cpp's choice) cannot end until the model closes the quote,
+and a small model then writes on until max_tokens. The parser still reads ``{"response": "..."}`` (streams the
+decoded string as content); any other reply is content as written.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from api.tool_calls.json_scan import JsonScanner, JsonStringDecoder
 from api.tool_calls.stream_base import ToolCallStreamParser
 
 _WHITESPACE = " \t\n\r"
+# A direct answer: any text whose first non-blank character is not "{" (that one begins the tool-call object).
+ANSWER_TEXT_TERMINAL = r"ANSWER_TEXT: /[ \t\r\n]*[^{ \t\r\n][\s\S]*/"
 
 
 class GenericParser(ToolCallStreamParser):
@@ -152,9 +156,9 @@ class GenericFormat(ToolFormat):
         # The canonical layout of grammar_parts: what rewrite_history renders for the same reply next turn.
         more = ' (", " call_object)*' if allow_parallel else ""
         rules.append(f'calls: {g.literal(chr(123) + chr(34) + "tool_calls" + chr(34) + ": [")} call_object{more} "]}}"')
-        rules.append(f'response: {g.literal(chr(123) + chr(34) + "response" + chr(34) + ": ")} JSON_STRING "}}"')
-        start = "start: calls" if required else "start: calls | response"
-        return g.assemble(start, rules, g.JSON_STRING_TERMINAL)
+        if required:
+            return g.assemble("start: calls", rules)
+        return g.assemble("start: calls | ANSWER_TEXT", rules, ANSWER_TEXT_TERMINAL)
 
     def system_prompt(self, tools: list[dict]) -> str | None:
         """The tool list and the exact answer format. Deterministic (the conversation cache needs the same
@@ -165,10 +169,10 @@ class GenericFormat(ToolFormat):
         for function in function_specs(tools):
             lines.append(f"- {function['name']}: {str(function.get('description') or '').strip()}")
             lines.append("  parameters: " + json.dumps(parameters_schema(function), ensure_ascii=False))
-        lines += ["", "Reply with exactly one JSON object and nothing else."]
+        lines.append("")
         calls = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments as a JSON object>}}]}'
         lines.append(f"To call one or more tools, reply as: {calls}")
-        lines.append('To answer directly, reply as: {"response": "<your answer>"}')
+        lines.append("To answer directly, reply with the answer as plain text (not JSON).")
         lines.append("Tool results come back to you as {\"tool_results\": [...]}; once they answer the question, "
-                     "reply with the answer as a response instead of calling the tool again.")
+                     "reply with the answer instead of calling the tool again.")
         return "\n".join(lines)

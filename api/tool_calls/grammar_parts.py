@@ -17,8 +17,6 @@ from api.tool_calls.base import function_specs, parameters_schema
 
 # Bounded: an unbounded run lets a weak model loop on whitespace inside a forced call until max_tokens.
 WHITESPACE_TERMINAL = r"WS: /[ \t\r\n]{1,16}/"
-# a complete JSON string: one terminal (uppercase), so it is lexed as a single regex, not as a rule tree
-JSON_STRING_TERMINAL = r'JSON_STRING: /"(\\([\"\\\/bfnrt]|u[a-fA-F0-9]{4})|[^\"\\\x00-\x1F])*"/'
 
 
 def literal(text: str) -> str:
