@@ -75,11 +75,12 @@ def too_large(limit_mib: int | float) -> APIError:
 
 def overloaded(retry_after_s: float, reason: str | None = None) -> APIError:
     """503 with a Retry-After header (whole seconds, at least 1) when the server cannot take the request
-    now; ``reason`` (e.g. "queue full", "shutting down") is added to the message."""
+    now; ``reason`` (e.g. "queue full", "shutting down") is added to the message. The code is OpenAI's
+    server_is_overloaded, the one Codex retries as overload."""
     seconds = max(1, math.ceil(retry_after_s))
     message = f"The server cannot take this request now ({reason or 'overloaded'}); retry after {seconds} s"
     return APIError(
-        503, message, SERVICE_UNAVAILABLE, code="server_overloaded", headers={"Retry-After": str(seconds)}
+        503, message, SERVICE_UNAVAILABLE, code="server_is_overloaded", headers={"Retry-After": str(seconds)}
     )
 
 

@@ -15,11 +15,12 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api import completions
+from api import completions, messages_api, responses_api
 from api.chat_protocol import ChatProtocol
 from api.config import ServerConfig
 from api.errors import APIError, internal_error, too_large, unauthorized
 from api.logging_setup import new_request_id, request_id_var
+from api.messages_events import anthropic_error_response
 from api.tenancy import api_keys
 from api.schemas import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, parse_body
 from engine.loader import LoadedModel, encode_chat_prompt
@@ -45,8 +46,17 @@ class ServerState:
     protocol: ChatProtocol | None = None  # tool-call format, reasoning tags, grammar (api/chat_protocol.py)
 
 
-def endpoint(handler):
-    """Request id, API key, and error objects for a handler(state, http_request, request_id)."""
+def _openai_error(exc: APIError) -> Response:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def endpoint(handler=None, *, render_error=_openai_error):
+    """Request id, API key, and error objects for a handler(state, http_request, request_id).
+
+    ``render_error(APIError) -> Response`` writes errors in another dialect's shape: ``@endpoint(render_error=
+    anthropic_error_response)`` gives the Messages routes Anthropic's error objects."""
+    if handler is None:
+        return functools.partial(endpoint, render_error=render_error)
 
     @functools.wraps(handler)
     async def wrapped(http_request: HTTPRequest) -> Response:
@@ -57,11 +67,10 @@ def endpoint(handler):
             _check_api_key(state, http_request)
             response = await handler(state, http_request, request_id)
         except APIError as exc:
-            response = JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-        except Exception:  # a bug: still an OpenAI-shaped answer, and the traceback in the log
+            response = render_error(exc)
+        except Exception:  # a bug: still an error object in the route's shape, and the traceback in the log
             log.exception("unhandled error in %s", http_request.url.path)
-            error = internal_error("internal server error")
-            response = JSONResponse(error.body(), status_code=error.status)
+            response = render_error(internal_error("internal server error"))
         finally:
             request_id_var.reset(token)
         response.headers["X-Request-Id"] = request_id
@@ -75,7 +84,9 @@ def _check_api_key(state: ServerState, http_request: HTTPRequest) -> None:
     if not keys or http_request.url.path in _OPEN_PATHS:
         return
     given = http_request.headers.get("authorization", "")
-    if not given.startswith("Bearer ") or given[len("Bearer "):] not in keys:
+    if given.startswith("Bearer ") and given[len("Bearer "):] in keys:
+        return
+    if http_request.headers.get("x-api-key", "") not in keys:  # Anthropic's header (Claude Code, its SDKs)
         raise unauthorized()
 
 
@@ -131,7 +142,8 @@ async def models(state: ServerState, http_request, request_id) -> Response:
     created = int(state.loaded.info.path.stat().st_mtime)
     card = {"id": state.served_name, "object": "model", "created": created, "owned_by": "strata",
             "max_model_len": state.ctx_size}
-    return JSONResponse({"object": "list", "data": [card]})
+    # "models": the same model in Codex's own catalog shape, beside OpenAI's list (api/responses_api.py)
+    return JSONResponse({"object": "list", "data": [card], "models": [responses_api.codex_model_info(state)]})
 
 
 @endpoint
@@ -176,10 +188,31 @@ async def chat_completions(state: ServerState, http_request, request_id) -> Resp
     return await completions.handle(state, http_request, request_id, "chat", await read_body(state, http_request))
 
 
+@endpoint(render_error=anthropic_error_response)
+async def messages(state: ServerState, http_request, request_id) -> Response:
+    """POST /v1/messages (Anthropic's Messages API; ?beta=true and the anthropic-* headers are accepted)."""
+    return await messages_api.create_message(state, http_request, request_id, await read_body(state, http_request))
+
+
+@endpoint(render_error=anthropic_error_response)
+async def messages_count_tokens(state: ServerState, http_request, request_id) -> Response:
+    return await messages_api.count_tokens(state, http_request, request_id, await read_body(state, http_request))
+
+
 @endpoint
 async def text_completions(state: ServerState, http_request, request_id) -> Response:
     return await completions.handle(state, http_request, request_id, "completion",
                                     await read_body(state, http_request))
+
+
+@endpoint
+async def responses(state: ServerState, http_request, request_id) -> Response:
+    return await responses_api.create(state, http_request, request_id, await read_body(state, http_request))
+
+
+@endpoint
+async def response_get(state: ServerState, http_request, request_id) -> Response:
+    return await responses_api.retrieve(state, http_request, request_id)
 
 
 def create_app(state: ServerState, lifespan=None) -> Starlette:
@@ -187,7 +220,11 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", response_get, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),

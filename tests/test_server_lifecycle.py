@@ -45,7 +45,7 @@ def _post_after_stop(url: str, body: dict) -> str:
         return "dropped"
     assert response.status_code == 503, response.text
     error = response.json()["error"]
-    assert (error["type"], error["code"]) == ("service_unavailable", "server_overloaded")
+    assert (error["type"], error["code"]) == ("service_unavailable", "server_is_overloaded")
     assert "shutting down" in error["message"] and int(response.headers["retry-after"]) >= 1
     return "503"
 
