@@ -13,13 +13,20 @@ on every Linux) or TBB; without either, calls are serialised by a lock on numba'
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
-import numba
-import numpy as np
-from numba import njit, prange
+# Idle OpenMP threads sleep instead of spinning. The kernels and OpenBLAS take turns on the same cores, and
+# the machines we run on are shared: libgomp's default spin (up to ~ms after every parallel region) stole
+# the cores from the BLAS call that followed, and 2-thread decode fell 5-10x (SmolLM2: 7 vs 69 tok/s at
+# batch 4, measured). Read by libgomp when numba loads it, i.e. after this import; a user's setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.backends.cpu_quant_decode import decode_row, f16_table
+import numba  # noqa: E402
+import numpy as np
+from numba import njit, prange  # noqa: E402
+
+from engine.backends.cpu_quant_decode import decode_row, f16_table  # noqa: E402
 
 numba.config.THREADING_LAYER = "threadsafe"
 # reassoc lets LLVM split a dot product over SIMD lanes; contract allows FMA. No nnan/ninf: a NaN in the
@@ -73,9 +80,9 @@ def kernel_threads() -> int:
     return _state["threads"] or numba.config.NUMBA_NUM_THREADS
 
 
-def _apply_threads() -> None:
+def _apply_threads(wanted: int | None = None) -> None:
     _start_threading_layer()
-    wanted = kernel_threads()
+    wanted = wanted or kernel_threads()
     if numba.get_num_threads() != wanted:
         numba.set_num_threads(wanted)
 
@@ -93,8 +100,8 @@ def _start_threading_layer() -> None:
     _state["lock"] = contextlib.nullcontext() if safe else threading.Lock()
 
 
-def _call(kernel, *args) -> None:
-    _apply_threads()
+def _call(kernel, *args, threads: int | None = None) -> None:
+    _apply_threads(threads)
     with _state["lock"]:
         kernel(*args)
 
@@ -104,9 +111,9 @@ def matmul_rows(kind: int, rows: np.ndarray, x: np.ndarray, y: np.ndarray, col0:
     _call(_matmul_rows, kind, rows, x, y, col0, _F16_TABLE, _LANES)
 
 
-def dequant_rows(kind: int, rows: np.ndarray, out: np.ndarray) -> None:
-    """out[:] = decoded(rows), float32 [len(rows), in], in place."""
-    _call(_dequant_rows, kind, rows, out, _F16_TABLE, _LANES)
+def dequant_rows(kind: int, rows: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
+    """out[:] = decoded(rows), float32 [len(rows), in], in place; `threads` overrides the kernel count."""
+    _call(_dequant_rows, kind, rows, out, _F16_TABLE, _LANES, threads=threads)
 
 
 def gather_rows(kind: int, rows: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:

@@ -26,6 +26,10 @@ KERNEL_KINDS = {Q.F32: decode.F32, Q.F16: decode.F16, Q.BF16: decode.BF16, Q.Q4_
                 Q.Q4_1: decode.Q4_1, Q.Q5_0: decode.Q5_0, Q.Q5_1: decode.Q5_1, Q.Q8_0: decode.Q8_0,
                 Q.Q4_K: decode.Q4_K, Q.Q5_K: decode.Q5_K, Q.Q6_K: decode.Q6_K}
 KERNEL_MAX_ROWS = 8  # up to this many rows the kernel beats dequantise + BLAS (docs/BENCHMARKS.md)
+# One thread dequantises a tile, then BLAS uses them all: with both pools busy-waiting on shared cores a
+# parallel dequantisation made 512-token prefill 15-30% slower than float32; serial, it is level (measured,
+# 2 threads, load average 6-8; it is ~5% of a chunk's work).
+DEQUANT_THREADS = 1
 SCRATCH_FLOATS = 4 * 2**20  # 16 MiB per computing thread: every layer matrix of the models we ship in one tile
 _scratch = threading.local()
 
@@ -73,7 +77,7 @@ class QuantLinear:
         for start in range(0, rows.shape[0], tile_rows):
             n = min(tile_rows, rows.shape[0] - start)
             w = scratch[: n * self.in_dim].reshape(n, self.in_dim)
-            dequant_rows(kind, rows[start : start + n], w)
+            dequant_rows(kind, rows[start : start + n], w, threads=DEQUANT_THREADS)
             y[:, start : start + n] = x @ w.T  # y is a column range of the fused output: not contiguous
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
