@@ -45,7 +45,7 @@ class QuantLinear:
         assert parts and all(p.in_dim == parts[0].in_dim for p in parts), [p.name for p in parts]
         unsupported = [p.name for p in parts if p.tensor_type not in KERNEL_KINDS]
         assert not unsupported, f"no CPU kernel for {unsupported}: the loader converts those first"
-        self.parts = [(KERNEL_KINDS[p.tensor_type], np.ascontiguousarray(p.rows), p.out_dim) for p in parts]
+        self.parts = [(KERNEL_KINDS[p.tensor_type], _readonly(p.rows), p.out_dim) for p in parts]
         self.in_dim = parts[0].in_dim
         self.out_dim = sum(p.out_dim for p in parts)
         self.names = [p.name for p in parts]
@@ -96,6 +96,15 @@ class QuantLinear:
             dequant_rows(kind, rows, out[row : row + out_dim])
             row += out_dim
         return out
+
+
+def _readonly(rows: np.ndarray) -> np.ndarray:
+    """A read-only C-contiguous view (no copy when already contiguous). Memory-mapped rows are read-only and
+    fused ones are not; numba compiles (and caches) one machine-code version per argument type, so making
+    every one read-only halves the first start's compile time."""
+    view = np.ascontiguousarray(rows).view()
+    view.flags.writeable = False
+    return view
 
 
 def _thread_scratch(n_floats: int) -> np.ndarray:
