@@ -71,7 +71,7 @@ def create_backend(name: str = "numpy", stage: int = 0, device: int | None = Non
         else:
             log.info("backend cuda (stage %d): %s", stage, reason)
             return backend
-    log.info("backend numpy (%s weights): %s", cpu_weights, reason)
+    log.info("backend numpy: %s (%s weights)", reason, cpu_weights)
     if cpu_weights == "f32":
         from engine.backends.numpy_backend import NumpyBackend
 

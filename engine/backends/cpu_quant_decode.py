@@ -3,8 +3,10 @@
 Each decoder follows ggml's `dequantize_row_*` (ggml-quants.c) and the `gguf` package's numpy port
 (`gguf.quants`), which tests/test_cpu_quant_kernels.py checks it against for every type. A row is a
 uint8 array of whole blocks; float16 scales are read through a 65536-entry table (`f16_table`) because
-numba has no float16 scalar type on the CPU. Every inner loop runs over a fixed 16 or 32 lanes without
-branches, so LLVM turns it into SIMD code.
+numba has no float16 scalar type on the CPU. Every inner loop runs over 16 or 32 lanes without branches,
+with the 16 passed at run time (`lanes`, see cpu_quant_kernels._LANES), so LLVM turns it into SIMD code.
+numba's disk cache is keyed on the kernels' file only: after editing this one, touch
+cpu_quant_kernels.py (or clear its __pycache__), or the old machine code is loaded.
 
 Block layouts (bytes; d, m = float16 scale and offset):
 
