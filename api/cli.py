@@ -60,7 +60,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ctx-size", type=int, default=4096, help="tokens of KV memory to reserve")
     gen.add_argument("--prefill-chunk", type=int, default=256)
-    gen.add_argument("--threads", type=int, default=None, help="BLAS threads (default: all cores)")
+    gen.add_argument("--threads", type=int, default=None, help="BLAS and kernel threads (default: all cores)")
+    gen.add_argument("--cpu-weights", choices=("quantized", "f32"), default="quantized",
+                     help="numpy backend: keep the file's quantised blocks, or dequantise to float32")
     gen.set_defaults(func=_cmd_generate)
 
     kernels = sub.add_parser("kernels", help="list the CUDA kernels; --check compiles them with NVRTC")
@@ -106,8 +108,7 @@ def _cmd_pull(args) -> int:
 
 
 def _cmd_generate(args) -> int:
-    from threadpoolctl import threadpool_limits
-
+    from engine.cpu_threads import limit_threads
     from engine.generate import Completion, generate_stream
     from engine.loader import encode_chat_prompt, open_model
     from engine.sampling import SamplingParams
@@ -118,8 +119,9 @@ def _cmd_generate(args) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
     )
-    with threadpool_limits(limits=args.threads or os.cpu_count() or 1, user_api="blas"):
-        loaded = open_model(args.model, chat_template_path=args.chat_template, max_positions=args.ctx_size)
+    with limit_threads(args.threads or os.cpu_count() or 1):
+        loaded = open_model(args.model, chat_template_path=args.chat_template, max_positions=args.ctx_size,
+                            cpu_weights=args.cpu_weights)
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": args.prompt})

@@ -22,6 +22,8 @@ LOG_FORMATS = ("kv", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # auto: cuda when cuda-python, a driver and a device are there, else numpy (engine/loader.choose_backend).
 BACKENDS = ("auto", "numpy", "cuda")
+# How the numpy backend holds weights (engine/loader.CPU_WEIGHTS): the file's blocks or float32.
+CPU_WEIGHTS = ("quantized", "f32")
 # auto: picked from the chat template (api/tool_calls.detect_format); the names of api/tool_calls' registry.
 TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "generic")
 # Where thinking text goes: vLLM's older field, its newer one, or left in content unparsed.
@@ -75,8 +77,12 @@ class ServerConfig:
                                                       "(none: leave it in content)", REASONING_FORMATS)
     log_format: str = _opt("kv", "log line format", LOG_FORMATS)
     log_level: str = _opt("info", "lowest level logged", LOG_LEVELS)
-    threads: int | None = _opt(None, "BLAS threads (unset: all cores)")
+    threads: int | None = _opt(None, "CPU threads for BLAS and the quantised-weight kernels (unset: all cores, "
+                                     "shared out among pipeline stages)")
     backend: str = _opt("auto", "compute backend (auto: cuda when a GPU is usable, else numpy)", BACKENDS)
+    cpu_weights: str = _opt("quantized", "how the numpy backend holds weights: quantized (the file's blocks, "
+                                         "about a tenth of float32's memory, faster decode) or f32 (dequantised "
+                                         "at load, the reference)", CPU_WEIGHTS)
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM/Ctrl+C, seconds to finish in-flight requests before "
                                            "cancelling them")
     progress_interval_s: float = _opt(5.0, "seconds between progress lines of a long prefill")
@@ -284,7 +290,7 @@ def _validate(cfg: ServerConfig) -> None:
         need(getattr(cfg, name) != "", f"{flag_name(name)} must not be empty; leave it unset instead")
     need(cfg.threads is None or cfg.threads >= 1, f"--threads must be >= 1 (got {cfg.threads}; unset uses every core)")
     need(cfg.seed is None or 0 <= cfg.seed < 2**64, f"--seed must be in 0..2**64-1 (got {cfg.seed})")
-    for name in ("log_format", "log_level", "backend"):
+    for name in ("log_format", "log_level", "backend", "cpu_weights"):
         choices = ServerConfig.__dataclass_fields__[name].metadata["choices"]
         value = getattr(cfg, name)
         need(value in choices, f"{flag_name(name)} {value!r} is not one of: {', '.join(choices)}")

@@ -31,7 +31,8 @@ STEP_GRACE_S = 30.0  # after --shutdown-timeout-s, time for the engine step in f
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
     """Load the model (unless given) and wire runner, engine loop and metrics for one server."""
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
-                                  max_positions=config.ctx_size, backend_name=config.backend)
+                                  max_positions=config.ctx_size, backend_name=config.backend,
+                                  cpu_weights=config.cpu_weights)
     if config.ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
                     config.ctx_size, loaded.model.config.context_length)
@@ -128,16 +129,16 @@ def create_server(state: ServerState, port: int | None = None) -> _GracefulServe
 
 
 def blas_threads(num_stages: int) -> int:
-    """BLAS threads per stage worker when not set: the cores shared out among the stages computing at once
-    (OpenBLAS's thread count is process-wide, and two stages each asking for every core oversubscribe)."""
+    """BLAS and kernel threads per stage worker when not set: the cores shared out among the stages computing
+    at once (OpenBLAS's thread count is process-wide, and two stages each asking for every core oversubscribe)."""
     return max(1, (os.cpu_count() or 1) // num_stages)
 
 
 def run_server(config: ServerConfig) -> int:
     """Blocking entry point of `strata serve`."""
-    from threadpoolctl import threadpool_limits
+    from engine.cpu_threads import limit_threads
 
-    threadpool_limits(limits=config.threads or blas_threads(len(config.layer_cuts) + 1), user_api="blas")
+    limit_threads(config.threads or blas_threads(len(config.layer_cuts) + 1))
     log.info("effective configuration", extra={"fields": config.as_log_dict()})
     state = build_state(config)
     create_server(state).run()

@@ -13,6 +13,8 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.loader")
 BACKEND_NAMES = ("auto", "numpy", "cuda")
+# How the numpy backend holds linear weights: float32 (the reference) or the file's quantised blocks.
+CPU_WEIGHTS = ("f32", "quantized")
 
 
 @dataclass
@@ -44,13 +46,17 @@ def choose_backend(name: str, device: int | None = None) -> tuple[str, str]:
     return "numpy", reason
 
 
-def create_backend(name: str = "numpy", stage: int = 0, device: int | None = None) -> Backend:
+def create_backend(name: str = "numpy", stage: int = 0, device: int | None = None,
+                   cpu_weights: str = "quantized") -> Backend:
     """The backend `name` (auto, numpy, cuda) for pipeline stage `stage` on GPU `device` (default 0).
 
+    `cpu_weights` (f32 or quantized) says how the numpy backend holds the weights; cuda ignores it.
     Logs which backend was picked and why. Several cuda backends on one device (one per stage) share its
     context, memory arena and kernels; each has its own stream. Every kernel is compiled (or read from the
     on-disk cache) here, so a broken toolchain is a start-up error, not a failure at the first request.
     """
+    if cpu_weights not in CPU_WEIGHTS:
+        raise ValueError(f"unknown --cpu-weights {cpu_weights!r}; available: {', '.join(CPU_WEIGHTS)}")
     chosen, reason = choose_backend(name, device)
     if chosen == "cuda":
         try:
@@ -65,10 +71,14 @@ def create_backend(name: str = "numpy", stage: int = 0, device: int | None = Non
         else:
             log.info("backend cuda (stage %d): %s", stage, reason)
             return backend
-    from engine.backends.numpy_backend import NumpyBackend
+    log.info("backend numpy: %s (%s weights)", reason, cpu_weights)
+    if cpu_weights == "f32":
+        from engine.backends.numpy_backend import NumpyBackend
 
-    log.info("backend numpy: %s", reason)
-    return NumpyBackend()
+        return NumpyBackend()
+    from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
+
+    return QuantizedNumpyBackend()
 
 
 def open_model(
@@ -78,11 +88,13 @@ def open_model(
     max_positions: int | None = None,
     fetch: bool = True,
     backend_name: str = "numpy",
+    cpu_weights: str = "quantized",
 ) -> LoadedModel:
-    """Resolve (fetching if needed), load and wrap a model on `backend` (default: create_backend(backend_name)).
-    Raises ValueError on unsupported files."""
+    """Resolve (fetching if needed), load and wrap a model on `backend` (default: create_backend(backend_name,
+    cpu_weights=cpu_weights)). Raises ValueError on unsupported files."""
     path = resolve_model(name_or_path, fetch=fetch)
-    model, gguf, info = load_model(path, backend or create_backend(backend_name), max_positions)
+    backend = backend or create_backend(backend_name, cpu_weights=cpu_weights)
+    model, gguf, info = load_model(path, backend, max_positions)
     tokenizer = Tokenizer.from_gguf_fields(gguf.fields)
     template = ChatTemplate.from_gguf_fields(gguf.fields, model.config.arch, chat_template_path)
     return LoadedModel(model, tokenizer, template, info)

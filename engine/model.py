@@ -101,7 +101,7 @@ class Model:
 class LoadInfo:
     path: Path
     load_seconds: float
-    weight_bytes: int  # float32 bytes held by the backend for weights
+    weight_bytes: int  # bytes the backend holds for weights (float32, or quantised blocks), each buffer once
 
 
 def load_model(path: str | Path, backend: Backend, max_positions: int | None = None):
@@ -122,9 +122,8 @@ def load_model(path: str | Path, backend: Backend, max_positions: int | None = N
 
 
 def _count_bytes(weights: ModelWeights) -> int:
-    total = 0
-    for value in [weights.embedding, weights.output, weights.output_norm]:
-        total += getattr(value, "nbytes", 0)
+    # A tied output head is the embedding object itself: count it once.
+    values = [weights.embedding, weights.output, weights.output_norm]
     for layer in weights.layers:
-        total += sum(getattr(v, "nbytes", 0) for v in vars(layer).values() if v is not None)
-    return total
+        values += [v for v in vars(layer).values() if v is not None]
+    return sum(getattr(v, "nbytes", 0) for v in {id(v): v for v in values}.values())

@@ -8,7 +8,8 @@ Q/K un-permutation (a row permutation) be applied to the blocks, and fused matri
     gate_up = [ gate rows | up rows ]
 
 Adjacent parts of one type are concatenated into one (one launch); a type the backend has no kernel for
-is dequantised and re-encoded as F16 rows, with a warning naming the tensor.
+is dequantised and re-encoded as the backend's `fallback_quant_type` (F16 on the GPU, F32 on the CPU),
+with a warning naming the tensor.
 """
 from __future__ import annotations
 
@@ -42,16 +43,21 @@ def unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
     return rows.reshape(n_heads, head_dim // 2, 2, *tail).swapaxes(1, 2).reshape(out_dim, *tail)
 
 
+_FALLBACK_DTYPES = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32}
+
+
 def raw_part(gguf: GGUFFile, name: str, supported: Callable[[GGMLQuantizationType], bool],
-             unpermute_heads: int = 0) -> LinearPart:
-    """One tensor as a LinearPart: its raw rows if `supported(type)`, else F16 rows of its dequantised values."""
+             unpermute_heads: int = 0, fallback: GGMLQuantizationType = GGMLQuantizationType.F16) -> LinearPart:
+    """One tensor as a LinearPart: its raw rows if `supported(type)`, else `fallback` (F16 or F32) rows of
+    its dequantised values."""
     out_dim, in_dim = gguf.tensor_shape(name)
     tensor_type, rows = gguf.tensor_raw(name)
     if not supported(tensor_type):
-        log.warning("tensor %s: no GPU kernel for type %s, uploading it dequantised as F16 (%d MiB)", name,
-                    tensor_type.name, out_dim * in_dim * 2 // 2**20)
-        tensor_type = GGMLQuantizationType.F16
-        rows = gguf.tensor(name).astype(np.float16).view(np.uint8)
+        dtype = _FALLBACK_DTYPES[fallback]
+        log.warning("tensor %s: no kernel for type %s on this backend, uploading it dequantised as %s (%d MiB)",
+                    name, tensor_type.name, fallback.name, out_dim * in_dim * np.dtype(dtype).itemsize // 2**20)
+        tensor_type = fallback
+        rows = gguf.tensor(name).astype(dtype).view(np.uint8)
     if unpermute_heads:
         rows = unpermute_rows(rows, unpermute_heads)
     return LinearPart(tensor_type, rows, out_dim, in_dim, name)
@@ -78,9 +84,15 @@ class QuantizedLinearLoader:
     def __init__(self, gguf: GGUFFile, backend):
         self.gguf, self.backend = gguf, backend
         self.supported = getattr(backend, "supports_quant_type", lambda tensor_type: True)
+        self.fallback = getattr(backend, "fallback_quant_type", GGMLQuantizationType.F16)
 
     def linear(self, names: list[str], unpermute_heads: list[int] | None = None):
         """Upload the row-stack of tensors `names` (each optionally Q/K un-permuted) as one linear."""
         heads = unpermute_heads or [0] * len(names)
-        parts = [raw_part(self.gguf, n, self.supported, h) for n, h in zip(names, heads)]
+        parts = [raw_part(self.gguf, n, self.supported, h, self.fallback) for n, h in zip(names, heads)]
         return self.backend.upload_linear_quantized(merge_parts(parts))
+
+    def embedding(self, name: str):
+        """The token table `name` as one raw part (`upload_embedding_quantized`), never dequantised whole."""
+        return self.backend.upload_embedding_quantized(raw_part(self.gguf, name, self.supported,
+                                                                fallback=self.fallback))

@@ -5,8 +5,10 @@ Two conversions happen here, once, so the forward pass stays the plain math:
   pairs); we undo that permutation so every arch uses the half-split (NeoX) rotation.
 - Q/K/V and gate/up are fused into one matrix each (one matmul instead of three / two per layer).
 
-A backend with `upload_linear_quantized` (CUDA) gets the linears as raw GGUF rows instead of float32
-(engine/quant_weights.py): the same un-permutation and fusion, applied to the quant blocks.
+A backend with `upload_linear_quantized` (CUDA, numpy with --cpu-weights quantized) gets the linears as raw
+GGUF rows instead of float32 (engine/quant_weights.py): the same un-permutation and fusion, applied to the
+quant blocks. One with `upload_embedding_quantized` (numpy quantized) also gets the token table raw; when
+the output head is tied to it, embedding and head are one object over the same file bytes.
 """
 from __future__ import annotations
 
@@ -104,11 +106,15 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
                 post_ffn_norm=backend.upload(t(p + "post_ffw_norm.weight")) if c.has_post_norms else None,
             )
         )
-    embedding = t("token_embd.weight")
     output_name = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"  # tied
-    if quantized is not None:
+    if quantized is not None and hasattr(backend, "upload_embedding_quantized"):
+        embedding = quantized.embedding("token_embd.weight")
+        output = embedding if output_name == "token_embd.weight" else linear([output_name])
+    elif quantized is not None:
+        embedding = backend.upload(t("token_embd.weight"))
         output = linear([output_name])
     else:  # the float path reuses the embedding it already dequantised
+        embedding = backend.upload(t("token_embd.weight"))
         output = backend.upload_linear(embedding if output_name == "token_embd.weight" else t(output_name))
     freq_factors = opt("rope_freqs.weight")
     rope_global = rope_tables(c.rope_base, c.rope_dims, max_positions, c.rope_linear_scale, freq_factors)
@@ -116,7 +122,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
     if c.sliding_window:
         rope_local = rope_tables(c.rope_base_local, c.rope_dims, max_positions, 1.0)
     return ModelWeights(
-        embedding=backend.upload(embedding),
+        embedding=embedding,
         layers=layers,
         output_norm=backend.upload(t("output_norm.weight")),
         output=output,

@@ -1,15 +1,21 @@
 """Benchmark of the numpy backend on one model: load time, prefill and decode throughput, peak RSS.
 
     .venv/bin/python scripts/bench_model.py [--model smollm2] [--threads 2] [--repeats 3]
+                                            [--cpu-weights quantized,f32]
 
 Prints a markdown table (medians over repeats) and the BLAS setup, so runs are comparable. Decode at
-batch B runs B sequences of 128 context tokens through one batched step per token. The machine is
-shared: the load average is printed beside the figures.
+batch B runs B sequences of 128 context tokens through one batched step per token. With several
+--cpu-weights values each runs in a fresh process, one after the other (peak RSS is per process), and the
+table has one column per value. "first step" is the first prefill after load: it includes loading (or, on
+the first run after an install, compiling) the numba kernels. The machine is shared: the load average is
+printed beside the figures.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import resource
 import statistics
 import sys
@@ -20,8 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from threadpoolctl import threadpool_info, threadpool_limits  # noqa: E402
+from threadpoolctl import threadpool_info  # noqa: E402
 
+from engine.cpu_threads import limit_threads  # noqa: E402
 from engine.loader import open_model  # noqa: E402
 from engine.sequence import ModelRunner, Sequence  # noqa: E402
 
@@ -111,23 +118,30 @@ def profile_decode(runner: ModelRunner, batch: int, steps: int = 16) -> dict[str
     return {k: v / steps * 1e3 for k, v in totals.items()}
 
 
-def main() -> int:
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--cpu-weights", default="quantized,f32", help="comma-separated: quantized, f32")
     ap.add_argument("--profile", action="store_true", help="also print ms per decode step by Backend op")
-    args = ap.parse_args()
+    ap.add_argument("--bandwidth", action="store_true", help="also measure np.copyto bandwidth (after peak RSS)")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON (used for the comparison)")
+    return ap.parse_args()
 
-    with threadpool_limits(limits=args.threads, user_api="blas"):
+
+def measure(args) -> tuple[list[tuple[str, str]], dict, str]:
+    """(rows, ms-per-op profiles, header line) for one --cpu-weights value in this process."""
+    with limit_threads(args.threads):
         t0 = time.perf_counter()
-        loaded = open_model(args.model, max_positions=4096)
+        loaded = open_model(args.model, max_positions=4096, cpu_weights=args.cpu_weights)
         load_s = time.perf_counter() - t0
         runner = ModelRunner(loaded.model, num_blocks=4096 // 16 * 3, block_size=16)
-        bench_prefill(runner, 64, args.chunk, 1)  # warm-up
-        rows = [("load (s)", f"{load_s:.2f}")]
+        t0 = time.perf_counter()
+        bench_prefill(runner, 64, args.chunk, 1)  # warm-up; the first kernel calls load or compile them
+        rows = [("load (s)", f"{load_s:.2f}"), ("first step, 64-token prefill (s)", f"{time.perf_counter() - t0:.2f}")]
         for n in (128, 512, 2048):
             rows.append((f"prefill {n} tok (tok/s, chunk {args.chunk})", f"{bench_prefill(runner, n, args.chunk, args.repeats):.0f}"))
         step_bytes = bytes_read_per_decode_step(loaded.model.weights)
@@ -135,14 +149,45 @@ def main() -> int:
             rate = bench_decode(runner, b, args.decode_steps, args.repeats)
             rows.append((f"decode batch {b} (tok/s)", f"{rate:.1f}"))
             rows.append((f"decode batch {b}: weight bytes streamed (GB/s)", f"{step_bytes * rate / b / 1e9:.1f}"))
-        rows.append(("copy bandwidth, np.copyto 512 MiB (GB/s)", f"{copy_bandwidth_gbs():.1f}"))
+        rows.append(("weight bytes read per decode step (MB)", f"{step_bytes / 1e6:.0f}"))
         profiles = {b: profile_decode(runner, b) for b in (1, 4)} if args.profile else {}
         rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         rows.append(("peak RSS (MiB)", f"{rss_mib:.0f}"))
+        if args.bandwidth:  # after the RSS reading: the copy's 1 GiB of buffers is not the model's
+            rows.append(("copy bandwidth, np.copyto 512 MiB (GB/s)", f"{copy_bandwidth_gbs():.1f}"))
         blas = [(i.get("internal_api"), i.get("num_threads"), i.get("architecture")) for i in threadpool_info()]
+    header = (f"model {loaded.path.name}: {loaded.info.weight_bytes / 2**20:.0f} MiB of weights ({args.cpu_weights}); "
+              f"BLAS {blas}")
+    return rows, profiles, header
 
-    weight_mib = loaded.info.weight_bytes / 2**20
-    print(f"model {loaded.path.name}: {weight_mib:.0f} MiB float32 weights; BLAS {blas}")
+
+def compare(args, values: list[str]) -> int:
+    """Run each --cpu-weights value in its own process, one after the other; one column per value."""
+    results = []
+    for value in values:
+        cmd = [sys.executable, __file__, "--json", "--cpu-weights", value] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("cpu_weights", "json", "profile", "bandwidth") and v is not None]
+        results.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout))
+    for r in results:
+        print(r["header"])
+    print(f"load average {os.getloadavg()[0]:.2f} (after the runs); threads {args.threads}")
+    print("| measure | " + " | ".join(values) + " |\n| --- |" + " --- |" * len(values))
+    for i, (name, _) in enumerate(results[0]["rows"]):
+        print(f"| {name} | " + " | ".join(r["rows"][i][1] for r in results) + " |")
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
+    values = [v.strip() for v in args.cpu_weights.split(",") if v.strip()]
+    if len(values) > 1:
+        return compare(args, values)
+    rows, profiles, header = measure(args)
+    if args.json:
+        print(json.dumps({"rows": rows, "header": header}))
+        return 0
+    print(header)
     print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE')} OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE')}"
           f" load average {os.getloadavg()[0]:.2f}")
     print("| measure | value |\n| --- | --- |")

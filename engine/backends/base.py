@@ -5,9 +5,11 @@ default) and, later, on CUDA. Arrays are backend-owned handles; `to_host` brings
 Weights are uploaded once in the backend's preferred form (`upload_linear` takes the [out, in] float32
 matrix as stored in GGUF; a backend may keep it transposed, quantised or on a device).
 
-Optional capabilities, looked up with getattr (the numpy backend has none of them):
+Optional capabilities, looked up with getattr (the float32 NumpyBackend has none of them):
 - `upload_linear_quantized(parts)` and `supports_quant_type(tensor_type)`: linears arrive as raw GGUF rows
-  (engine/quant_weights.LinearPart), never dequantised (engine/weights.py);
+  (engine/quant_weights.LinearPart), never dequantised (engine/weights.py); `fallback_quant_type` (default
+  F16) is what a type without a kernel is converted to (cuda, and numpy with --cpu-weights quantized);
+- `upload_embedding_quantized(part)`: the token table arrives as raw rows too (numpy quantized);
 - `run_forward(model, batch, pool)`: runs model.forward its own way (cuda: CUDA-graph replay of decode steps);
   engine/sequence.ModelRunner calls it when present.
 """

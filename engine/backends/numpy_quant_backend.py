@@ -1,0 +1,58 @@
+"""The numpy backend with its linears and embedding table kept quantised (`--cpu-weights quantized`).
+
+Everything but the weights is the float32 numpy reference (engine/backends/numpy_backend.py): the
+activations, norms, RoPE, attention and the K/V pool are unchanged, so the only difference from
+`--cpu-weights f32` is the summation order inside a product (measured in docs/BENCHMARKS.md).
+Weights arrive as raw GGUF rows (engine/quant_weights.py) and become `QuantLinear`s
+(engine/backends/cpu_quant_linear.py); a type without a CPU kernel is dequantised to F32 rows at load.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from engine.backends.cpu_quant_linear import KERNEL_KINDS, QuantLinear
+from engine.backends.numpy_backend import NumpyBackend
+from engine.quant_weights import LinearPart
+
+_F32 = np.float32
+
+
+class QuantizedNumpyBackend(NumpyBackend):
+    """NumpyBackend whose `linear` and `embedding` also accept QuantLinear weights."""
+
+    name = "numpy"
+    fallback_quant_type = GGMLQuantizationType.F32  # exact, unlike the GPU's F16 fallback
+
+    def supports_quant_type(self, tensor_type: GGMLQuantizationType) -> bool:
+        return tensor_type in KERNEL_KINDS
+
+    def upload_linear_quantized(self, parts: list[LinearPart]) -> QuantLinear:
+        """Raw rows stacked along the output dimension; kept as given (mmap views where possible)."""
+        return QuantLinear(parts)
+
+    def upload_embedding_quantized(self, part: LinearPart) -> QuantLinear:
+        """The token table as raw rows: a lookup decodes only the rows of the batch's tokens."""
+        return QuantLinear([part])
+
+    def linear(self, x: np.ndarray, weight, bias: np.ndarray | None = None) -> np.ndarray:
+        if not isinstance(weight, QuantLinear):
+            return super().linear(x, weight, bias)
+        y = weight.matmul(x)  # [T, out]
+        if bias is not None:
+            y += bias
+        return y
+
+    def embedding(self, table, token_ids: np.ndarray, scale: float) -> np.ndarray:
+        if not isinstance(table, QuantLinear):
+            return super().embedding(table, token_ids, scale)
+        rows = table.gather(token_ids)  # [T, d]
+        if scale != 1.0:
+            rows *= _F32(scale)
+        return rows
+
+    def for_stage(self, stage: int) -> "QuantizedNumpyBackend":
+        return self
+
+    def sibling(self) -> "QuantizedNumpyBackend":
+        return self
