@@ -65,6 +65,12 @@ class BlockAllocator:
         self._is_free[ids] = False
         return ids
 
+    def grow(self, count: int) -> None:
+        """Add ids num_blocks .. num_blocks + count - 1, free, at the end of the free list."""
+        self._free.extend(range(self.num_blocks, self.num_blocks + count))
+        self._is_free = np.concatenate([self._is_free, np.ones(count, dtype=bool)])
+        self.num_blocks += count
+
     def free(self, block_ids: list[int]) -> None:
         """Return blocks to the pool; freeing a block twice is a bug and asserts."""
         ids = list(block_ids)

@@ -50,7 +50,8 @@ class ModelRunner:
     def _make_stage(self, index: int, layers: range, num_blocks: int, host_blocks: int) -> Stage:
         backend = self.model.backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own
         layout = replace(self.layout, n_layers=len(layers))
-        host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks)) if host_blocks else None
+        # host_blocks are committed now; the host tier grows from there as the cache's admission grants.
+        host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks))
         # Block moves run on the event loop while the stage's worker may be computing another group's step
         # (on blocks no step uses): a backend with per-thread state gives them a handle of their own.
         return Stage(index, layers, backend, layout, backend.create_kv_pool(layout), host_pool, backend.sibling())
@@ -74,7 +75,13 @@ class ModelRunner:
         for stage in self.stages:
             assert stage.layout.num_blocks == self.layout.num_blocks, f"{stage.describe()}: device pool size"
             assert stage.layout.n_layers == len(stage.layers), f"{stage.describe()}: pool layers"
-            assert (stage.host_pool is None) == (self.host_layout.num_blocks == 0), f"{stage.describe()}: host pool"
+            assert stage.host_pool.num_blocks == self.host_layout.num_blocks, f"{stage.describe()}: host pool"
+
+    def grow_host(self, num_blocks: int) -> None:
+        """Commit host-tier slots up to num_blocks in every stage (granted by the memory admission)."""
+        for stage in self.stages:
+            stage.mover.grow_host_pool(stage.host_pool, num_blocks)
+        self.host_layout = replace(self.host_layout, num_blocks=num_blocks)
 
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens; False (nothing changed) when the pool is full."""

@@ -21,6 +21,8 @@ class BlockMover(Protocol):
     def park(self, device_id: int, host_slot: int) -> None: ...
     def restore(self, host_slot: int, device_id: int) -> None: ...
     def copy(self, src_device_id: int, dst_device_id: int) -> None: ...
+    def grow_host(self, num_blocks: int) -> None:
+        """Commit host slots up to num_blocks in total (the admission granted them)."""
 
     def save(self, node: CachedBlock) -> bool:
         """Write the block (from wherever it is now) to the disk tier; False when that failed."""
@@ -48,6 +50,9 @@ class RecordingMover:
 
     def copy(self, src, dst):
         self.moves.append(("copy", src, dst))
+
+    def grow_host(self, num_blocks):
+        self.moves.append(("grow_host", num_blocks))
 
     def save(self, node):
         self.moves.append(("save", node.tokens))
@@ -90,6 +95,9 @@ class EngineBlockMover:
 
     def copy(self, src, dst):
         self._timed("copy", self.runner.move_blocks, [], [], [(src, dst)])
+
+    def grow_host(self, num_blocks):
+        self.runner.grow_host(num_blocks)
 
     def save(self, node: CachedBlock) -> bool:
         return self.disk is not None and self._timed("save_disk", self._save, node)

@@ -43,6 +43,8 @@ class TierMoves:
         if self.host_blocks == 0:
             return None
         if self._host_free.num_free == 0:
+            self._grow_host()
+        if self._host_free.num_free == 0:
             leaves = [b for b in self._on_host.values()
                       if b.ref_count == 0 and not any(c.on_device or c.on_host for c in b.children.values())]
             if not leaves:
@@ -52,6 +54,13 @@ class TierMoves:
                 self._drop(victim, "host", "host tier full" + (" and the disk write failed" if self.disk_blocks
                                                                else " (no disk tier)"))
         return self._host_free.allocate(1)[0]
+
+    def _grow_host(self) -> None:
+        """Commit another segment of the host tier when the admission grants it (else the tier is full)."""
+        blocks = self.admission.next_host_segment()
+        if blocks and self.admission.grant_host_growth(blocks):
+            self.mover.grow_host(self.admission.host_committed_blocks)
+            self._host_free.grow(blocks)
 
     def _spill(self, block: CachedBlock) -> bool:
         """Move a host block to the disk tier (dropping the least valuable disk leaf when it is full)."""

@@ -26,6 +26,7 @@ from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import flush_to_disk, load_disk_index
 from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
+from scheduler.memory_admission import MemoryAdmission
 from scheduler.metrics import Metrics
 from scheduler.output import OutputProcessor
 from scheduler.pipeline import Pipeline
@@ -50,13 +51,17 @@ class EngineLoop:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
                  max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
-                 batch_groups: int = 1):
+                 batch_groups: int = 1, admission: MemoryAdmission | None = None):
         self.runner = runner
         self.disk = disk
+        # Without an admission the host tier is what the runner committed at start, fixed.
+        admission = admission or MemoryAdmission(runner.host_layout.num_blocks, runner.layout.bytes_per_block)
+        assert admission.host_committed_blocks == runner.host_layout.num_blocks, "runner and admission disagree"
         self.cache = PrefixCache(runner.layout.num_blocks, runner.block_size, enabled=prefix_cache,
-                                 host_blocks=runner.host_layout.num_blocks,
+                                 host_blocks=admission.host_budget_blocks,
                                  disk_blocks=disk.capacity_blocks if disk else 0,
-                                 mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block)
+                                 mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block,
+                                 admission=admission)
         if disk is not None and prefix_cache:
             load_disk_index(self.cache, disk.scan())
         self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step
@@ -135,6 +140,14 @@ class EngineLoop:
     def slots_snapshot(self) -> list[dict]:
         """State of every slot for GET /slots."""
         return [self._slot_info(i, r) for i, r in enumerate(self._slots)]
+
+    def cache_snapshot(self) -> dict:
+        """The conversation cache for GET /cache: per tier cached / in use / total (host: budget, committed,
+        used), moves and drops, and the conversations clients named (latest first)."""
+        usage = self.cache.usage()
+        usage["block_size"] = self.cache.block_size
+        usage["conversations"] = self.conversations.snapshot()
+        return usage
 
     def pipeline_snapshot(self) -> dict:
         """Stages (busy time, queue depth) and groups (row maps, where each is) for GET /pipeline."""

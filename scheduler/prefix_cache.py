@@ -27,6 +27,7 @@ from scheduler.block_mover import BlockMover, RecordingMover
 from scheduler.cache_tiers import TierMoves
 from scheduler.cache_tree import (CachedBlock, PrefixMatch, block_digest, common_prefix_len, conversation_id,
                                   longest_match, root_digest)
+from scheduler.memory_admission import MemoryAdmission
 
 log = logging.getLogger("strata.cache")
 
@@ -49,13 +50,16 @@ class PrefixCache(TierMoves):
     """Owns every device block id and host slot: free, cached (unpinned) or in use (pinned / owned)."""
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool = True, host_blocks: int = 0,
-                 disk_blocks: int = 0, mover: BlockMover | None = None, block_bytes: int = 0):
+                 disk_blocks: int = 0, mover: BlockMover | None = None, block_bytes: int = 0,
+                 admission: MemoryAdmission | None = None):
         self.enabled = enabled  # off: nothing is ever matched or kept (the reference for tests)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.host_blocks = host_blocks
+        self.host_blocks = host_blocks  # the host tier's budget; admission.host_committed_blocks are usable now
+        self.admission = admission or MemoryAdmission(host_blocks, block_bytes)
+        assert self.admission.host_budget_blocks == host_blocks, "the cache and its admission disagree on the host budget"
         self._dev_free = BlockAllocator(num_blocks)
-        self._host_free = BlockAllocator(host_blocks)
+        self._host_free = BlockAllocator(self.admission.host_committed_blocks)
         self._roots: dict[str, CachedBlock] = {}
         self._roots_by_digest: dict[bytes, CachedBlock] = {}
         self._dropped: OrderedDict[bytes, tuple[float, str, str]] = OrderedDict()  # digest -> when, tier, why
@@ -120,6 +124,7 @@ class PrefixCache(TierMoves):
         return {"device_cached": len(self._on_device), "device_in_use": self._num_owned
                 + sum(1 for b in self._on_device.values() if b.ref_count), "device_total": self.num_blocks,
                 "host_cached": len(self._on_host), "host_total": self.host_blocks,
+                **self.admission.snapshot(len(self._on_host)),
                 "disk_cached": len(self._on_disk), "disk_total": self.disk_blocks, **self.stats,
                 "moves": getattr(self.mover, "totals", {})}
 
@@ -248,7 +253,9 @@ class PrefixCache(TierMoves):
         free, cached = self._dev_free.num_free, len(self._on_device)
         assert free + cached + self._num_owned == self.num_blocks, (
             f"device: free {free} + cached {cached} + in use {self._num_owned} != total {self.num_blocks}")
-        assert self._host_free.num_free + len(self._on_host) == self.host_blocks, "host tier counts disagree"
+        committed = self.admission.host_committed_blocks
+        assert self._host_free.num_blocks == committed <= self.host_blocks, "host tier committed counts disagree"
+        assert self._host_free.num_free + len(self._on_host) == committed, "host tier counts disagree"
         assert len(self._on_disk) <= self.disk_blocks, "disk tier over its budget"
         assert all(b.on_disk and d == b.digest for d, b in self._on_disk.items())
         assert not any(self._dev_free._is_free[b] for b in self._on_device), "a block is both free and cached"
