@@ -16,7 +16,7 @@ from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
 from engine.loader import LoadedModel, open_model
-from engine.kv import layout_for
+from engine.kv import BLOCK_SIZE, blocks_needed, layout_for
 from engine.sequence import ModelRunner
 from scheduler.admission import create_admission, plan_memory
 from scheduler.disk_tier import DiskTier, cache_key, model_file_identity
@@ -24,7 +24,6 @@ from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
 
 log = logging.getLogger("strata.serve")
-BLOCK_SIZE = 16
 STEP_GRACE_S = 30.0  # after --shutdown-timeout-s, time for the engine step in flight to end its streams
 
 
@@ -35,7 +34,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     if config.ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
                     config.ctx_size, loaded.model.config.context_length)
-    per_slot_blocks = -(-config.ctx_size // BLOCK_SIZE)
+    per_slot_blocks = blocks_needed(config.ctx_size, BLOCK_SIZE)
     num_blocks = per_slot_blocks * config.batch
     if config.kv_cache_mib:
         bytes_per_block = loaded.model.config.kv_bytes_per_token() * BLOCK_SIZE

@@ -12,6 +12,8 @@ import numpy as np
 
 from engine.config import ModelConfig
 
+BLOCK_SIZE = 16  # tokens per KV block of the server (tests pick smaller ones explicitly)
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -37,7 +39,7 @@ class KVLayout:
         return self.bytes_per_block * self.num_blocks
 
 
-def layout_for(config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: str = "float32") -> KVLayout:
+def layout_for(config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE, dtype: str = "float32") -> KVLayout:
     return KVLayout(num_blocks, block_size, config.n_layers, config.n_kv_heads, config.head_dim, dtype)
 
 
@@ -84,4 +86,5 @@ class BlockAllocator:
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens: the one rounding rule of the KV pool, used everywhere."""
     return -(-num_tokens // block_size)

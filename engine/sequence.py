@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from engine.batch import BatchMeta, build_batch
-from engine.kv import BlockAllocator, blocks_needed, layout_for
+from engine.kv import BLOCK_SIZE, BlockAllocator, blocks_needed, layout_for
 from engine.model import Model
 from engine.stages import Stage, split_layers
 
@@ -37,7 +37,7 @@ class ModelRunner:
     all stages, so the conversation cache sees one block whatever the split.
     """
 
-    def __init__(self, model: Model, num_blocks: int, block_size: int = 16, host_blocks: int = 0,
+    def __init__(self, model: Model, num_blocks: int, block_size: int = BLOCK_SIZE, host_blocks: int = 0,
                  layer_split: tuple[int, ...] = ()):
         self.model = model
         self.block_size = block_size
@@ -106,6 +106,19 @@ class ModelRunner:
                 backend.restore_blocks(stage.host_pool, stage.kv_pool, restores)
             if copies:
                 backend.copy_blocks(stage.kv_pool, copies)
+
+    def apply_moves(self, parks, restores, writes, copies) -> None:
+        """A granted plan's block moves in one call: parks (device -> host), restores (host -> device),
+        writes ((device block, K, V) read from disk), copies (copy-on-write), in that order, every stage.
+        A restore whose host slot a park takes over in the same call is read first (a swap)."""
+        parked_slots = {slot for _, slot in parks}
+        swapped = [(device_id, *self.read_block("host", slot)) for slot, device_id in restores if slot in parked_slots]
+        self.move_blocks(parks, [(s, d) for s, d in restores if s not in parked_slots], [])
+        writes = swapped + list(writes)
+        for device_id, k, v in writes:
+            self.write_block(device_id, k, v)
+        if copies:
+            self.move_blocks([], [], copies)
 
     def read_block(self, tier: str, index: int):
         """Copy of one block's (K, V) from the device or the host pools, as numpy [layers, KVH, B, hd]."""

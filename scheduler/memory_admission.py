@@ -38,25 +38,42 @@ class MemoryAdmission:
         # Bytes the machine can give the host tier in all (headroom - engine - floor), read when asked.
         self._machine_room_bytes = machine_room_bytes
         self.refusals = 0
+        self.refuse_points: set[str] = set()  # tests: "park", "restore", "spill", "grow"
+
+    def grant(self, plan) -> bool:
+        """Grant a cache plan whole (committing the host growth it needs) or refuse it, changing nothing.
+        `refuse_points` (fault tests) refuses every plan that needs one of those kinds of move."""
+        if plan.points & self.refuse_points:
+            self.refusals += 1
+            return False
+        return not plan.host_grow or self.grant_host_growth(plan.host_grow)
 
     def next_host_segment(self) -> int:
         """Blocks the next growth would commit (0: the budget is all committed). Changes nothing."""
         return min(self.segment_blocks, self.host_budget_blocks - self.host_committed_blocks)
 
+    def host_room_for(self, total_blocks: int) -> bool:
+        """Whether the budget and the machine (sampled now) allow total_blocks committed host slots. Changes
+        no budget; a refusal is counted and logged (the cache then plans as if the host tier were full)."""
+        if total_blocks > self.host_budget_blocks:
+            return False
+        if self._machine_room_bytes is None:
+            return True
+        room = self._machine_room_bytes()
+        if total_blocks * self.block_bytes <= room:
+            return True
+        self.refusals += 1
+        log.warning("host tier not grown to %d MiB: the machine has room for %d MiB now (container limit or "
+                    "MemAvailable, minus the engine and --conversation-cache-min-free-mib); parked conversations "
+                    "go to disk or are dropped instead", total_blocks * self.block_bytes // MIB, room // MIB,
+                    extra={"fields": {"host_blocks": total_blocks, "room_bytes": room}})
+        return False
+
     def grant_host_growth(self, blocks: int) -> bool:
         """Commit `blocks` more host slots if the budget and the machine allow; False changes nothing."""
         total = self.host_committed_blocks + blocks
-        if blocks <= 0 or total > self.host_budget_blocks:
+        if blocks <= 0 or not self.host_room_for(total):
             return False
-        if self._machine_room_bytes is not None:
-            room = self._machine_room_bytes()
-            if total * self.block_bytes > room:
-                self.refusals += 1
-                log.warning("host tier not grown to %d MiB: the machine has room for %d MiB now (container limit "
-                            "or MemAvailable, minus the engine and --conversation-cache-min-free-mib); parked "
-                            "conversations go to disk or are dropped instead", total * self.block_bytes // MIB,
-                            room // MIB, extra={"fields": {"host_blocks": total, "room_bytes": room}})
-                return False
         self.host_committed_blocks = total
         return True
 
@@ -67,3 +84,20 @@ class MemoryAdmission:
                 "host_budget_mib": self.host_budget_blocks * self.block_bytes // MIB,
                 "host_committed_mib": self.host_committed_blocks * self.block_bytes // MIB,
                 "host_used_mib": host_used_blocks * self.block_bytes // MIB}
+
+
+class MemoryGrants:
+    """The engine's one path for a cache plan: the admission grants it whole or refuses it, then the cache
+    applies it (and its byte moves reach the runner in one call). On the event loop, between steps."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def grant(self, plan):
+        """The applied plan's allocation, or None for no plan (no room) or a refused one (nothing changed)."""
+        if plan is None:
+            return None
+        if not self.cache.admission.grant(plan):
+            self.cache.stats["refused_plans"] += 1
+            return None
+        return self.cache.apply(plan)
