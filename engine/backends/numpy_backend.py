@@ -67,20 +67,20 @@ class NumpyBackend:
 
     def park_blocks(self, pool: NumpyKVPool, host_pool: NumpyHostPool, pairs: list[tuple[int, int]]) -> None:
         for block, slot in pairs:
-            for dst, src in zip(host_pool.block(slot), _block_views(pool, block)):
+            for dst, src in zip(_block_views(host_pool, slot), _block_views(pool, block)):
                 dst[...] = src
 
     def restore_blocks(self, host_pool: NumpyHostPool, pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
         for slot, block in pairs:
-            for dst, src in zip(_block_views(pool, block), host_pool.block(slot)):
+            for dst, src in zip(_block_views(pool, block), _block_views(host_pool, slot)):
                 dst[...] = src
 
     def read_block(self, pool, block: int):
-        views = pool.block(block) if isinstance(pool, NumpyHostPool) else _block_views(pool, block)
-        return views[0].copy(), views[1].copy()
+        k, v = _block_views(pool, block)
+        return k.copy(), v.copy()
 
     def write_block(self, pool, block: int, k: np.ndarray, v: np.ndarray) -> None:
-        dst_k, dst_v = pool.block(block) if isinstance(pool, NumpyHostPool) else _block_views(pool, block)
+        dst_k, dst_v = _block_views(pool, block)
         dst_k[...], dst_v[...] = k, v
 
     def embedding(self, table: np.ndarray, token_ids: np.ndarray, scale: float) -> np.ndarray:
@@ -165,8 +165,11 @@ class NumpyBackend:
         return model.forward(batch, pool)
 
 
-def _block_views(pool: NumpyKVPool, block: int) -> tuple[np.ndarray, np.ndarray]:
-    B = pool.layout.block_size  # views [layers, KVH, B, hd] of one device block
+def _block_views(pool, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Views (K, V) [layers, KVH, B, hd] of one block of a device pool or a host pool (any may be either)."""
+    if isinstance(pool, NumpyHostPool):
+        return pool.block(block)
+    B = pool.layout.block_size
     return pool.k[:, :, block * B : (block + 1) * B, :], pool.v[:, :, block * B : (block + 1) * B, :]
 
 
