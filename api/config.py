@@ -59,7 +59,11 @@ class ServerConfig:
     max_queue: int = _opt(64, "requests allowed to wait for a slot; more get 503")
     ctx_size: int = _opt(8192, f"tokens of context per slot (>= {MIN_CTX_SIZE})")
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
-    conversation_cache_mib: int = _opt(8192, "host RAM reserved at start for parked conversation KV (0: none)")
+    conversation_cache_mib: int = _opt(8192, "host RAM budget for parked conversation KV (0: none), clamped to "
+                                             "what the machine has")
+    conversation_cache_commit: str = _opt("on-demand", "when the host tier takes its RAM: on-demand (in segments, "
+                                                       "as parks need it) or at-start (all of it, before serving)",
+                                          ("on-demand", "at-start"))
     conversation_cache_min_free_mib: int = _opt(1024, "RAM always left to the rest of the machine")
     conversation_cache_dir: str | None = _opt(None, "folder for the disk tier; the cache then survives "
                                                     "restarts (unset: no disk tier)", metavar="DIR")

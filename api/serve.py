@@ -16,15 +16,14 @@ from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
 from engine.loader import LoadedModel, open_model
-from engine.kv import layout_for
+from engine.kv import BLOCK_SIZE, blocks_needed, layout_for
 from engine.sequence import ModelRunner
-from scheduler.admission import plan_memory
+from scheduler.admission import create_admission, plan_memory
 from scheduler.disk_tier import DiskTier, cache_key, model_file_identity
 from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
 
 log = logging.getLogger("strata.serve")
-BLOCK_SIZE = 16
 STEP_GRACE_S = 30.0  # after --shutdown-timeout-s, time for the engine step in flight to end its streams
 
 
@@ -36,7 +35,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     if config.ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
                     config.ctx_size, loaded.model.config.context_length)
-    per_slot_blocks = -(-config.ctx_size // BLOCK_SIZE)
+    per_slot_blocks = blocks_needed(config.ctx_size, BLOCK_SIZE)
     num_blocks = per_slot_blocks * config.batch
     if config.kv_cache_mib:
         bytes_per_block = loaded.model.config.kv_bytes_per_token() * BLOCK_SIZE
@@ -47,20 +46,25 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     engine_host_bytes = loaded.info.weight_bytes + num_blocks * bytes_per_block if on_host else 0
     plan = plan_memory(engine_host_bytes, config.conversation_cache_mib, config.conversation_cache_min_free_mib,
                        bytes_per_block)
-    runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=plan.host_blocks,
+    admission = create_admission(plan, config.conversation_cache_commit == "at-start",
+                                 config.conversation_cache_min_free_mib)
+    runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=admission.host_committed_blocks,
                          layer_split=config.layer_cuts)
     groups = config.groups_for(len(runner.stages))
     if len(runner.stages) > 1 or groups > 1:
         log.info("pipeline: %s; %d batch groups of slots move through them staggered",
                  ", ".join(s.describe() for s in runner.stages), groups)
-    log.info("memory: engine %d MiB, host tier %d MiB reserved (%d blocks), limit %d MiB of which %d MiB in "
-             "use elsewhere (%s)", plan.engine_bytes // 2**20, plan.host_tier_bytes // 2**20, plan.host_blocks,
-             plan.machine.limit_bytes // 2**20, plan.machine.in_use_bytes // 2**20, plan.machine.source)
+    host = admission.snapshot(0)
+    log.info("memory: engine %d MiB; host tier budget %d MiB (%d blocks), committed %d MiB (%s), used %d MiB; "
+             "limit %d MiB of which %d MiB in use elsewhere (%s)", plan.engine_bytes // 2**20,
+             host["host_budget_mib"], plan.host_blocks, host["host_committed_mib"], config.conversation_cache_commit,
+             host["host_used_mib"], plan.machine.limit_bytes // 2**20, plan.machine.in_use_bytes // 2**20,
+             plan.machine.source, extra={"fields": host})
     metrics = Metrics()
     disk = _disk_tier(config, loaded, runner) if config.conversation_cache_dir else None
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
                         max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,
-                        disk=disk, batch_groups=groups)
+                        disk=disk, batch_groups=groups, admission=admission)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens", num_blocks, BLOCK_SIZE,

@@ -131,10 +131,7 @@ async def pipeline(state: ServerState, http_request, request_id) -> Response:
 @endpoint
 async def cache(state: ServerState, http_request, request_id) -> Response:
     """The conversation cache per tier: blocks cached / in use / total, parks, restores, drops."""
-    usage = state.engine.cache.usage()
-    usage["block_size"] = state.engine.cache.block_size
-    usage["conversations"] = state.engine.conversations.snapshot()  # the ones clients named, latest first
-    return JSONResponse(usage)
+    return JSONResponse(state.engine.cache_snapshot())
 
 
 @endpoint

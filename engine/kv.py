@@ -12,6 +12,8 @@ import numpy as np
 
 from engine.config import ModelConfig
 
+BLOCK_SIZE = 16  # tokens per KV block of the server (tests pick smaller ones explicitly)
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -37,7 +39,7 @@ class KVLayout:
         return self.bytes_per_block * self.num_blocks
 
 
-def layout_for(config: ModelConfig, num_blocks: int, block_size: int = 16, dtype: str = "float32") -> KVLayout:
+def layout_for(config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE, dtype: str = "float32") -> KVLayout:
     return KVLayout(num_blocks, block_size, config.n_layers, config.n_kv_heads, config.head_dim, dtype)
 
 
@@ -65,6 +67,12 @@ class BlockAllocator:
         self._is_free[ids] = False
         return ids
 
+    def grow(self, count: int) -> None:
+        """Add ids num_blocks .. num_blocks + count - 1, free, at the end of the free list."""
+        self._free.extend(range(self.num_blocks, self.num_blocks + count))
+        self._is_free = np.concatenate([self._is_free, np.ones(count, dtype=bool)])
+        self.num_blocks += count
+
     def free(self, block_ids: list[int]) -> None:
         """Return blocks to the pool; freeing a block twice is a bug and asserts."""
         ids = list(block_ids)
@@ -78,4 +86,5 @@ class BlockAllocator:
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold num_tokens tokens: the one rounding rule of the KV pool, used everywhere."""
     return -(-num_tokens // block_size)

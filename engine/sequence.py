@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from engine.batch import BatchMeta, build_batch
-from engine.kv import BlockAllocator, blocks_needed, layout_for
+from engine.kv import BLOCK_SIZE, BlockAllocator, blocks_needed, layout_for
 from engine.model import Model
 from engine.stages import Stage, split_layers
 
@@ -37,7 +37,7 @@ class ModelRunner:
     all stages, so the conversation cache sees one block whatever the split.
     """
 
-    def __init__(self, model: Model, num_blocks: int, block_size: int = 16, host_blocks: int = 0,
+    def __init__(self, model: Model, num_blocks: int, block_size: int = BLOCK_SIZE, host_blocks: int = 0,
                  layer_split: tuple[int, ...] = ()):
         self.model = model
         self.block_size = block_size
@@ -50,7 +50,8 @@ class ModelRunner:
     def _make_stage(self, index: int, layers: range, num_blocks: int, host_blocks: int) -> Stage:
         backend = self.model.backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own
         layout = replace(self.layout, n_layers=len(layers))
-        host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks)) if host_blocks else None
+        # host_blocks are committed now; the host tier grows from there as the cache's admission grants.
+        host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks))
         # Block moves run on the event loop while the stage's worker may be computing another group's step
         # (on blocks no step uses): a backend with per-thread state gives them a handle of their own.
         return Stage(index, layers, backend, layout, backend.create_kv_pool(layout), host_pool, backend.sibling())
@@ -74,7 +75,13 @@ class ModelRunner:
         for stage in self.stages:
             assert stage.layout.num_blocks == self.layout.num_blocks, f"{stage.describe()}: device pool size"
             assert stage.layout.n_layers == len(stage.layers), f"{stage.describe()}: pool layers"
-            assert (stage.host_pool is None) == (self.host_layout.num_blocks == 0), f"{stage.describe()}: host pool"
+            assert stage.host_pool.num_blocks == self.host_layout.num_blocks, f"{stage.describe()}: host pool"
+
+    def grow_host(self, num_blocks: int) -> None:
+        """Commit host-tier slots up to num_blocks in every stage (granted by the memory admission)."""
+        for stage in self.stages:
+            stage.mover.grow_host_pool(stage.host_pool, num_blocks)
+        self.host_layout = replace(self.host_layout, num_blocks=num_blocks)
 
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens; False (nothing changed) when the pool is full."""
@@ -99,6 +106,19 @@ class ModelRunner:
                 backend.restore_blocks(stage.host_pool, stage.kv_pool, restores)
             if copies:
                 backend.copy_blocks(stage.kv_pool, copies)
+
+    def apply_moves(self, parks, restores, writes, copies) -> None:
+        """A granted plan's block moves in one call: parks (device -> host), restores (host -> device),
+        writes ((device block, K, V) read from disk), copies (copy-on-write), in that order, every stage.
+        A restore whose host slot a park takes over in the same call is read first (a swap)."""
+        parked_slots = {slot for _, slot in parks}
+        swapped = [(device_id, *self.read_block("host", slot)) for slot, device_id in restores if slot in parked_slots]
+        self.move_blocks(parks, [(s, d) for s, d in restores if s not in parked_slots], [])
+        writes = swapped + list(writes)
+        for device_id, k, v in writes:
+            self.write_block(device_id, k, v)
+        if copies:
+            self.move_blocks([], [], copies)
 
     def read_block(self, tier: str, index: int):
         """Copy of one block's (K, V) from the device or the host pools, as numpy [layers, KVH, B, hd]."""

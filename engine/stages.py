@@ -40,7 +40,7 @@ class Stage:
     backend: Backend
     layout: KVLayout  # this stage's device pool (n_layers = len(layers))
     kv_pool: Any
-    host_pool: Any | None  # this stage's share of the host tier (None without one)
+    host_pool: Any  # this stage's share of the host tier (grown on demand; 0 blocks without one)
     mover: Backend  # the handle block moves use, from the event loop's thread (backend.sibling())
 
     @property

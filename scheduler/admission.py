@@ -5,8 +5,9 @@ not from a RAM sample that would count them again), the configured cap of the ho
 the rest of the machine, and the machine's real limit: the container's (cgroup v2 `memory.max`, v1
 `memory.limit_in_bytes`) or else what the kernel says is available. A host tier that cannot fit is
 clamped to what fits, with a warning naming the flag and the value; a machine that cannot even hold the
-engine plus the floor is refused with a ValueError that says what to change. The host tier is then
-committed at once (engine/backends create_host_pool), so a park inside it is never refused later.
+engine plus the floor is refused with a ValueError that says what to change. The result is the host
+tier's budget; `create_admission` hands it to the MemoryAdmission (memory_admission.py) that commits it as
+parks need it (or all at start, when the operator asks), re-reading the machine's room at each growth.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import os
 import resource
 from dataclasses import dataclass
 from pathlib import Path
+
+from scheduler.memory_admission import SEGMENT_BYTES, MemoryAdmission
 
 log = logging.getLogger("strata.admission")
 MIB = 2**20
@@ -81,6 +84,18 @@ def plan_memory(engine_bytes: int, host_tier_mib: int, min_free_mib: int, block_
             spare // MIB, spare // MIB)
     blocks = granted // block_bytes if block_bytes else 0
     return MemoryPlan(engine_bytes, blocks * block_bytes, blocks, machine, clamped)
+
+
+def create_admission(plan: MemoryPlan, commit_at_start: bool, min_free_mib: int) -> MemoryAdmission:
+    """The running admission for a start-up plan: host budget from the plan, committed now or on demand."""
+    block_bytes = plan.host_tier_bytes // plan.host_blocks if plan.host_blocks else 1
+
+    def machine_room_bytes() -> int:  # engine counted once, from its own figure; others from the live sample
+        return read_machine_memory().headroom_bytes - plan.engine_bytes - min_free_mib * MIB
+
+    return MemoryAdmission(plan.host_blocks, block_bytes,
+                           host_committed_blocks=plan.host_blocks if commit_at_start else 0,
+                           segment_blocks=max(1, SEGMENT_BYTES // block_bytes), machine_room_bytes=machine_room_bytes)
 
 
 def _own_rss_bytes() -> int:

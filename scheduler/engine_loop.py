@@ -19,6 +19,7 @@ import time
 from collections import deque
 from typing import AsyncIterator
 
+from engine.kv import blocks_needed
 from engine.sampling import Sampler
 from engine.sequence import ModelRunner, Sequence
 from engine.tokenizer import Tokenizer
@@ -26,6 +27,7 @@ from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import flush_to_disk, load_disk_index
 from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
+from scheduler.memory_admission import MemoryAdmission, MemoryGrants
 from scheduler.metrics import Metrics
 from scheduler.output import OutputProcessor
 from scheduler.pipeline import Pipeline
@@ -50,15 +52,20 @@ class EngineLoop:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
                  max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
-                 batch_groups: int = 1):
+                 batch_groups: int = 1, admission: MemoryAdmission | None = None):
         self.runner = runner
         self.disk = disk
+        # Without an admission the host tier is what the runner committed at start, fixed.
+        admission = admission or MemoryAdmission(runner.host_layout.num_blocks, runner.layout.bytes_per_block)
+        assert admission.host_committed_blocks == runner.host_layout.num_blocks, "runner and admission disagree"
         self.cache = PrefixCache(runner.layout.num_blocks, runner.block_size, enabled=prefix_cache,
-                                 host_blocks=runner.host_layout.num_blocks,
+                                 host_blocks=admission.host_budget_blocks,
                                  disk_blocks=disk.capacity_blocks if disk else 0,
-                                 mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block)
+                                 mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block,
+                                 admission=admission)
         if disk is not None and prefix_cache:
             load_disk_index(self.cache, disk.scan())
+        self.memory = MemoryGrants(self.cache)
         self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step
         self.num_slots = num_slots
         self.prefill_chunk = prefill_chunk
@@ -76,6 +83,8 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         self._accepting = True
         self.num_steps = 0
+        self.num_preemptions = 0
+        self.recomputed_tokens = 0  # by resumed requests, because a tier dropped what they had computed
         self.event_loop: asyncio.AbstractEventLoop | None = None
 
     # -- public interface ---------------------------------------------------------------------------
@@ -136,6 +145,14 @@ class EngineLoop:
         """State of every slot for GET /slots."""
         return [self._slot_info(i, r) for i, r in enumerate(self._slots)]
 
+    def cache_snapshot(self) -> dict:
+        """The conversation cache for GET /cache: per tier cached / in use / total (host: budget, committed,
+        used), moves and drops, and the conversations clients named (latest first)."""
+        usage = self.cache.usage()
+        usage["block_size"] = self.cache.block_size
+        usage["conversations"] = self.conversations.snapshot()
+        return usage
+
     def pipeline_snapshot(self) -> dict:
         """Stages (busy time, queue depth) and groups (row maps, where each is) for GET /pipeline."""
         groups = [{"group": g, "rows": [r.slot_id for r in self._members(g)], "stage": self.pipeline.where(g)}
@@ -161,6 +178,7 @@ class EngineLoop:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            preemptions = self.num_preemptions
             self._drop_cancelled()
             self._admit()
             for group in range(self.num_groups):
@@ -168,6 +186,9 @@ class EngineLoop:
                     work = self._schedule(group)
                     if work:
                         self._in_flight[group] = loop.create_task(self._step_group(group, work))
+            if self.num_preemptions > preemptions and not self._in_flight:
+                await asyncio.sleep(0)  # preempted in this scan, nothing in flight to wake us: admit again
+                continue
             # Woken by submit/abort and by every group step that ends; no await since the scan above, so
             # nothing can have set the event in between.
             self._wake.clear()
@@ -204,35 +225,83 @@ class EngineLoop:
                 self._finish(request, "abort")
 
     def _admit(self) -> None:
-        """Move waiting requests into free slots: reuse their longest cached prefix, reserve the rest."""
+        """Move waiting requests into free slots: reuse their longest cached prefix, blocks for the first step.
+
+        A preempted request (back at the head of the queue) resumes the same way: its computed tokens are
+        in the cache tree, so its match restores them and nothing is recomputed."""
         while self._waiting and None in self._slots:
             request = self._waiting[0]
+            tokens = request.seq.token_ids if request.seq is not None else request.prompt_ids
+            # The last token is always computed: its logits pick the next token.
             total = request.prompt_len + request.params.max_tokens
-            # The last prompt token is always computed: its logits pick the first new token.
-            match = self.cache.match(request.prompt_ids, request.prompt_len - 1, salt=request.cache_salt)
-            allocation = self.cache.allocate(match, total)
+            if blocks_needed(total, self.runner.block_size) > self.cache.num_blocks:
+                self._waiting.popleft()  # can never fit: the API checks this, so this is a bug guard
+                self._finish(request, "error", error=f"{total} tokens do not fit the KV pool")
+                continue
+            match = self.cache.match(tokens, len(tokens) - 1, salt=request.cache_salt)
+            first_step = min(len(tokens), match.num_tokens + self.prefill_chunk)
+            plan = self.cache.plan_allocate(match, first_step)
+            allocation = self.memory.grant(plan)
             if allocation is None:
-                if -(-total // self.runner.block_size) > self.cache.num_blocks:
-                    self._waiting.popleft()  # can never fit: the API checks this, so this is a bug guard
-                    self._finish(request, "error", error=f"{total} tokens do not fit the KV pool")
-                    continue
+                if plan is not None:
+                    self._retry_soon()  # refused: nothing changed; ask again shortly
                 break  # wait for running requests to release blocks
             self._waiting.popleft()
-            self.output.report_miss(request, self.cache.explain_miss(request.prompt_ids, match))
+            if request.seq is not None and request.seq.num_computed > allocation.cached_tokens:
+                lost = request.seq.num_computed - allocation.cached_tokens  # only when a lower tier dropped them
+                self.recomputed_tokens += lost
+                log.warning("request %s resumes recomputing %d tokens the cache lost while it was preempted",
+                            request.request_id, lost, extra={"fields": {"request_id": request.request_id,
+                                                                        "recomputed": lost}})
+            if request.seq is None:
+                self.output.report_miss(request, self.cache.explain_miss(request.prompt_ids, match))
+                request.cached_tokens = allocation.cached_tokens
+                request.sampler = Sampler(request.params)
+                request.admitted_s = time.perf_counter()
             request.allocation = allocation
-            request.cached_tokens = allocation.cached_tokens
-            request.seq = Sequence(list(request.prompt_ids), allocation.block_table, allocation.cached_tokens)
-            request.sampler = Sampler(request.params)
+            request.seq = Sequence(list(tokens), allocation.block_table, allocation.cached_tokens)
             request.slot_id = self._slots.index(None)
             # The group with the fewest members, so the groups stay balanced and every stage has work.
             request.group = min(range(self.num_groups), key=lambda g: (len(self._members(g)), g))
-            request.admitted_s = time.perf_counter()
             self._slots[request.slot_id] = request
         self.metrics.queue_depth.set(len(self._waiting))
         self.metrics.slots_in_use.set(sum(r is not None for r in self._slots))
         self.metrics.observe_cache(self.cache.usage())
         if self.integrity_checks:
             self.cache.check_integrity()
+
+    def _reserve(self, request: Request, n: int) -> bool:
+        """Blocks for the request's next n tokens. When the pool is short, the plan parks unpinned cached
+        blocks; when even that cannot make room, running requests are preempted, newest first. False: the
+        request sits this step out (preempted, or its grant was refused)."""
+        while request.slot_id is not None:
+            plan = self.cache.plan_extend(request.allocation, request.seq.num_computed + n)
+            if plan is not None:
+                if self.memory.grant(plan) is not None:
+                    return True
+                self._retry_soon()  # refused: this request sits the step out, nothing changed
+                return False
+            idle = [r for r in self._slots if r is not None and r.group not in self._in_flight]
+            self._preempt(max(idle, key=lambda r: r.admitted_s))  # the request itself is one of them
+        return False
+
+    def _retry_soon(self) -> None:
+        asyncio.get_running_loop().call_later(0.005, self._wake.set)
+
+    def _preempt(self, request: Request) -> None:
+        """Give a running request's blocks back to the cache (its computed tokens join the tree, where value
+        order parks them to host RAM under pressure) and put it at the head of the queue."""
+        plan = self.cache.plan_release(request.seq.token_ids, request.seq.num_computed, request.allocation,
+                                       kind="preempt")
+        assert self.memory.grant(plan) is not None, "a release is never refused"
+        self._slots[request.slot_id] = None
+        request.slot_id, request.allocation = None, None
+        request.preemptions += 1
+        self.num_preemptions += 1
+        self._waiting.appendleft(request)
+        log.info("preempted request %s at %d computed tokens: the KV pool is short", request.request_id,
+                 request.seq.num_computed, extra={"fields": {"request_id": request.request_id,
+                                                             "computed": request.seq.num_computed}})
 
     def _members(self, group: int) -> list[Request]:
         """The group's row map: its running requests (slots), in slot order."""
@@ -246,6 +315,8 @@ class EngineLoop:
         prefilling = next((r for r in running if r.is_prefilling), None)
         if prefilling is not None:
             work.append((prefilling, min(self.prefill_chunk, prefilling.seq.num_pending)))
+        work = [(r, n) for r, n in work if self._reserve(r, n)]
+        work = [(r, n) for r, n in work if r.slot_id is not None]  # a later reservation may have preempted it
         for request, n in work:
             if request.constraint is not None and n == request.seq.num_pending:  # this step samples its token
                 request.constraint.begin_mask()  # computed beside the forward pass; sample_step waits for it
@@ -271,7 +342,8 @@ class EngineLoop:
         request.is_finished = True
         if request.slot_id is not None:
             self._slots[request.slot_id] = None
-            self.cache.release(request.seq.token_ids, request.seq.num_computed, request.allocation)
+            self.memory.grant(self.cache.plan_release(request.seq.token_ids, request.seq.num_computed,
+                                                      request.allocation))
         self._by_id.pop(request.request_id, None)
         self.output.finish(request, reason, error)
         if request.conversation_key:

@@ -1,4 +1,4 @@
-"""The conversation cache: token-exact longest-prefix reuse over a tree of KV blocks, in two tiers.
+"""The conversation cache: token-exact longest-prefix reuse over a tree of KV blocks, in three tiers.
 
 Full blocks are shared in place; a prompt that diverges or ends inside a block reuses that block's
 matching tokens by copy-on-write into a block the request owns, so a shared block is never written.
@@ -7,69 +7,59 @@ Many variants of a conversation coexist as branches (a toggling tool list hits b
     root ── [sys prompt 0:16] ── [16:32] ── [32:48 turn 1] ── [48:57 reply tail, partial]
                                         └── [32:48 other conversation] ...
 
-Tiers: the device pool the model computes in, and host RAM reserved at start-up. When the device needs
-room, the least valuable unpinned block (a leaf of what is on the device; superseded branches first,
-then least recently used) is parked in host RAM; only when the host tier is full too is the least
-valuable host leaf dropped, and every drop is logged with its conversation. A hit on parked blocks
-restores them. Blocks pinned by running requests never move. Nothing is decided before it is known to
-succeed: `allocate` checks that room can be made before parking anything, and returns None untouched.
-The moves are returned as copy lists the engine performs between steps: parks, then restores, then copies.
+Tiers: the device pool the model computes in, host RAM (a budget committed as parks need it) and disk.
+Decide, grant, apply: `plan_allocate` / `plan_extend` / `plan_release` return a Plan (cache_plan.py) and
+change nothing; the memory admission grants it whole or refuses it; `apply` then changes the tree and the
+tiers and hands the byte moves to the mover in one call (parks, restores, loads, copies; spills first).
+`allocate` / `extend` / `release` do the three steps for callers that have no admission of their own.
+Blocks pinned by running requests never move; every drop is logged with its conversation.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
-from engine.kv import BlockAllocator
-from scheduler.block_mover import BlockMover, RecordingMover
-from scheduler.cache_tiers import TierMoves
-from scheduler.cache_tree import (CachedBlock, PrefixMatch, block_digest, common_prefix_len, conversation_id,
-                                  longest_match, root_digest)
+from engine.kv import BlockAllocator, blocks_needed
+from scheduler.block_mover import BlockMover, BlockMoves, RecordingMover
+from scheduler.cache_allocation import Allocation, read_disk_blocks
+from scheduler.cache_drops import DropLog
+from scheduler.cache_explain import explain_miss
+from scheduler.cache_integrity import check_cache
+from scheduler.cache_plan import Plan, plan_device_room
+from scheduler.cache_tree import CachedBlock, PrefixMatch, block_digest, conversation_id, longest_match, root_digest
+from scheduler.memory_admission import MemoryAdmission
 
 log = logging.getLogger("strata.cache")
+__all__ = ["Allocation", "PrefixCache"]
 
 
-@dataclass
-class Allocation:
-    """A request's block table (shared cached blocks first, then its own) and the copies to run first."""
-
-    block_table: list[int]
-    num_shared: int
-    cached_tokens: int
-    reused_by_tier: dict[str, int] = field(default_factory=dict)
-    salt: str = ""
-    parks: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
-    restores: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
-
-
-class PrefixCache(TierMoves):
+class PrefixCache:
     """Owns every device block id and host slot: free, cached (unpinned) or in use (pinned / owned)."""
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool = True, host_blocks: int = 0,
-                 disk_blocks: int = 0, mover: BlockMover | None = None, block_bytes: int = 0):
+                 disk_blocks: int = 0, mover: BlockMover | None = None, block_bytes: int = 0,
+                 admission: MemoryAdmission | None = None):
         self.enabled = enabled  # off: nothing is ever matched or kept (the reference for tests)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.host_blocks = host_blocks
+        self.host_blocks = host_blocks  # the host tier's budget; admission.host_committed_blocks are usable now
+        self.admission = admission or MemoryAdmission(host_blocks, block_bytes)
+        assert self.admission.host_budget_blocks == host_blocks, "the cache and its admission disagree on the host budget"
         self._dev_free = BlockAllocator(num_blocks)
-        self._host_free = BlockAllocator(host_blocks)
+        self._host_free = BlockAllocator(self.admission.host_committed_blocks)
         self._roots: dict[str, CachedBlock] = {}
         self._roots_by_digest: dict[bytes, CachedBlock] = {}
-        self._dropped: OrderedDict[bytes, tuple[float, str, str]] = OrderedDict()  # digest -> when, tier, why
         self._on_device: dict[int, CachedBlock] = {}
         self._on_host: dict[int, CachedBlock] = {}
         self._on_disk: dict[bytes, CachedBlock] = {}
         self.disk_blocks = disk_blocks
         self.mover = mover or RecordingMover()
-        self.block_bytes = block_bytes  # for the "budget full" message only
-        self._full_episode: dict[str, int] = {}  # tier -> blocks dropped since it filled up
+        self.drops = DropLog(block_bytes)
         self._clock = itertools.count(1)
         self._num_owned = 0  # device blocks handed to running requests, not yet in the tree
         self.stats = {"parks": 0, "restores": 0, "spills": 0, "disk_loads": 0, "dropped_blocks": 0,
-                      "dropped_tokens": 0, "hits": 0, "misses": 0, "miss_diverged": 0, "miss_evicted": 0}
+                      "dropped_tokens": 0, "hits": 0, "misses": 0, "miss_diverged": 0, "miss_evicted": 0,
+                      "refused_plans": 0}
 
     # -- queries -------------------------------------------------------------------------------------
     def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "") -> PrefixMatch:
@@ -84,28 +74,10 @@ class PrefixCache(TierMoves):
         """Why a prompt reused no more than `match`, when the cache once held more of it: the position where
         it diverged from a cached sequence, or the eviction that took the rest. None for new content."""
         self.stats["hits" if match.num_tokens else "misses"] += 1
-        miss = self._explain(token_ids, match)
+        miss = explain_miss(self._root(match.salt), token_ids, match, self.drops.dropped, self.block_size)
         if miss is not None:
             self.stats["miss_" + miss["cause"]] += 1
         return miss
-
-    def _explain(self, token_ids: list[int], match: PrefixMatch) -> dict | None:
-        B, pos = self.block_size, match.num_tokens
-        node = match.shared[-1] if match.shared else self._root(match.salt)
-        block_start = len(match.shared) * B
-        next_block = token_ids[block_start : block_start + B]
-        if len(next_block) == B:
-            dropped = self._dropped.get(block_digest(node.digest, next_block))
-            if dropped is not None:
-                when, tier, reason = dropped
-                return {"cause": "evicted", "position": block_start, "evicted_at": when, "tier": tier,
-                        "reason": reason}
-        if node.children and pos < len(token_ids) - 1:
-            nearest = max(node.children.values(), key=lambda c: common_prefix_len(c.tokens, next_block))
-            if len(nearest.tokens) > common_prefix_len(nearest.tokens, next_block):
-                return {"cause": "diverged", "position": block_start + common_prefix_len(nearest.tokens, next_block),
-                        "conversation": conversation_id(nearest)}
-        return None
 
     @property
     def num_free(self) -> int:
@@ -120,113 +92,185 @@ class PrefixCache(TierMoves):
         return {"device_cached": len(self._on_device), "device_in_use": self._num_owned
                 + sum(1 for b in self._on_device.values() if b.ref_count), "device_total": self.num_blocks,
                 "host_cached": len(self._on_host), "host_total": self.host_blocks,
+                **self.admission.snapshot(len(self._on_host)),
                 "disk_cached": len(self._on_disk), "disk_total": self.disk_blocks, **self.stats,
                 "moves": getattr(self.mover, "totals", {})}
 
-    # -- mutations -----------------------------------------------------------------------------------
-    def allocate(self, match: PrefixMatch, total_tokens: int) -> Allocation | None:
-        """Pin the matched blocks (restoring parked ones) and reserve fresh blocks up to total_tokens.
-
-        Returns None, with nothing changed, when the device cannot make room without moving pinned blocks.
-        """
-        self._end_full_episodes()
-        payloads = self._read_disk_blocks(match)  # first, so an unreadable file only shortens the match
-        fresh_count = -(-total_tokens // self.block_size) - len(match.shared)
-        to_restore = [b for b in match.shared if not b.on_device]
-        pinned = match.shared + ([match.cow_source] if match.cow_source is not None else [])
-        for block in pinned:
-            self._pin(block)
-        alloc = Allocation([], len(match.shared), match.num_tokens, salt=match.salt)
-        movable = sum(1 for b in self._on_device.values() if b.ref_count == 0)
-        if self._dev_free.num_free + movable < fresh_count + len(to_restore):
-            for block in pinned:
-                self._unpin(block)
-            source = match.cow_source
-            if source is not None and source.on_device:
-                # The copy source occupies a block this request needs: take it over when nobody else can
-                # want it (unpinned leaf), else give up its few tokens rather than wait forever.
-                if source.ref_count == 0 and not source.children:
-                    return self._allocate_taking_over(match, total_tokens)
-                return self.allocate(PrefixMatch(match.shared, None, 0, match.salt), total_tokens)
-            return None
-        self._make_device_room(fresh_count + len(to_restore), alloc)
-        self._count_reuse(alloc, match, to_restore)
-        for block in to_restore:  # move back to the device; the lower tier's copy is released
-            block.device_id = self._dev_free.allocate(1)[0]
-            self._load(block, block.device_id, payloads, alloc, keep_source=False)
-            self._on_device[block.device_id] = block
-        fresh = self._dev_free.allocate(fresh_count)
-        self._num_owned += fresh_count
-        alloc.block_table = [b.device_id for b in match.shared] + fresh
+    # -- plans (change nothing) ----------------------------------------------------------------------
+    def plan_allocate(self, match: PrefixMatch, num_tokens: int) -> Plan | None:
+        """Pin the matched blocks (restoring parked ones) and fresh blocks up to num_tokens. None when the
+        device cannot make room without moving pinned blocks (then nothing was decided)."""
+        match, payloads, unreadable = read_disk_blocks(self, match)
+        fresh = blocks_needed(num_tokens, self.block_size) - len(match.shared)
+        plan = Plan("allocate", fresh=fresh, match=match, payloads=payloads, unreadable=unreadable,
+                    restores=[b for b in match.shared if not b.on_device])
+        keep = {id(b) for b in match.shared} | ({id(match.cow_source)} if match.cow_source else set())
+        if plan_device_room(self, plan, fresh + len(plan.restores), keep):
+            return plan
         source = match.cow_source
-        if source is not None:
-            if source.on_device:
-                alloc.copies.append((source.device_id, fresh[0]))
-                self.mover.copy(source.device_id, fresh[0])
+        if source is None or not source.on_device:
+            return None
+        # The copy source occupies a block this request needs: take it over when nobody else can want it
+        # (unpinned leaf), else give up its few tokens rather than wait forever.
+        plan = Plan("allocate", fresh=fresh - 1, match=match, payloads=payloads, unreadable=unreadable,
+                    restores=plan.restores, takeover=True)
+        if source.ref_count == 0 and not source.children:
+            return plan if plan_device_room(self, plan, plan.fresh + len(plan.restores), keep) else None
+        return self.plan_allocate(PrefixMatch(match.shared, None, 0, match.salt), num_tokens)
+
+    def plan_extend(self, allocation: Allocation, num_tokens: int) -> Plan | None:
+        """Fresh blocks so a running request's table holds num_tokens (its next step). None: no room."""
+        plan = Plan("extend", fresh=max(0, blocks_needed(num_tokens, self.block_size) - len(allocation.block_table)),
+                    allocation=allocation)
+        return plan if plan_device_room(self, plan, plan.fresh, set()) else None
+
+    def plan_release(self, token_ids: list[int], num_computed: int, allocation: Allocation,
+                     kind: str = "release") -> Plan:
+        """A request is done (or preempted): its computed tokens' blocks join the tree, unpinned."""
+        return Plan(kind, allocation=allocation, token_ids=list(token_ids), num_computed=num_computed)
+
+    # -- one call for callers without an admission of their own ----------------------------------------
+    def allocate(self, match: PrefixMatch, total_tokens: int) -> Allocation | None:
+        plan = self.plan_allocate(match, total_tokens)
+        return self.apply(plan) if plan is not None and self.admission.grant(plan) else None
+
+    def extend(self, allocation: Allocation, num_tokens: int) -> bool:
+        plan = self.plan_extend(allocation, num_tokens)
+        return plan is not None and self.admission.grant(plan) and self.apply(plan) is not None
+
+    def release(self, token_ids: list[int], num_computed: int, allocation: Allocation) -> None:
+        self.apply(self.plan_release(token_ids, num_computed, allocation))
+
+    # -- apply (the only mutation) -------------------------------------------------------------------
+    def apply(self, plan: Plan) -> Allocation:
+        """Carry out a granted plan: drops, growth, spills, parks, then the request's own blocks."""
+        self.drops.end_episodes({"device": self._dev_free.num_free / max(1, self.num_blocks),
+                                 "host": self._host_free.num_free / max(1, self.host_blocks),
+                                 "disk": 1 - len(self._on_disk) / max(1, self.disk_blocks)})
+        moves = BlockMoves()
+        if plan.kind in ("release", "preempt"):
+            self._release(plan)
+            return plan.allocation
+        reuse = self._reuse_by_tier(plan) if plan.kind == "allocate" else {}
+        sources = {}  # host slots of the blocks being restored, freed first: a park may take one over
+        for block in plan.restores:
+            if block.on_host:
+                sources[id(block)] = block.host_slot
+                self._host_free.free([block.host_slot])
+                del self._on_host[block.host_slot]
+                block.host_slot = -1
+        for block in plan.unreadable:
+            self._drop(block, "disk", "block file missing or corrupt")
+        for block in plan.disk_drops:
+            self._drop(block, "disk", "disk tier full")
+        if plan.host_grow:
+            self._host_free.grow(plan.host_grow)
+            moves.grow_host = self._host_free.num_blocks
+        for block in plan.spills:
+            self._spill(block, moves)
+        for block in plan.host_drops:
+            self._drop(block, "host", "host tier full" + ("" if self.disk_blocks else " (no disk tier)"))
+        for block in plan.device_drops:
+            self._drop(block, "device", "device pool full and no room in the host tier")
+        for block in plan.parks:
+            self._park(block, moves)
+        alloc = self._apply_allocation(plan, moves, reuse, sources) if plan.kind == "allocate" \
+            else self._apply_extend(plan)
+        for block in self.mover.apply(moves):  # the disk writes that failed: those blocks are lost
+            self.stats["spills"] -= 1
+            self._drop(block, "host", "host tier full and the disk write failed")
+        return alloc
+
+    @staticmethod
+    def _reuse_by_tier(plan: Plan) -> dict[str, int]:
+        """Reused tokens by the tier they come from (before anything moves)."""
+        match = plan.match
+        host = sum(len(b.tokens) for b in plan.restores if b.on_host)
+        disk = sum(len(b.tokens) for b in plan.restores if not b.on_host)
+        source = match.cow_source
+        if source is not None and not source.on_device and not plan.takeover:
+            host, disk = (host + match.cow_tokens, disk) if source.on_host else (host, disk + match.cow_tokens)
+        return {"device": match.num_tokens - host - disk, "host": host, "disk": disk}
+
+    def _apply_allocation(self, plan: Plan, moves: BlockMoves, reuse: dict, sources: dict) -> Allocation:
+        match, source = plan.match, plan.match.cow_source
+        alloc = Allocation([], len(match.shared), match.num_tokens, reused_by_tier=reuse, salt=match.salt)
+        for block in match.shared:
+            self._pin(block)
+        for block in plan.restores:  # back to the device; the lower tier's copy is released
+            device_id = self._dev_free.allocate(1)[0]
+            if id(block) in sources:
+                moves.restores.append((sources[id(block)], device_id))
             else:
-                self._load(source, fresh[0], payloads, alloc, keep_source=True)
-            self._unpin(source)
+                self._load(block, device_id, plan.payloads, moves, keep_source=False)
+            block.device_id = device_id
+            self._on_device[device_id] = block
+        if plan.takeover:
+            del source.parent.children[source.tokens]
+            del self._on_device[source.device_id]
+            own = [source.device_id] + self._dev_free.allocate(plan.fresh)
+        else:
+            own = self._dev_free.allocate(plan.fresh)
+            if source is not None:
+                if source.on_device:
+                    moves.copies.append((source.device_id, own[0]))
+                else:
+                    self._load(source, own[0], plan.payloads, moves, keep_source=True)
+                source.last_used = next(self._clock)
+        self._num_owned += len(own)
+        alloc.block_table = [b.device_id for b in match.shared] + own
+        alloc.parks, alloc.restores, alloc.copies = moves.parks, moves.restores + [(-1, d) for d, _ in moves.writes], moves.copies
         self.stats["restores"] += len(alloc.restores)
         return alloc
 
-    def _allocate_taking_over(self, match: PrefixMatch, total_tokens: int) -> Allocation | None:
-        """Allocate with the partial-hit block itself as the request's first own block: no copy, and its
-        matching tokens stay valid in place (the rest is overwritten as the request computes)."""
-        source = match.cow_source
-        del source.parent.children[source.tokens]
-        del self._on_device[source.device_id]
-        alloc = self.allocate(PrefixMatch(match.shared, None, 0, match.salt), total_tokens - self.block_size)
-        if alloc is None:  # put it back exactly as it was
-            source.parent.children[source.tokens] = source
-            self._on_device[source.device_id] = source
-            return None
-        self._num_owned += 1
-        alloc.block_table.insert(len(match.shared), source.device_id)
-        alloc.cached_tokens += match.cow_tokens
-        alloc.reused_by_tier["device"] += match.cow_tokens
-        return alloc
+    def _apply_extend(self, plan: Plan) -> Allocation:
+        fresh = self._dev_free.allocate(plan.fresh)
+        self._num_owned += plan.fresh
+        plan.allocation.block_table.extend(fresh)
+        return plan.allocation
 
-    def _read_disk_blocks(self, match: PrefixMatch) -> dict[int, object]:
-        """Bytes of the matched blocks that live only on disk; cuts the match at the first unreadable one."""
-        payloads = {}
-        for i, block in enumerate(match.shared):
-            if block.on_device or block.on_host:
-                continue
-            payload = self.mover.read_disk(block)
-            if payload is None:
-                self._drop(block, "disk", "block file missing or corrupt")
-                match.shared, match.cow_source, match.cow_tokens = match.shared[:i], None, 0
-                return payloads
-            payloads[id(block)] = payload
-        source = match.cow_source
-        if source is not None and not (source.on_device or source.on_host):
-            payload = self.mover.read_disk(source)
-            if payload is None:
-                self._drop(source, "disk", "block file missing or corrupt")
-                match.cow_source, match.cow_tokens = None, 0
-            else:
-                payloads[id(source)] = payload
-        return payloads
-
-    def _load(self, block: CachedBlock, device_id: int, payloads: dict, alloc: Allocation, keep_source: bool):
+    def _load(self, block: CachedBlock, device_id: int, payloads: dict, moves: BlockMoves, keep_source: bool):
         if block.on_host:
-            alloc.restores.append((block.host_slot, device_id))
-            self.mover.restore(block.host_slot, device_id)
+            moves.restores.append((block.host_slot, device_id))
             if not keep_source:
                 self._host_free.free([block.host_slot])
                 del self._on_host[block.host_slot]
                 block.host_slot = -1
             return
-        self.mover.write_device(device_id, payloads[id(block)])
-        alloc.restores.append((-1, device_id))
+        moves.writes.append((device_id, payloads[id(block)]))
         self.stats["disk_loads"] += 1
         if not keep_source:
             self.mover.delete_disk(block)
             del self._on_disk[block.digest]
             block.on_disk = False
 
-    def release(self, token_ids: list[int], num_computed: int, allocation: Allocation) -> None:
-        """A request is done: its computed tokens' blocks join the tree (unpinned), the rest are freed."""
+    def _park(self, block: CachedBlock, moves: BlockMoves) -> None:
+        slot = self._host_free.allocate(1)[0]
+        moves.parks.append((block.device_id, slot))
+        del self._on_device[block.device_id]
+        self._dev_free.free([block.device_id])
+        block.device_id, block.host_slot = -1, slot
+        self._on_host[slot] = block
+        self.stats["parks"] += 1
+
+    def _spill(self, block: CachedBlock, moves: BlockMoves) -> None:
+        """To the disk tier, from wherever it is now (a block this plan would have parked goes straight)."""
+        if block.on_device:
+            moves.saves.append((block, "device", block.device_id))
+            del self._on_device[block.device_id]
+            self._dev_free.free([block.device_id])
+            block.device_id = -1
+        else:
+            moves.saves.append((block, "host", block.host_slot))
+            self._host_free.free([block.host_slot])
+            del self._on_host[block.host_slot]
+            block.host_slot = -1
+        block.on_disk = True
+        self._on_disk[block.digest] = block
+        self.stats["spills"] += 1
+
+    def _release(self, plan: Plan) -> None:
+        allocation, token_ids, num_computed = plan.allocation, plan.token_ids, plan.num_computed
         node = self._root(allocation.salt)
         for i, device_id in enumerate(allocation.block_table):
             start = i * self.block_size
@@ -241,28 +285,34 @@ class PrefixCache(TierMoves):
                 continue
             node = self._insert(node, tokens, device_id)
 
+    def _drop(self, block: CachedBlock, tier: str, reason: str) -> None:
+        """Remove a block and everything cached after it; log what was lost."""
+        if not (block.on_device or block.on_host or block.on_disk):
+            return  # already gone with an ancestor dropped earlier in the same plan
+        conv, lost = conversation_id(block), block.subtree()
+        del block.parent.children[block.tokens]
+        for node in lost:
+            if node.on_device:
+                del self._on_device[node.device_id]
+                self._dev_free.free([node.device_id])
+            if node.on_host:
+                del self._on_host[node.host_slot]
+                self._host_free.free([node.host_slot])
+            if node.on_disk:
+                del self._on_disk[node.digest]
+                self.mover.delete_disk(node)
+            node.device_id, node.host_slot, node.on_disk = -1, -1, False
+        tokens = sum(len(n.tokens) for n in lost)
+        total = {"device": self.num_blocks, "host": self.host_blocks, "disk": self.disk_blocks}[tier]
+        self.drops.record([n.digest for n in lost], tier, reason, conv, tokens, total)
+        self.stats["dropped_blocks"] += len(lost)
+        self.stats["dropped_tokens"] += tokens
+
     def check_integrity(self) -> None:
         """Per tier: free + cached (+ owned) == total; tree links consistent; pinned blocks on device."""
-        self._dev_free.check_integrity()
-        self._host_free.check_integrity()
-        free, cached = self._dev_free.num_free, len(self._on_device)
-        assert free + cached + self._num_owned == self.num_blocks, (
-            f"device: free {free} + cached {cached} + in use {self._num_owned} != total {self.num_blocks}")
-        assert self._host_free.num_free + len(self._on_host) == self.host_blocks, "host tier counts disagree"
-        assert len(self._on_disk) <= self.disk_blocks, "disk tier over its budget"
-        assert all(b.on_disk and d == b.digest for d, b in self._on_disk.items())
-        assert not any(self._dev_free._is_free[b] for b in self._on_device), "a block is both free and cached"
-        for tier, index in (("device", self._on_device), ("host", self._on_host)):
-            for key, block in index.items():
-                assert (block.device_id if tier == "device" else block.host_slot) == key
-                assert block.parent is not None and block.parent.children.get(block.tokens) is block
-                assert 0 < len(block.tokens) <= self.block_size and block.ref_count >= 0
-                assert not (block.ref_count and not block.on_device), "a pinned block is not on the device"
-                assert not block.on_disk, "a block is in two tiers"
-                assert len(block.tokens) == self.block_size or not block.children, "partial block has children"
-        assert len({id(b) for b in self._on_device.values()} & {id(b) for b in self._on_host.values()}) == 0
+        check_cache(self)
 
-    # -- internals -----------------------------------------------------------------------------------
+    # -- tree ----------------------------------------------------------------------------------------
     def _root(self, salt: str) -> CachedBlock:
         root = self._roots.get(salt)
         if root is None:
@@ -307,12 +357,3 @@ class PrefixCache(TierMoves):
         assert block.ref_count > 0, "block unpinned more often than pinned"
         block.ref_count -= 1
         block.last_used = next(self._clock)
-
-    def _count_reuse(self, alloc: Allocation, match: PrefixMatch, restored: list[CachedBlock]) -> None:
-        """Reused tokens by the tier they came from (called before anything is moved back)."""
-        parts = [(b, len(b.tokens)) for b in restored]
-        if match.cow_source is not None and not match.cow_source.on_device:
-            parts.append((match.cow_source, match.cow_tokens))
-        host = sum(n for b, n in parts if b.on_host)
-        disk = sum(n for b, n in parts if not b.on_host)
-        alloc.reused_by_tier = {"device": match.num_tokens - host - disk, "host": host, "disk": disk}

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import Sequence
-from scheduler.prefix_cache import Allocation
+from scheduler.cache_allocation import Allocation
 
 if TYPE_CHECKING:
     from engine.grammar import TokenConstraint
@@ -73,6 +73,7 @@ class Request:
     constraint: "TokenConstraint | None" = None  # grammar on the sampled tokens (engine/grammar.py)
     num_tools: int = 0  # tool definitions the request carried, for the summary log line
     conversation_key: str | None = None  # the client's name for the conversation (prompt_cache_key, session id)
+    preemptions: int = 0  # times its blocks were given back to the cache for a request that needed room
 
     @property
     def prompt_len(self) -> int:

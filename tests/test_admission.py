@@ -3,7 +3,7 @@ import logging
 
 import pytest
 
-from scheduler.admission import MIB, MachineMemory, plan_memory, read_machine_memory
+from scheduler.admission import MIB, MachineMemory, create_admission, plan_memory, read_machine_memory
 
 
 def _write(root, rel, text):
@@ -54,3 +54,46 @@ def test_engine_that_cannot_fit_is_refused_naming_the_flags():
     machine = MachineMemory(limit_bytes=2048 * MIB, in_use_bytes=0, source="test")
     with pytest.raises(ValueError, match="--kv-cache-mib.*--conversation-cache-min-free-mib"):
         plan_memory(1500 * MIB, 8192, 1024, block_bytes=MIB, machine=machine)
+
+
+# -- the running admission: host RAM committed on demand, in segments ---------------------------------------
+from scheduler.memory_admission import MemoryAdmission  # noqa: E402
+from scheduler.prefix_cache import PrefixCache  # noqa: E402
+
+
+def _park_two_conversations(admission):
+    cache = PrefixCache(num_blocks=2, block_size=4, host_blocks=4, admission=admission)
+    for first in (1, 2, 3):  # each needs both device blocks: the previous conversation is parked
+        tokens = [first] * 8
+        cache.release(tokens, 8, cache.allocate(cache.match(tokens, 7), 8))
+        cache.check_integrity()
+    return cache
+
+
+def test_host_tier_commits_a_segment_only_when_a_park_needs_it():
+    admission = MemoryAdmission(4, block_bytes=MIB, host_committed_blocks=0, segment_blocks=2)
+    cache = _park_two_conversations(admission)
+    assert cache.mover.moves == [("grow_host", 2), ("park", 1, 0), ("park", 0, 1),
+                                 ("grow_host", 4), ("park", 0, 2), ("park", 1, 3)]  # conv 2 ran in [1, 0]
+    assert cache.usage()["host_committed_blocks"] == 4 and cache.usage()["host_used_blocks"] == 4
+    assert cache.stats["dropped_blocks"] == 0
+
+
+def test_refused_host_growth_treats_the_tier_as_full_and_loses_nothing_else():
+    room = [3 * MIB]  # the machine has room for 3 blocks: the second segment (4 in all) is refused
+    admission = MemoryAdmission(4, block_bytes=MIB, host_committed_blocks=0, segment_blocks=2,
+                                machine_room_bytes=lambda: room[0])
+    cache = _park_two_conversations(admission)
+    snap = cache.usage()
+    assert (snap["host_budget_blocks"], snap["host_committed_blocks"], snap["host_used_blocks"]) == (4, 2, 2)
+    assert admission.refusals == 2 and cache.stats["dropped_blocks"] == 2  # conversation 1 made room
+    assert {b.tokens[0] for b in cache._on_host.values()} == {2}
+    assert {b.tokens[0] for b in cache._on_device.values()} == {3}
+
+
+def test_start_up_plan_becomes_an_on_demand_or_committed_admission():
+    machine = MachineMemory(limit_bytes=24000 * MIB, in_use_bytes=1000 * MIB, source="test")
+    plan = plan_memory(2000 * MIB, 1024, 1024, block_bytes=MIB, machine=machine)
+    on_demand, at_start = create_admission(plan, False, 1024), create_admission(plan, True, 1024)
+    assert (on_demand.host_budget_blocks, on_demand.host_committed_blocks, on_demand.segment_blocks) == (1024, 0, 64)
+    assert at_start.host_committed_blocks == 1024

@@ -192,7 +192,8 @@ def test_long_context_decode_uses_split_attention_and_matches_numpy(cuda):
 def test_kv_block_copy_park_restore_read_write_round_trip(cuda):
     layout = KVLayout(num_blocks=8, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
     rng = np.random.default_rng(7)
-    pool, host = cuda.create_kv_pool(layout), cuda.create_host_pool(KVLayout(6, BLOCK, 2, 2, 8))
+    pool, host = cuda.create_kv_pool(layout), cuda.create_host_pool(KVLayout(3, BLOCK, 2, 2, 8))
+    cuda.grow_host_pool(host, 6)  # a second pinned segment: slots 3..5
     blocks = {b: (_rand(rng, 2, 2, BLOCK, 8), _rand(rng, 2, 2, BLOCK, 8)) for b in range(8)}
 
     def expect(tier_pool, pairs):  # (block read back, block whose data it must hold), K and V
@@ -205,8 +206,8 @@ def test_kv_block_copy_park_restore_read_write_round_trip(cuda):
     expect(pool, [(b, b) for b in blocks])
     cuda.copy_blocks(pool, [(1, 6), (2, 7)])
     expect(pool, [(6, 1), (7, 2)])
-    cuda.park_blocks(pool, host, [(3, 4), (4, 5), (0, 0), (5, 2)])  # host slots 4, 5 form one run
-    expect(host, [(4, 3), (5, 4), (0, 0), (2, 5)])
+    cuda.park_blocks(pool, host, [(3, 4), (4, 5), (0, 0), (5, 2), (6, 3)])  # slots 4, 5: one run; 2, 3: two
+    expect(host, [(4, 3), (5, 4), (0, 0), (2, 5), (3, 1)])  # device block 6 holds a copy of 1
     cuda.restore_blocks(host, pool, [(4, 1), (5, 0), (0, 7)])
     expect(pool, [(1, 3), (0, 4), (7, 0), (2, 2), (6, 1)])  # the last two untouched
     launched = _launch_log(cuda)

@@ -174,3 +174,18 @@ def test_close_drains_the_stages_in_order(tiny):
 def test_stage_failure_names_the_stage():
     failure = StageFailure(2, ValueError("bad shape"))
     assert "stage 2" in str(failure) and "bad shape" in str(failure) and failure.stage == 2
+
+
+def test_host_tier_grows_in_segments_keeping_every_parked_block(tiny):
+    model, _ = tiny
+    runner = ModelRunner(model, 16, 4, host_blocks=0, layer_split=(1, 3))
+    seq = Sequence(_prompt(8, 3))
+    runner.ensure_blocks(seq, 8)
+    runner.step([(seq, 8)])
+    runner.grow_host(1)
+    runner.move_blocks([(0, 0)], [], [])
+    runner.grow_host(3)  # a second segment: slot 0 keeps its bytes
+    runner.move_blocks([(1, 2)], [], [])
+    runner.check_stages()
+    for slot, block in ((0, 0), (2, 1)):
+        assert all(np.array_equal(a, b) for a, b in zip(runner.read_block("host", slot), runner.read_block("device", block)))

@@ -44,7 +44,11 @@ class Backend(Protocol):
         """Copy whole KV blocks (every layer) from source to destination block ids (copy-on-write)."""
 
     def create_host_pool(self, layout: KVLayout) -> Any:
-        """Host-RAM blocks for the conversation cache's host tier (pinned memory on CUDA), committed now."""
+        """Host-RAM blocks for the conversation cache's host tier (pinned memory on CUDA): layout.num_blocks
+        slots, committed now (0 is allowed: the tier then grows on demand)."""
+
+    def grow_host_pool(self, host_pool: Any, num_blocks: int) -> None:
+        """Commit host slots up to num_blocks in total; slots already there keep their ids and bytes."""
 
     def park_blocks(self, pool: Any, host_pool: Any, pairs: list[tuple[int, int]]) -> None:
         """Copy (device block, host slot) pairs from the device pool to the host pool."""

@@ -169,6 +169,10 @@ class CudaBackend(CudaOps):
         self.device.ensure_current()  # pinned memory belongs to the context current in this thread
         return CudaHostPool(layout)
 
+    def grow_host_pool(self, host_pool: CudaHostPool, num_blocks: int) -> None:
+        self.device.ensure_current()
+        host_pool.grow(num_blocks)
+
     def to_host(self, x: DeviceArray) -> np.ndarray:
         if self._capture is not None:  # the graph copies into its pinned output on every replay
             return self._capture.capture_output(x, self.current_stream)

@@ -12,6 +12,8 @@ These run on the backend's copy stream, ordered after the compute stream's work 
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from engine.backends.cuda_device import PinnedBuffer
@@ -53,20 +55,52 @@ class CudaKVPool:
 
 
 class CudaHostPool:
-    """Pinned host blocks, committed at creation (cuMemHostAlloc pins, and so commits, every page)."""
+    """Pinned host blocks in segments, block-major [n, layers, 2, KVH, B, hd] each; a segment is pinned (and so
+    committed: cuMemHostAlloc pins every page) when `grow` adds it, never before its slots are granted."""
 
     def __init__(self, layout: KVLayout):
         self.layout = layout
         self.block_bytes = block_bytes(layout)
-        self.buffer = PinnedBuffer(self.block_bytes * layout.num_blocks)
-        self.ptr = self.buffer.ptr
-        lay = layout
-        self.blocks = self.buffer.view(np.float32, (lay.num_blocks, lay.n_layers, 2, lay.n_kv_heads,
-                                                    lay.block_size, lay.head_dim))
+        self._starts: list[int] = []
+        self._buffers: list[PinnedBuffer] = []
+        self._num_blocks = 0
+        self.grow(layout.num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.nbytes
+        return sum(b.nbytes for b in self._buffers)
+
+    def grow(self, num_blocks: int) -> None:
+        if num_blocks <= self._num_blocks:
+            return
+        self._buffers.append(PinnedBuffer(self.block_bytes * (num_blocks - self._num_blocks)))
+        self._starts.append(self._num_blocks)
+        self._num_blocks = num_blocks
+        lay = self.layout
+        self.layout = KVLayout(num_blocks, lay.block_size, lay.n_layers, lay.n_kv_heads, lay.head_dim, lay.dtype)
+
+    def _segment(self, slot: int) -> int:
+        assert 0 <= slot < self._num_blocks, f"host slot {slot} is not committed ({self._num_blocks} are)"
+        return bisect.bisect_right(self._starts, slot) - 1
+
+    def address(self, slot: int) -> int:
+        s = self._segment(slot)
+        return self._buffers[s].ptr + (slot - self._starts[s]) * self.block_bytes
+
+    def segment_end(self, slot: int) -> int:
+        """First slot after the segment holding `slot` (a run of slots is one copy only inside a segment)."""
+        s = self._segment(slot)
+        return self._starts[s + 1] if s + 1 < len(self._starts) else self._num_blocks
+
+    def block(self, slot: int) -> np.ndarray:
+        """View [layers, 2, KVH, B, hd] of one host slot."""
+        lay, s = self.layout, self._segment(slot)
+        shape = (lay.n_layers, 2, lay.n_kv_heads, lay.block_size, lay.head_dim)
+        return self._buffers[s].view(np.float32, shape, (slot - self._starts[s]) * self.block_bytes)
 
 
 def runs(indices: list[int]) -> list[tuple[int, int, int]]:
@@ -77,6 +111,17 @@ def runs(indices: list[int]) -> list[tuple[int, int, int]]:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
         else:
             out.append((i, value, 1))
+    return out
+
+
+def host_runs(host: CudaHostPool, slots: list[int]) -> list[tuple[int, int, int]]:
+    """`runs` of host slots, cut where a segment ends (slots of two segments are not one address range)."""
+    out = []
+    for first, slot, count in runs(slots):
+        while count:
+            n = min(count, host.segment_end(slot) - slot)
+            out.append((first, slot, n))
+            first, slot, count = first + n, slot + n, count - n
     return out
 
 
@@ -121,8 +166,8 @@ class KVTransfers:
         for part in chunks(pairs):
             blocks = b.index_array(np.array([d for d, _ in part], dtype=np.int32))
             self._kernel("gather_kv_blocks_f32", staging, pool, blocks, len(part))
-            for first, slot, count in runs([h for _, h in part]):
-                self.device.dtoh(host.ptr + slot * nbytes, staging.ptr + first * nbytes, count * nbytes,
+            for first, slot, count in host_runs(host, [h for _, h in part]):
+                self.device.dtoh(host.address(slot), staging.ptr + first * nbytes, count * nbytes,
                                  b.current_stream)
             b.synchronize()  # the staging buffer is reused by the next chunk, and the caller reads host now
 
@@ -131,8 +176,8 @@ class KVTransfers:
         b, nbytes = self.backend, host.block_bytes
         staging = b.empty((min(len(pairs), STAGING_BLOCKS) * nbytes // 4,))
         for part in chunks(pairs):
-            for first, slot, count in runs([h for h, _ in part]):
-                self.device.htod(staging.ptr + first * nbytes, host.ptr + slot * nbytes, count * nbytes,
+            for first, slot, count in host_runs(host, [h for h, _ in part]):
+                self.device.htod(staging.ptr + first * nbytes, host.address(slot), count * nbytes,
                                  b.current_stream)
             blocks = b.index_array(np.array([d for _, d in part], dtype=np.int32))
             self._kernel("scatter_kv_blocks_f32", staging, pool, blocks, len(part))
@@ -141,7 +186,7 @@ class KVTransfers:
     def read_block(self, pool, block: int) -> tuple[np.ndarray, np.ndarray]:
         """(K, V) [layers, KVH, block_size, hd] host copies of one block of the device or host pool."""
         if isinstance(pool, CudaHostPool):
-            data = pool.blocks[block]
+            data = pool.block(block)
         else:
             b, lay = self.backend, pool.layout
             staging = b.empty((pool.planes * pool.block_elems,))
@@ -152,7 +197,7 @@ class KVTransfers:
     def write_block(self, pool, block: int, k: np.ndarray, v: np.ndarray) -> None:
         packed = np.ascontiguousarray(np.stack([k, v], axis=1), dtype=np.float32)  # [layers, 2, KVH, B, hd]
         if isinstance(pool, CudaHostPool):
-            pool.blocks[block] = packed
+            pool.block(block)[...] = packed
             return
         b = self.backend
         staging = b.upload_activation(packed.reshape(-1))

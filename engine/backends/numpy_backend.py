@@ -16,6 +16,7 @@ import math
 
 import numpy as np
 
+from engine.backends.numpy_host import NumpyHostPool
 from engine.batch import BatchMeta, SeqSlice
 from engine.kv import KVLayout
 
@@ -58,26 +59,29 @@ class NumpyBackend:
     def copy_blocks(self, pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
         _copy_between(pool, pool, pairs)
 
-    def create_host_pool(self, layout: KVLayout) -> NumpyKVPool:
-        host = NumpyKVPool(layout)
-        host.k.fill(0)  # commit the pages now: a park inside the reservation must never meet a full RAM
-        host.v.fill(0)
-        return host
+    def create_host_pool(self, layout: KVLayout) -> NumpyHostPool:
+        return NumpyHostPool(layout)
 
-    def park_blocks(self, pool: NumpyKVPool, host_pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
-        _copy_between(pool, host_pool, pairs)
+    def grow_host_pool(self, host_pool: NumpyHostPool, num_blocks: int) -> None:
+        host_pool.grow(num_blocks)
 
-    def restore_blocks(self, host_pool: NumpyKVPool, pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
-        _copy_between(host_pool, pool, pairs)
+    def park_blocks(self, pool: NumpyKVPool, host_pool: NumpyHostPool, pairs: list[tuple[int, int]]) -> None:
+        for block, slot in pairs:
+            for dst, src in zip(_block_views(host_pool, slot), _block_views(pool, block)):
+                dst[...] = src
 
-    def read_block(self, pool: NumpyKVPool, block: int):
-        B = pool.layout.block_size
-        return pool.k[:, :, block * B : (block + 1) * B, :].copy(), pool.v[:, :, block * B : (block + 1) * B, :].copy()
+    def restore_blocks(self, host_pool: NumpyHostPool, pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:
+        for slot, block in pairs:
+            for dst, src in zip(_block_views(pool, block), _block_views(host_pool, slot)):
+                dst[...] = src
 
-    def write_block(self, pool: NumpyKVPool, block: int, k: np.ndarray, v: np.ndarray) -> None:
-        B = pool.layout.block_size
-        pool.k[:, :, block * B : (block + 1) * B, :] = k
-        pool.v[:, :, block * B : (block + 1) * B, :] = v
+    def read_block(self, pool, block: int):
+        k, v = _block_views(pool, block)
+        return k.copy(), v.copy()
+
+    def write_block(self, pool, block: int, k: np.ndarray, v: np.ndarray) -> None:
+        dst_k, dst_v = _block_views(pool, block)
+        dst_k[...], dst_v[...] = k, v
 
     def embedding(self, table: np.ndarray, token_ids: np.ndarray, scale: float) -> np.ndarray:
         rows = table[token_ids]  # [T, d]
@@ -159,6 +163,14 @@ class NumpyBackend:
 
     def run_forward(self, model, batch: BatchMeta, pool: NumpyKVPool) -> np.ndarray:
         return model.forward(batch, pool)
+
+
+def _block_views(pool, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Views (K, V) [layers, KVH, B, hd] of one block of a device pool or a host pool (any may be either)."""
+    if isinstance(pool, NumpyHostPool):
+        return pool.block(block)
+    B = pool.layout.block_size
+    return pool.k[:, :, block * B : (block + 1) * B, :], pool.v[:, :, block * B : (block + 1) * B, :]
 
 
 def _copy_between(src_pool: NumpyKVPool, dst_pool: NumpyKVPool, pairs: list[tuple[int, int]]) -> None:

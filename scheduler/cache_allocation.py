@@ -1,0 +1,44 @@
+"""A request's share of the conversation cache (its block table), and reading matched disk blocks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scheduler.cache_tree import CachedBlock, PrefixMatch
+
+if TYPE_CHECKING:
+    from scheduler.prefix_cache import PrefixCache
+
+
+@dataclass
+class Allocation:
+    """A request's block table (shared cached blocks first, then its own) and the copies its admission ran."""
+
+    block_table: list[int]
+    num_shared: int
+    cached_tokens: int
+    reused_by_tier: dict[str, int] = field(default_factory=dict)
+    salt: str = ""
+    parks: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (host slot or -1 for disk, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
+
+
+def read_disk_blocks(cache: "PrefixCache", match: PrefixMatch) -> tuple[PrefixMatch, dict, list[CachedBlock]]:
+    """Bytes of the matched blocks that live only on disk, read first so an unreadable file only shortens
+    the match: (the match as far as it is readable, id(block) -> payload, unreadable blocks to drop)."""
+    payloads: dict[int, object] = {}
+    for i, block in enumerate(match.shared):
+        if block.on_device or block.on_host:
+            continue
+        payload = cache.mover.read_disk(block)
+        if payload is None:
+            return PrefixMatch(match.shared[:i], None, 0, match.salt), payloads, [block]
+        payloads[id(block)] = payload
+    source = match.cow_source
+    if source is not None and not (source.on_device or source.on_host):
+        payload = cache.mover.read_disk(source)
+        if payload is None:
+            return PrefixMatch(match.shared, None, 0, match.salt), payloads, [source]
+        payloads[id(source)] = payload
+    return match, payloads, []

@@ -1,0 +1,37 @@
+"""The conversation cache's invariants, checked after every admission and step in tests."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.prefix_cache import PrefixCache
+
+
+def check_cache(cache: "PrefixCache") -> None:
+    """Per tier: free + cached (+ owned by running requests) == total; host committed within its budget;
+    a block in one tier; pinned blocks on the device; tree links consistent; partial blocks are leaves."""
+    dev_free, host_free = cache._dev_free, cache._host_free
+    dev_free.check_integrity()
+    host_free.check_integrity()
+    free, cached = dev_free.num_free, len(cache._on_device)
+    assert free + cached + cache._num_owned == cache.num_blocks, (
+        f"device: free {free} + cached {cached} + in use {cache._num_owned} != total {cache.num_blocks}")
+    committed = cache.admission.host_committed_blocks
+    assert host_free.num_blocks == committed <= cache.host_blocks, "host tier committed counts disagree"
+    assert host_free.num_free + len(cache._on_host) == committed, "host tier counts disagree"
+    assert len(cache._on_disk) <= cache.disk_blocks, "disk tier over its budget"
+    assert all(b.on_disk and d == b.digest for d, b in cache._on_disk.items())
+    assert not any(dev_free._is_free[b] for b in cache._on_device), "a block is both free and cached"
+    assert not any(host_free._is_free[s] for s in cache._on_host), "a host slot is both free and cached"
+    for tier, index in (("device", cache._on_device), ("host", cache._on_host)):
+        for key, block in index.items():
+            assert (block.device_id if tier == "device" else block.host_slot) == key
+            assert block.parent is not None and block.parent.children.get(block.tokens) is block
+            assert 0 < len(block.tokens) <= cache.block_size and block.ref_count >= 0
+            assert not (block.ref_count and not block.on_device), "a pinned block is not on the device"
+            assert not block.on_disk, "a block is in two tiers"
+            assert not (block.on_device and block.on_host), "a block is in two tiers"
+            assert len(block.tokens) == cache.block_size or not block.children, "partial block has children"
+    for block in cache._on_disk.values():
+        assert block.parent is not None and block.parent.children.get(block.tokens) is block
+        assert not (block.on_device or block.on_host), "a block is in two tiers"

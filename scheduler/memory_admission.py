@@ -1,0 +1,103 @@
+"""Memory admission: the one owner of the memory budgets while the server runs, on the event loop.
+
+Start-up sizing (scheduler/admission.py) fixes the host tier's *budget*; this object then decides, each
+time the cache wants host RAM it has not used yet, whether to *commit* another segment of it: only while
+the budget allows and the machine still has the room (the container limit or MemAvailable, re-read at
+that moment, minus the engine's own bytes counted once from its own figures and the floor left to the
+rest of the machine). Host RAM is therefore taken as parks need it, not at start, unless the operator
+asks for commit-at-start (`--conversation-cache-commit at-start`).
+
+    budget     |=============================================|  what the host tier may ever hold
+    committed  |====================|                            segments the runner has allocated
+    used       |===========|                                    slots holding parked blocks
+
+Mutated only on the event loop; a refusal leaves everything as it was and the cache then treats the host
+tier as full (spill to disk, else drop, logged).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+log = logging.getLogger("strata.admission")
+MIB = 2**20
+SEGMENT_BYTES = 64 * MIB  # host RAM committed per growth of the host tier
+
+
+class MemoryAdmission:
+    """Budgets of the host tier (budget / committed / used) and the grants that grow what is committed."""
+
+    def __init__(self, host_budget_blocks: int, block_bytes: int, *, host_committed_blocks: int | None = None,
+                 segment_blocks: int | None = None, machine_room_bytes: Callable[[], int] | None = None):
+        self.host_budget_blocks = host_budget_blocks
+        self.block_bytes = block_bytes
+        # Default (tests, tools): everything committed at start, as a fixed-size tier.
+        self.host_committed_blocks = host_budget_blocks if host_committed_blocks is None else host_committed_blocks
+        assert 0 <= self.host_committed_blocks <= host_budget_blocks, "committed beyond the host budget"
+        self.segment_blocks = max(1, segment_blocks or host_budget_blocks or 1)
+        # Bytes the machine can give the host tier in all (headroom - engine - floor), read when asked.
+        self._machine_room_bytes = machine_room_bytes
+        self.refusals = 0
+        self.refuse_points: set[str] = set()  # tests: "park", "restore", "spill", "grow"
+
+    def grant(self, plan) -> bool:
+        """Grant a cache plan whole (committing the host growth it needs) or refuse it, changing nothing.
+        `refuse_points` (fault tests) refuses every plan that needs one of those kinds of move."""
+        if plan.points & self.refuse_points:
+            self.refusals += 1
+            return False
+        return not plan.host_grow or self.grant_host_growth(plan.host_grow)
+
+    def next_host_segment(self) -> int:
+        """Blocks the next growth would commit (0: the budget is all committed). Changes nothing."""
+        return min(self.segment_blocks, self.host_budget_blocks - self.host_committed_blocks)
+
+    def host_room_for(self, total_blocks: int) -> bool:
+        """Whether the budget and the machine (sampled now) allow total_blocks committed host slots. Changes
+        no budget; a refusal is counted and logged (the cache then plans as if the host tier were full)."""
+        if total_blocks > self.host_budget_blocks:
+            return False
+        if self._machine_room_bytes is None:
+            return True
+        room = self._machine_room_bytes()
+        if total_blocks * self.block_bytes <= room:
+            return True
+        self.refusals += 1
+        log.warning("host tier not grown to %d MiB: the machine has room for %d MiB now (container limit or "
+                    "MemAvailable, minus the engine and --conversation-cache-min-free-mib); parked conversations "
+                    "go to disk or are dropped instead", total_blocks * self.block_bytes // MIB, room // MIB,
+                    extra={"fields": {"host_blocks": total_blocks, "room_bytes": room}})
+        return False
+
+    def grant_host_growth(self, blocks: int) -> bool:
+        """Commit `blocks` more host slots if the budget and the machine allow; False changes nothing."""
+        total = self.host_committed_blocks + blocks
+        if blocks <= 0 or not self.host_room_for(total):
+            return False
+        self.host_committed_blocks = total
+        return True
+
+    def snapshot(self, host_used_blocks: int) -> dict[str, int]:
+        """The host tier's budget, committed and used, in blocks and MiB (for /cache and the start-up line)."""
+        return {"host_budget_blocks": self.host_budget_blocks, "host_committed_blocks": self.host_committed_blocks,
+                "host_used_blocks": host_used_blocks,
+                "host_budget_mib": self.host_budget_blocks * self.block_bytes // MIB,
+                "host_committed_mib": self.host_committed_blocks * self.block_bytes // MIB,
+                "host_used_mib": host_used_blocks * self.block_bytes // MIB}
+
+
+class MemoryGrants:
+    """The engine's one path for a cache plan: the admission grants it whole or refuses it, then the cache
+    applies it (and its byte moves reach the runner in one call). On the event loop, between steps."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def grant(self, plan):
+        """The applied plan's allocation, or None for no plan (no room) or a refused one (nothing changed)."""
+        if plan is None:
+            return None
+        if not self.cache.admission.grant(plan):
+            self.cache.stats["refused_plans"] += 1
+            return None
+        return self.cache.apply(plan)
