@@ -58,6 +58,8 @@ class ServerConfig:
     prefill_chunk: int = _opt(512, "prompt tokens computed per prefill step")
     max_queue: int = _opt(64, "requests allowed to wait for a slot; more get 503")
     ctx_size: int = _opt(8192, f"tokens of context per slot (>= {MIN_CTX_SIZE})")
+    default_max_tokens: int = _opt(0, "reply budget of a request that sets none (most agents send none); 0: the "
+                                      "room its context leaves, as llama-server's -n -1")
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
     conversation_cache_mib: int = _opt(8192, "host RAM budget for parked conversation KV (0: none), clamped to "
                                              "what the machine has")
@@ -68,6 +70,9 @@ class ServerConfig:
     conversation_cache_dir: str | None = _opt(None, "folder for the disk tier; the cache then survives "
                                                     "restarts (unset: no disk tier)", metavar="DIR")
     conversation_cache_disk_mib: int = _opt(32768, "disk space the disk tier may use")
+    conversation_cache_write_behind_mib_s: float = _opt(
+        64.0, "disk tier: write computed blocks behind at up to this rate while serving, so a crash or kill -9 "
+              "keeps every conversation but the last seconds' work (0: write only on spills and at shutdown)")
     max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication); several "
                                      "comma-separated keys are tenants whose cached KV is never shared",
@@ -281,9 +286,11 @@ def _validate(cfg: ServerConfig) -> None:
     need(cfg.max_queue >= 0,
          f"--max-queue must be >= 0 (got {cfg.max_queue}; 0 rejects requests when every slot is busy)")
     need(cfg.ctx_size >= MIN_CTX_SIZE, f"--ctx-size must be >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
+    need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens})")
     need(cfg.kv_cache_mib >= 0,
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
-    for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib"):
+    for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib",
+                 "conversation_cache_write_behind_mib_s"):
         need(getattr(cfg, name) >= 0, f"{flag_name(name)} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("max_body_mib", "progress_interval_s"):
         value = getattr(cfg, name)

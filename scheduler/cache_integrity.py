@@ -19,8 +19,14 @@ def check_cache(cache: "PrefixCache") -> None:
     committed = cache.admission.host_committed_blocks
     assert host_free.num_blocks == committed <= cache.host_blocks, "host tier committed counts disagree"
     assert host_free.num_free + len(cache._on_host) == committed, "host tier counts disagree"
-    assert len(cache._on_disk) <= cache.disk_blocks, "disk tier over its budget"
+    assert len(cache._on_disk) + len(cache._disk_copies) <= cache.disk_blocks, "disk tier over its budget"
     assert all(b.on_disk and d == b.digest for d, b in cache._on_disk.items())
+    for digest, block in cache._disk_copies.items():  # written behind: resident, in the tree, with a file
+        assert block.disk_copy and digest == block.digest and (block.on_device or block.on_host), "disk copy"
+        assert block.parent is not None and block.parent.children.get(block.tokens) is block, "disk copy off the tree"
+    for block in cache.unsaved.values():
+        assert (block.on_device or block.on_host) and not block.disk_copy, "an unsaved block is not resident"
+        assert block.parent is not None and block.parent.children.get(block.tokens) is block, "unsaved off the tree"
     assert not any(dev_free._is_free[b] for b in cache._on_device), "a block is both free and cached"
     assert not any(host_free._is_free[s] for s in cache._on_host), "a host slot is both free and cached"
     for tier, index in (("device", cache._on_device), ("host", cache._on_host)):
@@ -30,6 +36,7 @@ def check_cache(cache: "PrefixCache") -> None:
             assert 0 < len(block.tokens) <= cache.block_size and block.ref_count >= 0
             assert not (block.ref_count and not block.on_device), "a pinned block is not on the device"
             assert not block.on_disk, "a block is in two tiers"
+            assert block.disk_copy == (block.digest in cache._disk_copies), "disk copy flag and index disagree"
             assert not (block.on_device and block.on_host), "a block is in two tiers"
             assert len(block.tokens) == cache.block_size or not block.children, "partial block has children"
     for block in cache._on_disk.values():

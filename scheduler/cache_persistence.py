@@ -29,7 +29,7 @@ def load_disk_index(cache: PrefixCache, entries: list[DiskEntry]) -> int:
     while stack:
         parent = stack.pop()
         for entry in by_parent.pop(parent.digest, []):
-            if len(cache._on_disk) >= cache.disk_blocks or entry.tokens in parent.children:
+            if cache.disk_free <= 0 or entry.tokens in parent.children:
                 cache.mover.delete_disk(CachedBlock(entry.tokens, None, digest=entry.digest))
                 continue
             node = CachedBlock(entry.tokens, parent, digest=entry.digest, on_disk=True)
@@ -47,12 +47,12 @@ def flush_to_disk(cache: PrefixCache) -> int:
 
     Called at shutdown, after the last step: the device and host copies stay as they are.
     """
-    written, room = 0, cache.disk_blocks - len(cache._on_disk)
+    written, room = 0, cache.disk_free
     for root in list(cache._roots_by_digest.values()):
         stack = list(root.children.values())
         while stack:
             node = stack.pop()
-            if not node.on_disk:
+            if not (node.on_disk or node.disk_copy):  # written behind already: its file is current
                 if written >= room or not cache.mover.save(node):
                     continue  # a child without its parent on disk would be unreachable after a restart
                 written += 1

@@ -36,6 +36,8 @@ class Plan:
     spills: list[CachedBlock] = field(default_factory=list)  # host -> disk, to free their slots
     host_drops: list[CachedBlock] = field(default_factory=list)  # host leaves dropped to free their slots
     disk_drops: list[CachedBlock] = field(default_factory=list)  # disk leaves dropped to make room for spills
+    copy_drops: list[CachedBlock] = field(default_factory=list)  # written-behind files deleted for room (the
+    # blocks stay where they are, to be written again later)
     restores: list[CachedBlock] = field(default_factory=list)  # matched blocks brought back to the device
     unreadable: list[CachedBlock] = field(default_factory=list)  # disk files that failed verification
     payloads: dict[int, object] = field(default_factory=dict)  # id(block) -> bytes read from disk
@@ -76,7 +78,7 @@ class _HostRoom:
         # Slots the plan's own restores give back count as free: a restore and a park may swap a slot
         # (the runner reads such a restore's bytes before the park overwrites them).
         self.free = cache._host_free.num_free + sum(1 for b in plan.restores if b.on_host)
-        self.disk_room = cache.disk_blocks - len(cache._on_disk)
+        self.disk_room = cache.disk_free
         self.evicted: list[CachedBlock] | None = None
 
     def take_slot(self) -> bool:
@@ -106,22 +108,35 @@ class _HostRoom:
         if not leaves:
             return False
         victim = min(leaves, key=_host_rank)
-        if self.disk_room == 0 and cache.disk_blocks:
-            disk_leaves = [b for b in cache._on_disk.values()
-                           if not b.children and tier(b) == "disk" and id(b) not in self.exclude]
-            if disk_leaves:
-                plan.disk_drops.append(min(disk_leaves, key=_host_rank))
-                self.disk_room += 1
+        if self.disk_room == 0 and cache.disk_blocks and not victim.disk_copy:
+            self._make_disk_room(tier)
         was_parked = victim in plan.parks
         if was_parked:
             plan.parks.remove(victim)
-        if self.disk_room > 0:
+        if victim.disk_copy:  # written behind: its file is there, the spill costs no room
+            plan.spills.append(victim)
+        elif self.disk_room > 0:
             plan.spills.append(victim)
             self.disk_room -= 1
         else:
             plan.host_drops.append(victim)  # from the device when this plan had parked it: no wasted copy
         self.free += 1
         return True
+
+
+    def _make_disk_room(self, tier) -> None:
+        """One file's room: a written-behind copy goes first (its block stays resident), else a disk leaf."""
+        cache, plan = self.cache, self.plan
+        copies = [b for b in cache._disk_copies.values() if b not in plan.copy_drops and tier(b) in ("device", "host")]
+        if copies:
+            plan.copy_drops.append(min(copies, key=_host_rank))
+            self.disk_room += 1
+            return
+        disk_leaves = [b for b in cache._on_disk.values()
+                       if not b.children and tier(b) == "disk" and id(b) not in self.exclude]
+        if disk_leaves:
+            plan.disk_drops.append(min(disk_leaves, key=_host_rank))
+            self.disk_room += 1
 
 
 def _virtual_tiers(plan: Plan) -> dict[int, str]:

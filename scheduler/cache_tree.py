@@ -21,7 +21,8 @@ class CachedBlock:
     ref_count: int = 0
     last_used: int = 0
     digest: bytes = b""  # chain digest of everything up to and including this block (names it on disk)
-    on_disk: bool = False
+    on_disk: bool = False  # the block's only copy is its file in the disk tier
+    disk_copy: bool = False  # resident on the device or host, with a verified file on disk too (write-behind)
 
     @property
     def on_device(self) -> bool:

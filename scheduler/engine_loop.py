@@ -14,6 +14,7 @@ next-token mask is begun when its step is scheduled, so it is computed beside th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -27,6 +28,8 @@ from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import flush_to_disk, load_disk_index
 from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
+from scheduler.write_behind import TICK_S as WRITE_BEHIND_TICK_S
+from scheduler.write_behind import WriteBehind
 from scheduler.memory_admission import MemoryAdmission, MemoryGrants
 from scheduler.metrics import Metrics
 from scheduler.output import OutputProcessor
@@ -52,7 +55,7 @@ class EngineLoop:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
                  max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
-                 batch_groups: int = 1, admission: MemoryAdmission | None = None):
+                 batch_groups: int = 1, admission: MemoryAdmission | None = None, write_behind_mib_s: float = 0):
         self.runner = runner
         self.disk = disk
         # Without an admission the host tier is what the runner committed at start, fixed.
@@ -65,6 +68,9 @@ class EngineLoop:
                                  admission=admission)
         if disk is not None and prefix_cache:
             load_disk_index(self.cache, disk.scan())
+        # Blocks reach the disk while serving, so a kill -9 loses seconds of work, not the whole cache.
+        self.write_behind = WriteBehind(self.cache, runner.layout.bytes_per_block, write_behind_mib_s) \
+            if disk is not None and prefix_cache and write_behind_mib_s > 0 else None
         self.memory = MemoryGrants(self.cache)
         self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step
         self.num_slots = num_slots
@@ -179,6 +185,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         while True:
             preemptions = self.num_preemptions
+            self._write_behind_turn()
             self._drop_cancelled()
             self._admit()
             for group in range(self.num_groups):
@@ -192,7 +199,17 @@ class EngineLoop:
             # Woken by submit/abort and by every group step that ends; no await since the scan above, so
             # nothing can have set the event in between.
             self._wake.clear()
-            await self._wake.wait()
+            if self.write_behind is not None and self.write_behind.has_work:
+                with contextlib.suppress(asyncio.TimeoutError):  # no event for a while: a write-behind turn
+                    await asyncio.wait_for(self._wake.wait(), WRITE_BEHIND_TICK_S)
+            else:
+                await self._wake.wait()
+
+    def _write_behind_turn(self) -> None:
+        """Every WRITE_BEHIND_TICK_S, busy or idle, write a bounded share of the unsaved blocks to disk."""
+        wb = self.write_behind
+        if wb is not None and wb.has_work and time.monotonic() - wb.last_tick >= WRITE_BEHIND_TICK_S:
+            wb.tick()
 
     async def _step_group(self, group: int, work: list[tuple[Request, int]]) -> None:
         """One step of one group through the pipeline, then its tokens out; a failure fails only this group."""

@@ -52,6 +52,8 @@ class PrefixCache:
         self._on_device: dict[int, CachedBlock] = {}
         self._on_host: dict[int, CachedBlock] = {}
         self._on_disk: dict[bytes, CachedBlock] = {}
+        self._disk_copies: dict[bytes, CachedBlock] = {}  # resident blocks whose file is on disk too
+        self.unsaved: dict[int, CachedBlock] = {}  # id -> resident block with no file yet (write-behind's queue)
         self.disk_blocks = disk_blocks
         self.mover = mover or RecordingMover()
         self.drops = DropLog(block_bytes)
@@ -85,6 +87,11 @@ class PrefixCache:
         return self._dev_free.num_free + sum(1 for b in self._on_device.values() if b.ref_count == 0)
 
     @property
+    def disk_free(self) -> int:
+        """Disk-tier files that can still be written: the budget less disk-only blocks and resident copies."""
+        return self.disk_blocks - len(self._on_disk) - len(self._disk_copies)
+
+    @property
     def num_cached(self) -> int:
         return len(self._on_device) + len(self._on_host) + len(self._on_disk)
 
@@ -93,7 +100,8 @@ class PrefixCache:
                 + sum(1 for b in self._on_device.values() if b.ref_count), "device_total": self.num_blocks,
                 "host_cached": len(self._on_host), "host_total": self.host_blocks,
                 **self.admission.snapshot(len(self._on_host)),
-                "disk_cached": len(self._on_disk), "disk_total": self.disk_blocks, **self.stats,
+                "disk_cached": len(self._on_disk), "disk_copies": len(self._disk_copies),
+                "disk_unsaved": len(self.unsaved) if self.disk_blocks else 0, "disk_total": self.disk_blocks, **self.stats,
                 "moves": getattr(self.mover, "totals", {})}
 
     # -- plans (change nothing) ----------------------------------------------------------------------
@@ -161,6 +169,8 @@ class PrefixCache:
                 block.host_slot = -1
         for block in plan.unreadable:
             self._drop(block, "disk", "block file missing or corrupt")
+        for block in plan.copy_drops:
+            self.forget_disk_copy(block)
         for block in plan.disk_drops:
             self._drop(block, "disk", "disk tier full")
         if plan.host_grow:
@@ -205,9 +215,13 @@ class PrefixCache:
                 self._load(block, device_id, plan.payloads, moves, keep_source=False)
             block.device_id = device_id
             self._on_device[device_id] = block
-        if plan.takeover:
+        if plan.takeover:  # the source becomes the request's own block: it leaves the tree and the disk
             del source.parent.children[source.tokens]
             del self._on_device[source.device_id]
+            self.unsaved.pop(id(source), None)
+            if source.disk_copy:
+                del self._disk_copies[source.digest]
+                self.mover.delete_disk(source)
             own = [source.device_id] + self._dev_free.allocate(plan.fresh)
         else:
             own = self._dev_free.allocate(plan.fresh)
@@ -239,10 +253,10 @@ class PrefixCache:
             return
         moves.writes.append((device_id, payloads[id(block)]))
         self.stats["disk_loads"] += 1
-        if not keep_source:
-            self.mover.delete_disk(block)
+        if not keep_source:  # the file stays as the resident block's copy: nothing to write back later
             del self._on_disk[block.digest]
-            block.on_disk = False
+            block.on_disk, block.disk_copy = False, True
+            self._disk_copies[block.digest] = block
 
     def _park(self, block: CachedBlock, moves: BlockMoves) -> None:
         slot = self._host_free.allocate(1)[0]
@@ -254,19 +268,27 @@ class PrefixCache:
         self.stats["parks"] += 1
 
     def _spill(self, block: CachedBlock, moves: BlockMoves) -> None:
-        """To the disk tier, from wherever it is now (a block this plan would have parked goes straight)."""
+        """To the disk tier, from wherever it is now (a block this plan would have parked goes straight).
+        A block written behind already has its file: it only leaves its resident tier."""
+        written = block.disk_copy
+        if written:
+            del self._disk_copies[block.digest]
+            block.disk_copy = False
         if block.on_device:
-            moves.saves.append((block, "device", block.device_id))
+            if not written:
+                moves.saves.append((block, "device", block.device_id))
             del self._on_device[block.device_id]
             self._dev_free.free([block.device_id])
             block.device_id = -1
         else:
-            moves.saves.append((block, "host", block.host_slot))
+            if not written:
+                moves.saves.append((block, "host", block.host_slot))
             self._host_free.free([block.host_slot])
             del self._on_host[block.host_slot]
             block.host_slot = -1
         block.on_disk = True
         self._on_disk[block.digest] = block
+        self.unsaved.pop(id(block), None)
         self.stats["spills"] += 1
 
     def _release(self, plan: Plan) -> None:
@@ -301,12 +323,31 @@ class PrefixCache:
             if node.on_disk:
                 del self._on_disk[node.digest]
                 self.mover.delete_disk(node)
-            node.device_id, node.host_slot, node.on_disk = -1, -1, False
+            if node.disk_copy:
+                del self._disk_copies[node.digest]
+                self.mover.delete_disk(node)
+            self.unsaved.pop(id(node), None)
+            node.device_id, node.host_slot, node.on_disk, node.disk_copy = -1, -1, False, False
         tokens = sum(len(n.tokens) for n in lost)
         total = {"device": self.num_blocks, "host": self.host_blocks, "disk": self.disk_blocks}[tier]
         self.drops.record([n.digest for n in lost], tier, reason, conv, tokens, total)
         self.stats["dropped_blocks"] += len(lost)
         self.stats["dropped_tokens"] += tokens
+
+    # -- write-behind (scheduler/write_behind.py decides what and when) -----------------------------
+    def record_disk_copy(self, block: CachedBlock) -> None:
+        """A resident block's file was just written: it needs no write when spilled or at shutdown."""
+        assert (block.on_device or block.on_host) and not block.disk_copy and self.disk_free > 0
+        del self.unsaved[id(block)]
+        block.disk_copy = True
+        self._disk_copies[block.digest] = block
+
+    def forget_disk_copy(self, block: CachedBlock) -> None:
+        """Delete a resident block's file for room; the block stays and is written again later."""
+        del self._disk_copies[block.digest]
+        block.disk_copy = False
+        self.mover.delete_disk(block)
+        self.unsaved[id(block)] = block
 
     def check_integrity(self) -> None:
         """Per tier: free + cached (+ owned) == total; tree links consistent; pinned blocks on device."""
@@ -337,16 +378,18 @@ class PrefixCache:
                 self._host_free.free([existing.host_slot])
                 del self._on_host[existing.host_slot]
                 existing.host_slot = -1
-            if existing.on_disk:
-                self.mover.delete_disk(existing)
+            if existing.on_disk:  # its file holds these very bytes: it stays, as the fresh copy's file
                 del self._on_disk[existing.digest]
-                existing.on_disk = False
+                existing.on_disk, existing.disk_copy = False, True
+                self._disk_copies[existing.digest] = existing
             block = existing
         else:
             block = CachedBlock(tokens, parent, digest=block_digest(parent.digest, tokens))
             parent.children[tokens] = block
         block.device_id, block.last_used = device_id, next(self._clock)
         self._on_device[device_id] = block
+        if self.disk_blocks and not block.disk_copy:
+            self.unsaved[id(block)] = block
         return block
 
     def _pin(self, block: CachedBlock) -> None:

@@ -25,9 +25,10 @@ done
 scratch="${CLIENT_COMPAT_DIR:-$(mktemp -d /tmp/strata-clients.XXXXXX)}"
 mkdir -p "$scratch"
 log="$scratch/server.log"
-# Agents' system prompts and tool lists are 10K-25K tokens: a 32K context, a small host tier.
+# Agents' system prompts and tool lists are 10K-25K tokens: a 32K context, a small host tier. Codex and
+# Claude Code send no output limit; a 135M model that rambles would write 20K+ tokens, so 512 by default.
 .venv/bin/strata serve --model "$model" --port "$port" --ctx-size 32768 --batch 2 \
-  --conversation-cache-mib 512 --log-format json >"$log" 2>&1 &
+  --conversation-cache-mib 512 --default-max-tokens "${DEFAULT_MAX_TOKENS:-512}" --log-format json >"$log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 120); do

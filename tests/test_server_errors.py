@@ -45,6 +45,15 @@ def test_absurd_max_tokens_is_clamped_to_the_room_the_context_leaves(url):
     assert usage["prompt_tokens"] + usage["completion_tokens"] <= 512
 
 
+def test_a_request_without_max_tokens_gets_the_operators_default(smollm2):
+    body = {k: v for k, v in GOOD.items() if k != "max_tokens"}
+    with running_server(smollm2, ctx_size=512, batch=1, default_max_tokens=3) as (base, _):
+        choice = httpx.post(base + CHAT, json={**body, "stop": None}, timeout=60).json()
+        longer = httpx.post(base + CHAT, json={**body, "max_tokens": 6}, timeout=60).json()
+    assert choice["usage"]["completion_tokens"] == 3 and choice["choices"][0]["finish_reason"] == "length"
+    assert longer["usage"]["completion_tokens"] > 3  # an explicit max_tokens is the client's own
+
+
 def test_a_prompt_longer_than_the_context_is_400_naming_the_numbers_and_the_flag(url):
     long_prompt = {**GOOD, "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 7}
     error = _error(httpx.post(url + CHAT, json=long_prompt), 400)

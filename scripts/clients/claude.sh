@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Claude Code, headless, against a strata server: installs @anthropic-ai/claude-code into a scratch prefix (never
-# into the repo), runs one task in WORKDIR and prints its stream-json event log.
+# into the repo), runs one task in WORKDIR and prints its stream-json event log,
+# then a "RESULT tool_calls=N executed=N answer=..." line.
 #
 #   scripts/clients/claude.sh PORT WORKDIR ["TASK"]
 #
@@ -19,6 +20,7 @@ PORT=${1:?usage: claude.sh PORT WORKDIR [TASK]}
 WORKDIR=$(cd "${2:?usage: claude.sh PORT WORKDIR [TASK]}" && pwd)
 TASK=${3:-"Read hello.txt and tell me what it says."}
 BASE=http://127.0.0.1:$PORT
+HERE=$(cd "$(dirname "$0")" && pwd)
 
 CARD=$(curl -sf "$BASE/v1/models" |
   python3 -c 'import json, sys; m = json.load(sys.stdin)["data"][0]; print(m["id"], m.get("max_model_len", ""))')
@@ -53,4 +55,5 @@ env CLAUDE_CONFIG_DIR="$PREFIX/config" IS_SANDBOX="$SANDBOX" \
   API_TIMEOUT_MS="${API_TIMEOUT_MS:-1800000}" \
   CLAUDE_STREAM_IDLE_TIMEOUT_MS="${CLAUDE_STREAM_IDLE_TIMEOUT_MS:-1800000}" \
   CLAUDE_CODE_AUTO_COMPACT_WINDOW="${CLAUDE_CODE_AUTO_COMPACT_WINDOW:-$CONTEXT}" \
-  "$CLAUDE" -p "$TASK" --output-format stream-json --verbose --dangerously-skip-permissions ${CLAUDE_EXTRA_ARGS:-}
+  "$CLAUDE" -p "$TASK" --output-format stream-json --verbose --dangerously-skip-permissions ${CLAUDE_EXTRA_ARGS:-} |
+  python3 "$HERE/summarize.py" claude

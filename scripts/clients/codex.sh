@@ -6,6 +6,7 @@
 # Installs @openai/codex with npm into a scratch prefix at run time (never into the repo), writes
 # $CODEX_HOME/config.toml for a provider at http://127.0.0.1:PORT/v1 speaking the Responses API, and runs
 # `codex exec` in WORKDIR (created, with a hello.txt, if missing). The default task needs one tool call.
+# Its JSON events are echoed, then a "RESULT tool_calls=N executed=N answer=..." line.
 # Environment: CODEX_VERSION (default latest), CODEX_SCRATCH (default a new temp dir),
 # CODEX_USE_CATALOG=1 to give Codex the server's model catalog (GET /v1/models, key "models"): the context
 # window, and strata's short base instructions in place of Codex's ~10K-token prompt.
@@ -16,6 +17,7 @@ WORKDIR=${2:?usage: codex.sh PORT WORKDIR [TASK]}
 TASK=${3:-'Run `cat hello.txt` and tell me what it says.'}
 SCRATCH=${CODEX_SCRATCH:-$(mktemp -d -t strata-codex.XXXXXX)}
 BASE="http://127.0.0.1:$PORT/v1"
+HERE=$(cd "$(dirname "$0")" && pwd)
 
 if [ ! -x "$SCRATCH/npm/node_modules/.bin/codex" ]; then
   npm install --prefix "$SCRATCH/npm" --no-audit --no-fund --loglevel=error "@openai/codex@${CODEX_VERSION:-latest}" >&2
@@ -53,4 +55,5 @@ stream_max_retries = 1
 TOML
 
 cd "$WORKDIR"
-exec "$CODEX" exec --skip-git-repo-check --ephemeral --json -s workspace-write "$TASK" < /dev/null
+"$CODEX" exec --skip-git-repo-check --ephemeral --json -s workspace-write "$TASK" < /dev/null |
+  python3 "$HERE/summarize.py" codex
