@@ -83,12 +83,13 @@ def _reply_grammar(protocol: ChatProtocol, turn: ChatTurn) -> tuple[str | None, 
         grammar = fmt.grammar(specs.tools, required=True, forced_name=specs.forced_name,
                               allow_parallel=specs.allow_parallel, special_token_ids=protocol.special_token_ids)
         return grammar, None, "tool_choice"
-    kind = (turn.response_format or {}).get("type")
-    if kind == "json_schema":
-        spec = turn.response_format.get("json_schema") or {}
-        return json_schema_grammar(spec.get("schema") or {}, strict=bool(spec.get("strict", True))), None, "response_format"
-    if kind == "json_object":
-        return json_object_grammar(), None, "response_format"
+    answer = _answer_format_grammar(turn.response_format)
+    if answer is not None and specs.calls_possible:  # tool_choice auto: a call, or the answer in its format
+        calls = fmt.grammar(specs.tools, required=True, forced_name=None, allow_parallel=specs.allow_parallel,
+                            special_token_ids=protocol.special_token_ids)
+        return _either(calls, answer), None, "response_format"
+    if answer is not None:
+        return answer, None, "response_format"
     if specs.calls_possible:
         grammar = fmt.grammar(specs.tools, required=False, forced_name=None, allow_parallel=specs.allow_parallel,
                               special_token_ids=protocol.special_token_ids)
@@ -96,6 +97,26 @@ def _reply_grammar(protocol: ChatProtocol, turn: ChatTurn) -> tuple[str | None, 
     if specs.tools and not fmt.renders_in_template:  # the system prompt offers tools, tool_choice forbids them
         return f"start: ANSWER_TEXT\n{ANSWER_TEXT_TERMINAL}\n", None, "tool_choice"
     return None, None, ""
+
+
+def _answer_format_grammar(response_format: dict | None) -> str | None:
+    kind = (response_format or {}).get("type")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        return json_schema_grammar(spec.get("schema") or {}, strict=bool(spec.get("strict", True)))
+    if kind == "json_object":
+        return json_object_grammar()
+    return None
+
+
+def _either(calls: str, answer: str) -> str:
+    """One grammar that accepts what `calls` accepts or what `answer` accepts: each one's start rule is
+    renamed, the rest of its text kept (the call grammar's rule names never start with "answer_")."""
+    def body(text: str, name: str) -> str:
+        head, _, rest = text.partition("\n")
+        assert head.startswith("start:"), head
+        return f"{name}:{head[len('start:'):]}\n{rest}"
+    return f"start: tool_calls | answer_json\n{body(calls, 'tool_calls')}{body(answer, 'answer_json')}"
 
 
 def build_constraint(protocol: ChatProtocol, turn: ChatTurn) -> TokenConstraint | None:

@@ -106,6 +106,26 @@ def test_json_schema_response_format_validates(client):
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
 
 
+def test_tools_auto_with_a_json_schema_gives_a_valid_call_or_a_valid_answer(client):
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"],
+              "additionalProperties": False}
+    outcomes = []
+    for ask in (ASK, [{"role": "user", "content": "Say hello."}]):
+        choice = client.chat.completions.create(
+            model="smollm2", messages=ask, tools=[WEATHER], tool_choice="auto", temperature=0, max_tokens=80,
+            parallel_tool_calls=False,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}).choices[0]
+        outcomes.append("call" if choice.message.tool_calls else "answer")
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments),
+                                WEATHER["function"]["parameters"])
+        else:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    assert outcomes[0] == "call", outcomes  # the format does not take the tools away (it did before)
+
+
 def test_json_object_response_format_parses_streamed_and_whole(client):
     kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Give the name and age of a person."}],
                   temperature=0, max_tokens=200, response_format={"type": "json_object"})

@@ -262,3 +262,17 @@ def test_grammar_uses_special_token_ids() -> None:
     text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]list_files[ARGS]{}'
     assert _accepts(grammar, text, ids)
     assert not _accepts(grammar, text)  # spelled out as text, the special tokens do not match
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_tools_auto_with_a_response_format_accepts_a_call_or_the_formatted_answer(name: str) -> None:
+    from api.chat_turn import _either
+    from engine.grammar import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    either = _either(_grammar(name), json_schema_grammar(schema))
+    assert _accepts(either, GOOD[name][0])
+    assert _accepts(either, '{"city": "Rome"}')
+    assert not _accepts(either, '{"town": "Rome"}')
+    assert not _accepts(either, "Rome is a city.")

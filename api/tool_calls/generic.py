@@ -155,7 +155,8 @@ class GenericFormat(ToolFormat):
         rules = g.json_call_rules(tools, forced_name, arguments_key="arguments")
         # The canonical layout of grammar_parts: what rewrite_history renders for the same reply next turn.
         more = ' (", " call_object)*' if allow_parallel else ""
-        rules.append(f'calls: {g.literal(chr(123) + chr(34) + "tool_calls" + chr(34) + ": [")} call_object{more} "]}}"')
+        # "{" on its own: a lexeme of its own lets `calls` stand beside a JSON answer (%json) in one grammar.
+        rules.append(f'calls: "{{" {g.literal(chr(34) + "tool_calls" + chr(34) + ": [")} call_object{more} "]}}"')
         if required:
             return g.assemble("start: calls", rules)
         return g.assemble("start: calls | ANSWER_TEXT", rules, ANSWER_TEXT_TERMINAL)
