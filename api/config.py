@@ -61,6 +61,8 @@ class ServerConfig:
     default_max_tokens: int = _opt(0, "reply budget of a request that sets none (most agents send none); 0: the "
                                       "room its context leaves, as llama-server's -n -1")
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
+    kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy): start at --kv-cache-mib, grow up to this many MiB "
+                                    "as requests need room, shrink on POST /cache/device-pool (0: a fixed pool)")
     conversation_cache_mib: int = _opt(8192, "host RAM budget for parked conversation KV (0: none), clamped to "
                                              "what the machine has")
     conversation_cache_commit: str = _opt("on-demand", "when the host tier takes its RAM: on-demand (in segments, "
@@ -286,6 +288,7 @@ def _validate(cfg: ServerConfig) -> None:
     need(cfg.max_queue >= 0,
          f"--max-queue must be >= 0 (got {cfg.max_queue}; 0 rejects requests when every slot is busy)")
     need(cfg.ctx_size >= MIN_CTX_SIZE, f"--ctx-size must be >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
+    need(cfg.kv_cache_max_mib >= 0, f"--kv-cache-max-mib must be >= 0 (got {cfg.kv_cache_max_mib})")
     need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens})")
     need(cfg.kv_cache_mib >= 0,
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")

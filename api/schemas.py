@@ -323,3 +323,16 @@ class ApplyTemplateRequest(RequestBody):
     def template_messages(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them."""
         return [message.as_template_dict() for message in self.messages]
+
+
+class DevicePoolRequest(RequestBody):
+    """POST /cache/device-pool: the elastic device pool's new ceiling, in MiB or in blocks (one of them)."""
+
+    max_mib: Annotated[float, Field(gt=0)] | None = None
+    max_blocks: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "DevicePoolRequest":
+        if (self.max_mib is None) == (self.max_blocks is None):
+            raise bad_request('send one of {"max_mib": N} or {"max_blocks": N}', param="max_mib")
+        return self

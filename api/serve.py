@@ -41,6 +41,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
         bytes_per_block = loaded.model.config.kv_bytes_per_token() * BLOCK_SIZE
         num_blocks = max(per_slot_blocks, int(config.kv_cache_mib * 2**20) // bytes_per_block)
     bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE).total_bytes
+    min_blocks, num_blocks = _elastic_pool(config, loaded, num_blocks, bytes_per_block)
     # What the engine itself holds in host RAM: numpy keeps weights and KV there; cuda keeps them on the GPU.
     on_host = loaded.model.backend.name == "numpy"
     engine_host_bytes = loaded.info.weight_bytes + num_blocks * bytes_per_block if on_host else 0
@@ -65,7 +66,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
                         max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,
                         disk=disk, batch_groups=groups, admission=admission,
-                        write_behind_mib_s=config.conversation_cache_write_behind_mib_s)
+                        write_behind_mib_s=config.conversation_cache_write_behind_mib_s, device_min_blocks=min_blocks)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens", num_blocks, BLOCK_SIZE,
@@ -73,6 +74,22 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
                                     config.reasoning_format)
     return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol)
+
+
+def _elastic_pool(config: ServerConfig, loaded: LoadedModel, num_blocks: int, bytes_per_block: int):
+    """(starting size or None for a fixed pool, ids to reserve). With --kv-cache-max-mib the pool starts at
+    the size --kv-cache-mib / --batch * --ctx-size give and grows up to the maximum as requests need room;
+    numpy's pages are committed as they are touched, so the reserve costs nothing until used."""
+    if not config.kv_cache_max_mib:
+        return None, num_blocks
+    if loaded.model.backend.name != "numpy":
+        raise ValueError("--kv-cache-max-mib (an elastic KV pool) works on the numpy backend only for now; "
+                         "on CUDA leave it unset and size the pool with --kv-cache-mib")
+    reserved = int(config.kv_cache_max_mib * 2**20) // bytes_per_block
+    if reserved < num_blocks:
+        raise ValueError(f"--kv-cache-max-mib {config.kv_cache_max_mib} is below the starting pool of "
+                         f"{num_blocks * bytes_per_block // 2**20} MiB (--kv-cache-mib or --batch * --ctx-size)")
+    return num_blocks, reserved
 
 
 def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:

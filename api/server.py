@@ -18,11 +18,11 @@ from starlette.routing import Route
 from api import completions, messages_api, responses_api
 from api.chat_protocol import ChatProtocol
 from api.config import ServerConfig
-from api.errors import APIError, internal_error, too_large, unauthorized
+from api.errors import APIError, bad_request, internal_error, too_large, unauthorized
 from api.logging_setup import new_request_id, request_id_var
 from api.messages_events import anthropic_error_response
 from api.tenancy import api_keys
-from api.schemas import ApplyTemplateRequest, DetokenizeRequest, TokenizeRequest, parse_body
+from api.schemas import ApplyTemplateRequest, DetokenizeRequest, DevicePoolRequest, TokenizeRequest, parse_body
 from engine.loader import LoadedModel, encode_chat_prompt
 from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
@@ -135,6 +135,18 @@ async def cache(state: ServerState, http_request, request_id) -> Response:
 
 
 @endpoint
+async def device_pool(state: ServerState, http_request, request_id) -> Response:
+    """POST {"max_mib": N} or {"max_blocks": N}: the elastic device pool's ceiling; below its size now, it
+    shrinks (moving cached blocks down or parking them, never dropping one) and says where it stopped."""
+    body = parse_body(DevicePoolRequest, await read_body(state, http_request))
+    blocks = body.max_blocks or max(1, int(body.max_mib * 2**20) // state.engine.runner.layout.bytes_per_block)
+    try:
+        return JSONResponse(state.engine.resize_device_pool(blocks))
+    except ValueError as exc:
+        raise bad_request(str(exc)) from exc
+
+
+@endpoint
 async def models(state: ServerState, http_request, request_id) -> Response:
     created = int(state.loaded.info.path.stat().st_mtime)
     card = {"id": state.served_name, "object": "model", "created": created, "owned_by": "strata",
@@ -226,6 +238,7 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
         Route("/cache", cache, methods=["GET"]),
+        Route("/cache/device-pool", device_pool, methods=["POST"]),
         Route("/pipeline", pipeline, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),

@@ -73,6 +73,19 @@ class BlockAllocator:
         self._is_free = np.concatenate([self._is_free, np.ones(count, dtype=bool)])
         self.num_blocks += count
 
+    def take(self, block_id: int) -> None:
+        """Allocate one particular free id (a block relocated there when the pool shrinks)."""
+        assert self._is_free[block_id], f"block {block_id} is not free"
+        self._free.remove(block_id)
+        self._is_free[block_id] = False
+
+    def shrink(self, num_blocks: int) -> None:
+        """Drop ids num_blocks and up, every one of which must be free (the pool gives them back)."""
+        assert self._is_free[num_blocks:].all(), "shrinking over blocks in use"
+        self._free = deque(b for b in self._free if b < num_blocks)
+        self._is_free = self._is_free[:num_blocks].copy()
+        self.num_blocks = num_blocks
+
     def free(self, block_ids: list[int]) -> None:
         """Return blocks to the pool; freeing a block twice is a bug and asserts."""
         ids = list(block_ids)

@@ -83,6 +83,14 @@ class ModelRunner:
             stage.mover.grow_host_pool(stage.host_pool, num_blocks)
         self.host_layout = replace(self.host_layout, num_blocks=num_blocks)
 
+    def resize_device(self, num_blocks: int) -> None:
+        """The elastic pool's size changed (scheduler/device_pool.py): ids num_blocks and up are unused now,
+        so every stage's pool may give their memory back (a backend that commits memory as it is touched
+        needs nothing to grow). The pools keep addressing every reserved id, so no block id changes."""
+        assert 0 < num_blocks <= self.layout.num_blocks, f"pool size {num_blocks} beyond the reserved ids"
+        for stage in self.stages:
+            stage.mover.release_kv_blocks(stage.kv_pool, num_blocks)
+
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's block table to hold num_tokens; False (nothing changed) when the pool is full."""
         missing = blocks_needed(num_tokens, self.block_size) - len(seq.block_table)

@@ -25,6 +25,8 @@ class BlockMoves:
     """The byte moves of one applied plan, in the order they must run."""
 
     grow_host: int = 0  # commit host slots up to this many in total first (0: no growth)
+    grow_device: int = 0  # the device pool's new size, before every other move (0: unchanged)
+    shrink_device: int = 0  # the device pool's new size, after every other move (0: unchanged)
     saves: list[tuple[CachedBlock, str, int]] = field(default_factory=list)  # (block, "device"|"host", index)
     parks: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     restores: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
@@ -56,6 +58,8 @@ class RecordingMover:
     def apply(self, moves: BlockMoves) -> list[CachedBlock]:
         if moves.grow_host:
             self.grow_host(moves.grow_host)
+        if moves.grow_device:
+            self.moves.append(("resize_device", moves.grow_device))
         failed = [block for block, _, _ in moves.saves if not self.save(block)]
         for device_id, slot in moves.parks:
             self.park(device_id, slot)
@@ -65,6 +69,8 @@ class RecordingMover:
             self.write_device(device_id, payload)
         for src, dst in moves.copies:
             self.copy(src, dst)
+        if moves.shrink_device:
+            self.moves.append(("resize_device", moves.shrink_device))
         return failed
 
     def park(self, device_id, host_slot):
@@ -116,11 +122,15 @@ class EngineBlockMover:
         """Disk writes first (they read what the runner's moves may overwrite), then one runner call."""
         if moves.grow_host:
             self.runner.grow_host(moves.grow_host)
+        if moves.grow_device:
+            self.runner.resize_device(moves.grow_device)
         failed = [block for block, tier, index in moves.saves
                   if not (self.disk is not None and self._timed("save_disk", self._save, block, tier, index))]
         writes = [(d, k, v) for d, (k, v) in moves.writes]
         started = time.perf_counter()
         self.runner.apply_moves(moves.parks, moves.restores, writes, moves.copies)
+        if moves.shrink_device:  # after the copies that moved blocks down out of the range it gives back
+            self.runner.resize_device(moves.shrink_device)
         seconds = time.perf_counter() - started
         total = len(moves.parks) + len(moves.restores) + len(writes) + len(moves.copies)
         for op, n in (("park", len(moves.parks)), ("restore_host", len(moves.restores)),

@@ -14,6 +14,8 @@ def check_cache(cache: "PrefixCache") -> None:
     dev_free.check_integrity()
     host_free.check_integrity()
     free, cached = dev_free.num_free, len(cache._on_device)
+    assert dev_free.num_blocks == cache.num_blocks, "the device allocator and the pool size disagree"
+    assert all(0 <= b < cache.num_blocks for b in cache._on_device), "a cached block beyond the pool's size"
     assert free + cached + cache._num_owned == cache.num_blocks, (
         f"device: free {free} + cached {cached} + in use {cache._num_owned} != total {cache.num_blocks}")
     committed = cache.admission.host_committed_blocks

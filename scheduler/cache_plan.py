@@ -38,6 +38,10 @@ class Plan:
     disk_drops: list[CachedBlock] = field(default_factory=list)  # disk leaves dropped to make room for spills
     copy_drops: list[CachedBlock] = field(default_factory=list)  # written-behind files deleted for room (the
     # blocks stay where they are, to be written again later)
+    device_grow: int = 0  # elastic pool: ids added at the top first (scheduler/device_pool.py)
+    relocations: list[tuple[CachedBlock, int]] = field(default_factory=list)  # shrink: (block, its new id)
+    shrink_to: int = -1  # shrink: the pool's size afterwards
+    stopped_by: str = ""  # shrink: why it could not reach its target
     restores: list[CachedBlock] = field(default_factory=list)  # matched blocks brought back to the device
     unreadable: list[CachedBlock] = field(default_factory=list)  # disk files that failed verification
     payloads: dict[int, object] = field(default_factory=dict)  # id(block) -> bytes read from disk
@@ -53,12 +57,14 @@ class Plan:
         loads = self.restores + ([self.match.cow_source] if self.match and self.match.cow_source
                                  and not self.match.cow_source.on_device and not self.takeover else [])
         return {name for name, present in (("park", self.parks), ("grow", self.host_grow), ("spill", self.spills),
+                                           ("device_grow", self.device_grow),
                                            ("restore", [b for b in loads if not b.on_device])) if present}
 
 
 def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[int]) -> bool:
     """Add to `plan` what frees `count` device blocks (beyond the free ones); False when it cannot."""
-    short = count - cache._dev_free.num_free
+    short = count - cache._dev_free.num_free - plan.device_grow
+    short -= plan_device_growth(cache, plan, short)  # an elastic pool grows before anything is parked
     if short <= 0:
         return True
     victims = _pick(_device_candidates(cache, exclude), short, _device_rank, _device_parent(cache, exclude))
@@ -68,6 +74,19 @@ def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[
     for victim in victims:
         (plan.parks if host.take_slot() else plan.device_drops).append(victim)
     return True
+
+
+def plan_device_growth(cache: "PrefixCache", plan: Plan, short: int) -> int:
+    """Add to `plan` the pool growth that covers `short` blocks, in whole segments, within the ceiling.
+    Returns the blocks it adds (0: the pool is at its ceiling, or not elastic)."""
+    admission = cache.admission
+    room = admission.device_ceiling_blocks - cache.num_blocks - plan.device_grow
+    if room <= 0 or short <= 0:
+        return 0
+    segment = admission.device_segment_blocks
+    grow = min(room, -(-short // segment) * segment)
+    plan.device_grow += grow
+    return grow
 
 
 class _HostRoom:
@@ -108,12 +127,13 @@ class _HostRoom:
         if not leaves:
             return False
         victim = min(leaves, key=_host_rank)
-        if self.disk_room == 0 and cache.disk_blocks and not victim.disk_copy:
+        has_file = victim.disk_copy and victim not in plan.copy_drops  # a copy this plan deleted needs room again
+        if self.disk_room == 0 and cache.disk_blocks and not has_file:
             self._make_disk_room(tier)
         was_parked = victim in plan.parks
         if was_parked:
             plan.parks.remove(victim)
-        if victim.disk_copy:  # written behind: its file is there, the spill costs no room
+        if has_file:  # written behind: its file is there, the spill costs no room
             plan.spills.append(victim)
         elif self.disk_room > 0:
             plan.spills.append(victim)

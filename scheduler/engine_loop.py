@@ -28,6 +28,7 @@ from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import flush_to_disk, load_disk_index
 from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
+from scheduler.device_pool import SEGMENT_BLOCKS as DEVICE_SEGMENT_BLOCKS
 from scheduler.write_behind import TICK_S as WRITE_BEHIND_TICK_S
 from scheduler.write_behind import WriteBehind
 from scheduler.memory_admission import MemoryAdmission, MemoryGrants
@@ -55,13 +56,17 @@ class EngineLoop:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
                  max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
-                 batch_groups: int = 1, admission: MemoryAdmission | None = None, write_behind_mib_s: float = 0):
+                 batch_groups: int = 1, admission: MemoryAdmission | None = None, write_behind_mib_s: float = 0,
+                 device_min_blocks: int | None = None):
         self.runner = runner
         self.disk = disk
         # Without an admission the host tier is what the runner committed at start, fixed.
         admission = admission or MemoryAdmission(runner.host_layout.num_blocks, runner.layout.bytes_per_block)
         assert admission.host_committed_blocks == runner.host_layout.num_blocks, "runner and admission disagree"
-        self.cache = PrefixCache(runner.layout.num_blocks, runner.block_size, enabled=prefix_cache,
+        # An elastic device pool starts at device_min_blocks and grows up to every id the runner reserved.
+        if device_min_blocks is not None and device_min_blocks < runner.layout.num_blocks:
+            admission.set_device_pool(device_min_blocks, runner.layout.num_blocks, DEVICE_SEGMENT_BLOCKS)
+        self.cache = PrefixCache(device_min_blocks or runner.layout.num_blocks, runner.block_size, enabled=prefix_cache,
                                  host_blocks=admission.host_budget_blocks,
                                  disk_blocks=disk.capacity_blocks if disk else 0,
                                  mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block,
@@ -146,6 +151,31 @@ class EngineLoop:
         for request in list(self._by_id.values()):
             request.is_cancelled = True
         self._wake.set()
+
+    def resize_device_pool(self, max_blocks: int) -> dict:
+        """Set the elastic device pool's ceiling; below its size now, shrink to it (as far as the pool can
+        without dropping a cached block: the rest is parked to host RAM, or the shrink stops and says why).
+        On the event loop, between plans, like every other cache move."""
+        admission = self.cache.admission
+        if not admission.device_reserved_blocks:
+            raise ValueError("the device KV pool is fixed: start the server with --kv-cache-max-mib to make it elastic")
+        ceiling = admission.set_device_ceiling(max_blocks)
+        stopped_by = ""
+        if ceiling < self.cache.num_blocks:
+            plan = self.cache.plan_shrink(ceiling)
+            if admission.grant(plan):
+                self.cache.apply(plan)
+                stopped_by = plan.stopped_by
+            else:
+                self.cache.stats["refused_plans"] += 1
+                stopped_by = "the memory admission refused the moves"
+            admission.set_device_ceiling(max(ceiling, self.cache.num_blocks))  # it does not grow back by itself
+        if self.integrity_checks:
+            self.cache.check_integrity()
+        self._wake.set()  # a larger ceiling may admit a waiting request now
+        return {"device_blocks": self.cache.num_blocks, "ceiling_blocks": admission.device_ceiling_blocks,
+                "min_blocks": admission.device_min_blocks, "reserved_blocks": admission.device_reserved_blocks,
+                "stopped_by": stopped_by}
 
     def slots_snapshot(self) -> list[dict]:
         """State of every slot for GET /slots."""
@@ -251,7 +281,8 @@ class EngineLoop:
             tokens = request.seq.token_ids if request.seq is not None else request.prompt_ids
             # The last token is always computed: its logits pick the next token.
             total = request.prompt_len + request.params.max_tokens
-            if blocks_needed(total, self.runner.block_size) > self.cache.num_blocks:
+            if blocks_needed(total, self.runner.block_size) > max(self.cache.num_blocks,
+                                                                  self.cache.admission.device_ceiling_blocks):
                 self._waiting.popleft()  # can never fit: the API checks this, so this is a bug guard
                 self._finish(request, "error", error=f"{total} tokens do not fit the KV pool")
                 continue

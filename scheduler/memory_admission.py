@@ -38,7 +38,24 @@ class MemoryAdmission:
         # Bytes the machine can give the host tier in all (headroom - engine - floor), read when asked.
         self._machine_room_bytes = machine_room_bytes
         self.refusals = 0
-        self.refuse_points: set[str] = set()  # tests: "park", "restore", "spill", "grow"
+        self.refuse_points: set[str] = set()  # tests: "park", "restore", "spill", "grow", "device_grow"
+        # The device pool (scheduler/device_pool.py): fixed unless set_device_pool gives it room to move.
+        self.device_reserved_blocks = 0  # ids the runner's pools address (their memory committed as used)
+        self.device_ceiling_blocks = 0  # the pool grows up to this many blocks (0: it never grows)
+        self.device_min_blocks = 0
+        self.device_segment_blocks = 1
+
+    def set_device_pool(self, min_blocks: int, reserved_blocks: int, segment_blocks: int) -> None:
+        """An elastic device pool of min_blocks .. reserved_blocks, growing by segment_blocks."""
+        assert 0 < min_blocks <= reserved_blocks and segment_blocks > 0
+        self.device_min_blocks = min_blocks
+        self.device_reserved_blocks = self.device_ceiling_blocks = reserved_blocks
+        self.device_segment_blocks = segment_blocks
+
+    def set_device_ceiling(self, blocks: int) -> int:
+        """Where the pool may grow to from now on, clamped to min .. reserved; returns the new ceiling."""
+        self.device_ceiling_blocks = max(self.device_min_blocks, min(blocks, self.device_reserved_blocks))
+        return self.device_ceiling_blocks
 
     def grant(self, plan) -> bool:
         """Grant a cache plan whole (committing the host growth it needs) or refuse it, changing nothing.

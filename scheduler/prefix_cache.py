@@ -27,6 +27,7 @@ from scheduler.cache_explain import explain_miss
 from scheduler.cache_integrity import check_cache
 from scheduler.cache_plan import Plan, plan_device_room
 from scheduler.cache_tree import CachedBlock, PrefixMatch, block_digest, conversation_id, longest_match, root_digest
+from scheduler.device_pool import apply_growth, apply_shrink, plan_shrink
 from scheduler.memory_admission import MemoryAdmission
 
 log = logging.getLogger("strata.cache")
@@ -61,7 +62,7 @@ class PrefixCache:
         self._num_owned = 0  # device blocks handed to running requests, not yet in the tree
         self.stats = {"parks": 0, "restores": 0, "spills": 0, "disk_loads": 0, "dropped_blocks": 0,
                       "dropped_tokens": 0, "hits": 0, "misses": 0, "miss_diverged": 0, "miss_evicted": 0,
-                      "refused_plans": 0}
+                      "refused_plans": 0, "device_grows": 0, "device_shrinks": 0}
 
     # -- queries -------------------------------------------------------------------------------------
     def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "") -> PrefixMatch:
@@ -98,6 +99,7 @@ class PrefixCache:
     def usage(self) -> dict[str, int]:
         return {"device_cached": len(self._on_device), "device_in_use": self._num_owned
                 + sum(1 for b in self._on_device.values() if b.ref_count), "device_total": self.num_blocks,
+                "device_ceiling": max(self.num_blocks, self.admission.device_ceiling_blocks),
                 "host_cached": len(self._on_host), "host_total": self.host_blocks,
                 **self.admission.snapshot(len(self._on_host)),
                 "disk_cached": len(self._on_disk), "disk_copies": len(self._disk_copies),
@@ -132,6 +134,10 @@ class PrefixCache:
                     allocation=allocation)
         return plan if plan_device_room(self, plan, plan.fresh, set()) else None
 
+    def plan_shrink(self, num_blocks: int) -> Plan:
+        """Bring the device pool down to num_blocks (or as near as it can without dropping anything)."""
+        return plan_shrink(self, num_blocks)
+
     def plan_release(self, token_ids: list[int], num_computed: int, allocation: Allocation,
                      kind: str = "release") -> Plan:
         """A request is done (or preempted): its computed tokens' blocks join the tree, unpinned."""
@@ -156,6 +162,13 @@ class PrefixCache:
                                  "host": self._host_free.num_free / max(1, self.host_blocks),
                                  "disk": 1 - len(self._on_disk) / max(1, self.disk_blocks)})
         moves = BlockMoves()
+        if plan.kind == "shrink":
+            if plan.host_grow:
+                self._host_free.grow(plan.host_grow)
+                moves.grow_host = self._host_free.num_blocks
+            apply_shrink(self, plan, moves)
+            self.mover.apply(moves)
+            return None
         if plan.kind in ("release", "preempt"):
             self._release(plan)
             return plan.allocation
@@ -176,6 +189,7 @@ class PrefixCache:
         if plan.host_grow:
             self._host_free.grow(plan.host_grow)
             moves.grow_host = self._host_free.num_blocks
+        apply_growth(self, plan, moves)
         for block in plan.spills:
             self._spill(block, moves)
         for block in plan.host_drops:

@@ -50,6 +50,9 @@ class Backend(Protocol):
     def grow_host_pool(self, host_pool: Any, num_blocks: int) -> None:
         """Commit host slots up to num_blocks in total; slots already there keep their ids and bytes."""
 
+    def release_kv_blocks(self, pool: Any, num_blocks: int) -> None:
+        """The elastic pool shrank to num_blocks: the memory of the ids above may go back (their bytes with it)."""
+
     def park_blocks(self, pool: Any, host_pool: Any, pairs: list[tuple[int, int]]) -> None:
         """Copy (device block, host slot) pairs from the device pool to the host pool."""
 

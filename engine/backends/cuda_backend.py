@@ -169,6 +169,10 @@ class CudaBackend(CudaOps):
         self.device.ensure_current()  # pinned memory belongs to the context current in this thread
         return CudaHostPool(layout)
 
+    def release_kv_blocks(self, pool, num_blocks: int) -> None:
+        raise NotImplementedError("an elastic KV pool on CUDA (cuMemAddressReserve / cuMemMap) is not built yet; "
+                                  "leave --kv-cache-max-mib unset")
+
     def grow_host_pool(self, host_pool: CudaHostPool, num_blocks: int) -> None:
         self.device.ensure_current()
         host_pool.grow(num_blocks)

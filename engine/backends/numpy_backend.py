@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 from engine.backends.numpy_host import NumpyHostPool
+from engine.backends.page_release import release_pages
 from engine.batch import BatchMeta, SeqSlice
 from engine.kv import KVLayout
 
@@ -37,6 +38,12 @@ class NumpyKVPool:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    def release_from(self, num_blocks: int) -> int:
+        """Give the memory of blocks num_blocks and up back to the OS (their contents read as zeros later)."""
+        start = num_blocks * self.layout.block_size
+        return sum(release_pages(pool[layer, head, start:]) for pool in (self.k, self.v)
+                   for layer in range(pool.shape[0]) for head in range(pool.shape[1]))
 
 
 class NumpyBackend:
@@ -64,6 +71,9 @@ class NumpyBackend:
 
     def grow_host_pool(self, host_pool: NumpyHostPool, num_blocks: int) -> None:
         host_pool.grow(num_blocks)
+
+    def release_kv_blocks(self, pool: NumpyKVPool, num_blocks: int) -> None:
+        pool.release_from(num_blocks)
 
     def park_blocks(self, pool: NumpyKVPool, host_pool: NumpyHostPool, pairs: list[tuple[int, int]]) -> None:
         for block, slot in pairs:

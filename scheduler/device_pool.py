@@ -1,0 +1,104 @@
+"""The elastic device pool: it grows when requests need room, shrinks when asked, and never drops for it.
+
+    reserved  |=============================================|  ids the runner's pools can address
+    ceiling   |===========================|                    what the admission allows now
+    size      |==================|                             ids the cache hands out (cache.num_blocks)
+
+Growth (`cache_plan.plan_device_growth`) is part of a plan that needs room: before any cached block is parked, the
+pool takes another segment of ids while the size stays under the admission's ceiling. A shrink
+(`plan_shrink`) vacates the ids above the target, from the top down: a cached block there moves to a free
+id below the target (a device copy: it stays on the device), else is parked to host RAM (a free slot or a
+new host segment; never by spilling or dropping another block). It stops at the first id it cannot vacate
+(a block a running request holds, or no host room), says so in the log with the flag to raise, and the
+pool keeps that size. Nothing is ever dropped to shrink: seed 002's lost 128K conversation is the reason.
+Both are plans like the others (decided first, granted, then applied in one call).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from scheduler.block_mover import BlockMoves
+from scheduler.cache_plan import Plan
+
+if TYPE_CHECKING:
+    from scheduler.prefix_cache import PrefixCache
+
+log = logging.getLogger("strata.cache")
+SEGMENT_BLOCKS = 64  # the elastic pool grows by this many blocks at a time (1,024 tokens)
+
+
+def plan_shrink(cache: "PrefixCache", target_blocks: int) -> Plan:
+    """The plan that brings the pool down to `target_blocks` ids, or as near as it can (plan.shrink_to)."""
+    plan = Plan("shrink")
+    target = max(1, target_blocks)
+    size = cache.num_blocks
+    free = cache._dev_free
+    free_below = sorted(b for b in free._free if b < target)
+    slots = cache._host_free.num_free  # host slots this plan can still park into
+    new_size = size
+    for block_id in range(size - 1, target - 1, -1):
+        if free._is_free[block_id]:
+            new_size = block_id
+            continue
+        block = cache._on_device.get(block_id)
+        if block is None or block.ref_count:
+            plan.stopped_by = f"block {block_id} is in use by a running request"
+            break
+        if free_below:
+            plan.relocations.append((block, free_below.pop(0)))
+        elif slots > 0 or (slots := _grow_host(cache, plan)) > 0:
+            plan.parks.append(block)
+            slots -= 1
+        else:
+            plan.stopped_by = "the host tier has no room to park the blocks above it (--conversation-cache-mib)"
+            break
+        new_size = block_id
+    plan.shrink_to = new_size
+    return plan
+
+
+def _grow_host(cache: "PrefixCache", plan: Plan) -> int:
+    """Another host segment for the plan's parks, if the budget and the machine allow: its slots (or 0)."""
+    admission = cache.admission
+    committed = admission.host_committed_blocks + plan.host_grow
+    segment = min(admission.segment_blocks, cache.host_blocks - committed)
+    if segment > 0 and admission.host_room_for(committed + segment):
+        plan.host_grow += segment
+        return segment
+    return 0
+
+
+def apply_growth(cache: "PrefixCache", plan: Plan, moves: BlockMoves) -> None:
+    """New ids at the top of the pool, free, before the plan's other moves need them."""
+    if plan.device_grow:
+        cache._dev_free.grow(plan.device_grow)
+        cache.num_blocks += plan.device_grow
+        moves.grow_device = cache.num_blocks
+        cache.stats["device_grows"] += 1
+        log.info("device KV pool grown to %d blocks (ceiling %d)", cache.num_blocks,
+                 cache.admission.device_ceiling_blocks, extra={"fields": {"device_blocks": cache.num_blocks}})
+
+
+def apply_shrink(cache: "PrefixCache", plan: Plan, moves: BlockMoves) -> int:
+    """Relocate and park what the plan vacates, then give the ids above plan.shrink_to back. Returns the size."""
+    for block, new_id in plan.relocations:
+        cache._dev_free.take(new_id)
+        moves.copies.append((block.device_id, new_id))
+        del cache._on_device[block.device_id]
+        cache._dev_free.free([block.device_id])
+        block.device_id = new_id
+        cache._on_device[new_id] = block
+    for block in plan.parks:
+        cache._park(block, moves)
+    cache._dev_free.shrink(plan.shrink_to)
+    old, cache.num_blocks = cache.num_blocks, plan.shrink_to
+    moves.shrink_device = plan.shrink_to
+    cache.stats["device_shrinks"] += 1
+    fields = {"device_blocks": plan.shrink_to, "relocated": len(plan.relocations), "parked": len(plan.parks)}
+    log.info("device KV pool shrunk from %d to %d blocks: %d cached blocks moved down, %d parked to host RAM, "
+             "none dropped", old, plan.shrink_to, len(plan.relocations), len(plan.parks), extra={"fields": fields})
+    if plan.stopped_by:
+        log.warning("device KV pool shrink stopped at %d blocks: %s", plan.shrink_to, plan.stopped_by,
+                    extra={"fields": {**fields, "reason": plan.stopped_by}})
+    return plan.shrink_to
