@@ -19,6 +19,7 @@ class Allocation:
     cached_tokens: int
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     salt: str = ""
+    conversation: str | None = None  # named by the client; None: named by its first block at release
     parks: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     restores: list[tuple[int, int]] = field(default_factory=list)  # (host slot or -1 for disk, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
@@ -33,12 +34,12 @@ def read_disk_blocks(cache: "PrefixCache", match: PrefixMatch) -> tuple[PrefixMa
             continue
         payload = cache.mover.read_disk(block)
         if payload is None:
-            return PrefixMatch(match.shared[:i], None, 0, match.salt), payloads, [block]
+            return PrefixMatch(match.shared[:i], None, 0, match.salt, match.conversation), payloads, [block]
         payloads[id(block)] = payload
     source = match.cow_source
     if source is not None and not (source.on_device or source.on_host):
         payload = cache.mover.read_disk(source)
         if payload is None:
-            return PrefixMatch(match.shared, None, 0, match.salt), payloads, [source]
+            return PrefixMatch(match.shared, None, 0, match.salt, match.conversation), payloads, [source]
         payloads[id(source)] = payload
     return match, payloads, []

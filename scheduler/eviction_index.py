@@ -1,0 +1,186 @@
+"""The conversation cache's eviction candidates per tier, kept in value order as blocks move.
+
+Today's rule (scheduler/cache_plan.py) is unchanged; only its cost is. Instead of ranking every cached block
+on each plan, the cache calls `sync(block)` after it changes a block (tier, pin, last use, a child attached
+or detached), and this index updates, in O(log n):
+
+    device  every unpinned device block   (has a device child, not superseded, active, last_used, seq)
+    host    host blocks with no child on the device or in host RAM   (not superseded, active, last_used, seq)
+    disk    disk blocks with no child at all                         (not superseded, active, last_used, seq)
+
+Smallest key = evicted first: leaves before the heads they hang from, superseded reply tails first, then
+one-off prompts before the blocks of an active conversation (scheduler/conversation_activity.py), then least
+recently used. `seq` (the order blocks entered their tier) breaks ties the way the old scans did: dict order.
+A block becomes a host or disk candidate when its last child in the tiers above leaves (its parent's child
+counters drop to zero). Plans read these sets in order without changing them (scheduler/eviction_sim.py).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Callable
+
+from scheduler.cache_tree import CachedBlock, is_superseded
+from scheduler.sorted_keys import SortedKeys
+
+if TYPE_CHECKING:
+    from scheduler.prefix_cache import PrefixCache
+
+
+class _Record:
+    """What the index last saw of one cached block, and the keys it holds for it."""
+
+    __slots__ = ("tier", "attached", "seq", "device_children", "host_children", "superseded", "keys")
+
+    def __init__(self):
+        self.tier: str | None = None  # None: in no tier (being moved, or gone)
+        self.attached = False
+        self.seq = 0
+        self.device_children = 0  # children whose recorded tier is "device"
+        self.host_children = 0
+        self.superseded = False
+        self.keys: list[tuple | None] = [None, None, None]  # its entry in device / host / disk, if any
+
+
+_TIERS = ("device", "host", "disk")
+
+
+class EvictionIndex:
+    """Candidates of each tier in eviction order; exact after every `sync`. Mutated by the cache only."""
+
+    def __init__(self, block_size: int, is_active: Callable[[CachedBlock], bool] = lambda block: False):
+        self.block_size = block_size
+        self.is_active = is_active  # the block's conversation is active: it ranks after one-off prompts
+        self.device, self.host, self.disk = SortedKeys(), SortedKeys(), SortedKeys()
+        self._sets = (self.device, self.host, self.disk)
+        self._records: dict[CachedBlock, _Record] = {}
+        self._seq = itertools.count(1)
+
+    @property
+    def num_unpinned_device(self) -> int:
+        """Unpinned device blocks: each can be moved off to make room."""
+        return len(self.device)
+
+    def device_children(self, block: CachedBlock) -> int:
+        return self._records[block].device_children
+
+    def device_key(self, block: CachedBlock) -> tuple:
+        """The entry of an unpinned device block in the device set."""
+        return self._records[block].keys[0]
+
+    def value_key(self, block: CachedBlock) -> tuple:
+        """The key a block would have as a host or disk candidate, wherever it is now."""
+        record = self._records[block]
+        return (not record.superseded, bool(self.is_active(block)), block.last_used, record.seq, block)
+
+    def upper_children(self, block: CachedBlock) -> int:
+        """Children of a cached block on the device or in host RAM."""
+        record = self._records[block]
+        return record.device_children + record.host_children
+
+    def sync(self, block: CachedBlock) -> None:
+        """Bring the index up to date with `block` after the cache changed it (any change, any tier)."""
+        parent = block.parent
+        attached = parent is not None and parent.children.get(block.tokens) is block
+        tier = block.tier if attached and (block.on_device or block.on_host or block.on_disk) else None
+        record = self._records.get(block)
+        if record is None:
+            if tier is None:
+                return
+            record = self._records[block] = self._new_record(block)
+        moved, relinked = tier != record.tier, attached != record.attached
+        parent_record = self._records.get(parent)
+        if moved:
+            if parent_record is not None:
+                self._count_child(parent_record, record.tier, -1)
+                self._count_child(parent_record, tier, +1)
+            record.tier, record.seq = tier, next(self._seq)
+        if relinked:
+            record.attached = attached
+            record.superseded = attached and self._superseded(block)
+            self._resort_siblings(block)
+        if (moved or relinked) and parent_record is not None:
+            self._refresh(parent, parent_record)
+        if tier is None:
+            self._set_keys(block, record, [None, None, None])
+            del self._records[block]
+            return
+        self._refresh(block, record)
+
+    def resync(self, blocks) -> None:
+        """Re-rank blocks whose conversation became active or inactive (no tier changed)."""
+        for block in blocks:
+            record = self._records.get(block)
+            if record is not None:
+                self._refresh(block, record)
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _new_record(self, block: CachedBlock) -> _Record:
+        record = _Record()
+        for child in block.children.values():  # counted by the tier the index has recorded for them
+            child_record = self._records.get(child)
+            if child_record is not None:
+                self._count_child(record, child_record.tier, +1)
+        return record
+
+    @staticmethod
+    def _count_child(record: _Record, tier: str | None, delta: int) -> None:
+        if tier == "device":
+            record.device_children += delta
+        elif tier == "host":
+            record.host_children += delta
+
+    def _superseded(self, block: CachedBlock) -> bool:
+        return len(block.tokens) < self.block_size and is_superseded(block)  # only a partial block can be
+
+    def _resort_siblings(self, block: CachedBlock) -> None:
+        """A sibling that is a prefix of `block` is superseded while `block` is attached: re-rank it."""
+        children, tokens = block.parent.children, block.tokens
+        for n in range(1, len(tokens)):
+            sibling = children.get(tokens[:n])
+            record = self._records.get(sibling) if sibling is not None else None
+            if record is not None and record.superseded != self._superseded(sibling):
+                record.superseded = not record.superseded
+                self._refresh(sibling, record)
+
+    def rank_keys(self, block: CachedBlock, record: _Record) -> list[tuple | None]:
+        """The keys a block should have in the device / host / disk set (None: not a candidate there)."""
+        value = (not record.superseded, bool(self.is_active(block)), block.last_used, record.seq, block)
+        return [(record.device_children > 0,) + value if record.tier == "device" and block.ref_count == 0 else None,
+                value if record.tier == "host" and record.device_children + record.host_children == 0 else None,
+                value if record.tier == "disk" and not block.children else None]
+
+    def _refresh(self, block: CachedBlock, record: _Record) -> None:
+        self._set_keys(block, record, self.rank_keys(block, record))
+
+    def _set_keys(self, block: CachedBlock, record: _Record, keys: list[tuple | None]) -> None:
+        for i, (old, new) in enumerate(zip(record.keys, keys)):
+            if old != new:
+                if old is not None:
+                    self._sets[i].remove(old)
+                if new is not None:
+                    self._sets[i].add(new)
+        record.keys = keys
+
+    # -- integrity ------------------------------------------------------------------------------------
+    def check(self, cache: "PrefixCache") -> None:
+        """Every set and counter against a full scan of the cache's tiers (tests: after every step)."""
+        blocks = [*cache._on_device.values(), *cache._on_host.values(), *cache._on_disk.values()]
+        assert len(self._records) == len(blocks), f"index holds {len(self._records)} blocks, tiers {len(blocks)}"
+        expected: list[set] = [set(), set(), set()]
+        for block in blocks:
+            record = self._records.get(block)
+            assert record is not None and record.tier == block.tier and record.attached, "index: stale block"
+            tiers = [c.tier for c in block.children.values()]
+            assert (record.device_children, record.host_children) == (tiers.count("device"), tiers.count("host")), \
+                "index: child counters disagree with the tree"
+            assert record.superseded == is_superseded(block), "index: stale superseded flag"
+            keys = self.rank_keys(block, record)
+            assert record.keys == keys, f"index: stale keys {record.keys} != {keys}"
+            for i, key in enumerate(keys):
+                if key is not None:
+                    expected[i].add(key)
+        for name, keys, found in zip(_TIERS, expected, self._sets):
+            found.check()
+            assert set(found) == keys, f"index: the {name} candidates disagree with a full scan"
+        unpinned = sum(1 for b in cache._on_device.values() if b.ref_count == 0)
+        assert self.num_unpinned_device == unpinned, "index: unpinned device count disagrees"
