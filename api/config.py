@@ -68,6 +68,8 @@ class ServerConfig:
     conversation_cache_dir: str | None = _opt(None, "folder for the disk tier; the cache then survives "
                                                     "restarts (unset: no disk tier)", metavar="DIR")
     conversation_cache_disk_mib: int = _opt(32768, "disk space the disk tier may use")
+    conversation_active_s: float = _opt(300.0, "a conversation with a turn this recent keeps its cached blocks "
+                                               "longer than one-off prompts' (0: plain least recently used)")
     max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication); several "
                                      "comma-separated keys are tenants whose cached KV is never shared",
@@ -288,6 +290,8 @@ def _validate(cfg: ServerConfig) -> None:
     for name in ("max_body_mib", "progress_interval_s"):
         value = getattr(cfg, name)
         need(math.isfinite(value) and value > 0, f"{flag_name(name)} must be a number > 0 (got {value})")
+    need(math.isfinite(cfg.conversation_active_s) and cfg.conversation_active_s >= 0,
+         f"--conversation-active-s must be a number >= 0 (got {cfg.conversation_active_s}; 0 turns it off)")
     need(math.isfinite(cfg.shutdown_timeout_s) and cfg.shutdown_timeout_s >= 0,
          f"--shutdown-timeout-s must be a number >= 0 (got {cfg.shutdown_timeout_s})")
     for name in ("api_key", "served_model_name", "chat_template", "conversation_cache_dir"):

@@ -30,6 +30,7 @@ class _Record:
     """What the index last saw of one cached block, and the keys it holds for it."""
 
     __slots__ = ("tier", "attached", "seq", "device_children", "host_children", "superseded", "keys")
+    # keys: plain tuples of numbers (the seq names the block), which the garbage collector stops tracking
 
     def __init__(self):
         self.tier: str | None = None  # None: in no tier (being moved, or gone)
@@ -38,7 +39,7 @@ class _Record:
         self.device_children = 0  # children whose recorded tier is "device"
         self.host_children = 0
         self.superseded = False
-        self.keys: list[tuple | None] = [None, None, None]  # its entry in device / host / disk, if any
+        self.keys: tuple = (None, None, None)  # its entry in device / host / disk, if any
 
 
 _TIERS = ("device", "host", "disk")
@@ -53,6 +54,7 @@ class EvictionIndex:
         self.device, self.host, self.disk = SortedKeys(), SortedKeys(), SortedKeys()
         self._sets = (self.device, self.host, self.disk)
         self._records: dict[CachedBlock, _Record] = {}
+        self._blocks: dict[int, CachedBlock] = {}  # seq -> block, for every block the index holds
         self._seq = itertools.count(1)
 
     @property
@@ -63,14 +65,16 @@ class EvictionIndex:
     def device_children(self, block: CachedBlock) -> int:
         return self._records[block].device_children
 
+    def block_of(self, key: tuple) -> CachedBlock:
+        return self._blocks[key[-1]]
+
     def device_key(self, block: CachedBlock) -> tuple:
         """The entry of an unpinned device block in the device set."""
         return self._records[block].keys[0]
 
     def value_key(self, block: CachedBlock) -> tuple:
         """The key a block would have as a host or disk candidate, wherever it is now."""
-        record = self._records[block]
-        return (not record.superseded, bool(self.is_active(block)), block.last_used, record.seq, block)
+        return self._value(block, self._records[block])
 
     def upper_children(self, block: CachedBlock) -> int:
         """Children of a cached block on the device or in host RAM."""
@@ -93,7 +97,9 @@ class EvictionIndex:
             if parent_record is not None:
                 self._count_child(parent_record, record.tier, -1)
                 self._count_child(parent_record, tier, +1)
+            self._blocks.pop(record.seq, None)
             record.tier, record.seq = tier, next(self._seq)
+            self._blocks[record.seq] = block
         if relinked:
             record.attached = attached
             record.superseded = attached and self._superseded(block)
@@ -101,8 +107,8 @@ class EvictionIndex:
         if (moved or relinked) and parent_record is not None:
             self._refresh(parent, parent_record)
         if tier is None:
-            self._set_keys(block, record, [None, None, None])
-            del self._records[block]
+            self._set_keys(record, (None, None, None))
+            del self._records[block], self._blocks[record.seq]
             return
         self._refresh(block, record)
 
@@ -135,24 +141,30 @@ class EvictionIndex:
     def _resort_siblings(self, block: CachedBlock) -> None:
         """A sibling that is a prefix of `block` is superseded while `block` is attached: re-rank it."""
         children, tokens = block.parent.children, block.tokens
-        for n in range(1, len(tokens)):
-            sibling = children.get(tokens[:n])
-            record = self._records.get(sibling) if sibling is not None else None
+        if len(children) < len(tokens):  # few siblings (the usual case): test each
+            prefixes = [s for t, s in children.items() if len(t) < len(tokens) and tokens[: len(t)] == t]
+        else:  # many (a root's): look up each shorter prefix
+            prefixes = [s for s in map(children.get, (tokens[:n] for n in range(1, len(tokens)))) if s is not None]
+        for sibling in prefixes:
+            record = self._records.get(sibling)
             if record is not None and record.superseded != self._superseded(sibling):
                 record.superseded = not record.superseded
                 self._refresh(sibling, record)
 
-    def rank_keys(self, block: CachedBlock, record: _Record) -> list[tuple | None]:
+    def _value(self, block: CachedBlock, record: _Record) -> tuple:
+        return (not record.superseded, bool(self.is_active(block)), block.last_used, record.seq)
+
+    def rank_keys(self, block: CachedBlock, record: _Record) -> tuple:
         """The keys a block should have in the device / host / disk set (None: not a candidate there)."""
-        value = (not record.superseded, bool(self.is_active(block)), block.last_used, record.seq, block)
-        return [(record.device_children > 0,) + value if record.tier == "device" and block.ref_count == 0 else None,
+        value = self._value(block, record)
+        return ((record.device_children > 0,) + value if record.tier == "device" and block.ref_count == 0 else None,
                 value if record.tier == "host" and record.device_children + record.host_children == 0 else None,
-                value if record.tier == "disk" and not block.children else None]
+                value if record.tier == "disk" and not block.children else None)
 
     def _refresh(self, block: CachedBlock, record: _Record) -> None:
-        self._set_keys(block, record, self.rank_keys(block, record))
+        self._set_keys(record, self.rank_keys(block, record))
 
-    def _set_keys(self, block: CachedBlock, record: _Record, keys: list[tuple | None]) -> None:
+    def _set_keys(self, record: _Record, keys: tuple) -> None:
         for i, (old, new) in enumerate(zip(record.keys, keys)):
             if old != new:
                 if old is not None:
@@ -165,11 +177,12 @@ class EvictionIndex:
     def check(self, cache: "PrefixCache") -> None:
         """Every set and counter against a full scan of the cache's tiers (tests: after every step)."""
         blocks = [*cache._on_device.values(), *cache._on_host.values(), *cache._on_disk.values()]
-        assert len(self._records) == len(blocks), f"index holds {len(self._records)} blocks, tiers {len(blocks)}"
+        assert len(self._records) == len(blocks) == len(self._blocks), f"index holds {len(self._records)} blocks"
         expected: list[set] = [set(), set(), set()]
         for block in blocks:
             record = self._records.get(block)
             assert record is not None and record.tier == block.tier and record.attached, "index: stale block"
+            assert self._blocks[record.seq] is block, "index: seq names another block"
             tiers = [c.tier for c in block.children.values()]
             assert (record.device_children, record.host_children) == (tiers.count("device"), tiers.count("host")), \
                 "index: child counters disagree with the tree"

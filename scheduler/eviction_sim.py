@@ -17,25 +17,26 @@ from scheduler.eviction_index import EvictionIndex
 
 
 class _Cursor:
-    """Ascending entries of one sorted set, merged with the plan's own candidates (a heap)."""
+    """Ascending (key, block) of one sorted set, merged with the plan's own candidates (a heap of the same)."""
 
-    def __init__(self, entries: Iterator[tuple], skip):
-        self._entries, self._skip = entries, skip  # skip(block): not a candidate for this plan
+    def __init__(self, index: EvictionIndex, keys: Iterator[tuple], skip):
+        self._entries = ((key, index.block_of(key)) for key in keys)
+        self._skip = skip  # skip(block): not a candidate for this plan
         self._head = next(self._entries, None)
-        self.heap: list[tuple] = []
+        self.heap: list[tuple] = []  # keys are unique (they end in the block's seq): blocks never compared
 
     def pop(self) -> CachedBlock | None:
         while True:
-            while self._head is not None and self._skip(self._head[-1]):
+            while self._head is not None and self._skip(self._head[1]):
                 self._head = next(self._entries, None)
             if self.heap and (self._head is None or self.heap[0] < self._head):
-                key = heapq.heappop(self.heap)
-                if self._skip(key[-1]):
+                _, block = heapq.heappop(self.heap)
+                if self._skip(block):
                     continue
-                return key[-1]
+                return block
             if self._head is None:
                 return None
-            block, self._head = self._head[-1], next(self._entries, None)
+            block, self._head = self._head[1], next(self._entries, None)
             return block
 
 
@@ -46,7 +47,7 @@ def device_victims(index: EvictionIndex, count: int, exclude: set[CachedBlock]) 
     if index.num_unpinned_device - kept < count:
         return None  # every unpinned device block not kept is a candidate: too few
     chosen: set[CachedBlock] = set()
-    cursor = _Cursor(iter(index.device), lambda b: b in chosen or b in exclude)
+    cursor = _Cursor(index, iter(index.device), lambda b: b in chosen or b in exclude)
     gone_children: dict[CachedBlock, int] = {}
     out: list[CachedBlock] = []
     while len(out) < count:
@@ -59,7 +60,7 @@ def device_victims(index: EvictionIndex, count: int, exclude: set[CachedBlock]) 
                 and parent not in chosen:
             gone_children[parent] = gone_children.get(parent, 0) + 1
             left = index.device_children(parent) - gone_children[parent]
-            heapq.heappush(cursor.heap, (left > 0,) + index.device_key(parent)[1:])
+            heapq.heappush(cursor.heap, ((left > 0,) + index.device_key(parent)[1:], parent))
     return out
 
 
@@ -74,8 +75,8 @@ class HostLeaves:
         self._disk_taken: set[CachedBlock] = set()
         self._upper: dict[CachedBlock, int] = {}  # children on device / host left, where the plan changed it
         self._order = 0  # the plan's parks rank after the index's blocks on a tie, as the old list did
-        self._host = _Cursor(iter(index.host), lambda b: b in self._taken or b in exclude)
-        self._disk = _Cursor(iter(index.disk), lambda b: b in self._disk_taken or b in exclude)
+        self._host = _Cursor(index, iter(index.host), lambda b: b in self._taken or b in exclude)
+        self._disk = _Cursor(index, iter(index.disk), lambda b: b in self._disk_taken or b in exclude)
 
     def park(self, block: CachedBlock) -> None:
         """A device victim got a host slot: it is a host leaf of this plan once nothing above hangs from it."""
@@ -112,5 +113,5 @@ class HostLeaves:
         key = self.index.value_key(block)
         if block in self.parked:
             self._order += 1
-            key = key[:3] + (float("inf"), self._order, block)
-        heapq.heappush(self._host.heap, key)
+            key = key[:3] + (float("inf"), self._order)
+        heapq.heappush(self._host.heap, (key, block))
