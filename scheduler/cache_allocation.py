@@ -1,4 +1,5 @@
-"""A request's share of the conversation cache (its block table), and reading matched disk blocks."""
+"""A request's share of the conversation cache (its block table), reading matched disk blocks, and where
+the reused tokens come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 from scheduler.cache_tree import CachedBlock, PrefixMatch
 
 if TYPE_CHECKING:
+    from scheduler.cache_plan import Plan
     from scheduler.prefix_cache import PrefixCache
 
 
@@ -43,3 +45,14 @@ def read_disk_blocks(cache: "PrefixCache", match: PrefixMatch) -> tuple[PrefixMa
             return PrefixMatch(match.shared, None, 0, match.salt, match.conversation), payloads, [source]
         payloads[id(source)] = payload
     return match, payloads, []
+
+
+def reuse_by_tier(plan: "Plan") -> dict[str, int]:
+    """Reused tokens by the tier they come from (before anything moves)."""
+    match = plan.match
+    host = sum(len(b.tokens) for b in plan.restores if b.on_host)
+    disk = sum(len(b.tokens) for b in plan.restores if not b.on_host)
+    source = match.cow_source
+    if source is not None and not source.on_device and not plan.takeover:
+        host, disk = (host + match.cow_tokens, disk) if source.on_host else (host, disk + match.cow_tokens)
+    return {"device": match.num_tokens - host - disk, "host": host, "disk": disk}

@@ -63,6 +63,16 @@ class ConversationActivity:
         found.named = found.named or named
         return found
 
+    def for_release(self, name: str | None, token_ids: list[int], block_size: int, finished: bool):
+        """The conversation a released request's blocks now belong to (named by the client, else by its
+        first block); a finished turn (not a preemption) counts toward it. None for an empty request."""
+        if not token_ids:
+            return None
+        conversation = self.conversation(name or first_block_name(token_ids, block_size), named=name is not None)
+        if finished:
+            self.finish_turn(conversation)
+        return conversation
+
     def finish_turn(self, conversation: Conversation) -> None:
         """A turn of `conversation` finished now (call before its blocks are handed back)."""
         now = self.clock()

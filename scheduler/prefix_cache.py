@@ -21,13 +21,13 @@ import logging
 
 from engine.kv import BlockAllocator, blocks_needed
 from scheduler.block_mover import BlockMover, BlockMoves, RecordingMover
-from scheduler.cache_allocation import Allocation, read_disk_blocks
+from scheduler.cache_allocation import Allocation, read_disk_blocks, reuse_by_tier
 from scheduler.cache_drops import DropLog
 from scheduler.cache_explain import explain_miss
 from scheduler.cache_integrity import check_cache
 from scheduler.cache_plan import Plan, plan_device_room
 from scheduler.cache_tree import CachedBlock, PrefixMatch, block_digest, conversation_id, longest_match, root_digest
-from scheduler.conversation_activity import ACTIVE_WINDOW_S, ConversationActivity, first_block_name
+from scheduler.conversation_activity import ACTIVE_WINDOW_S, ConversationActivity
 from scheduler.eviction_index import EvictionIndex
 from scheduler.memory_admission import MemoryAdmission
 
@@ -70,8 +70,8 @@ class PrefixCache:
     def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "",
               conversation: str | None = None) -> PrefixMatch:
         """Longest cached prefix, at most max_tokens long (callers pass len - 1 so the last prompt token is
-        always computed), among blocks cached under the same salt. `conversation`: the client's name for
-        it, carried to the release (its blocks then rank as that conversation's). Changes nothing."""
+        always computed), among blocks cached under the same salt; `conversation`: the client's name for it,
+        kept for the release. Changes nothing."""
         limit = min(len(token_ids), len(token_ids) if max_tokens is None else max_tokens)
         match = longest_match(self._root(salt), token_ids, limit if self.enabled else 0, self.block_size)
         match.salt, match.conversation = salt, conversation or None
@@ -96,9 +96,8 @@ class PrefixCache:
         return len(self._on_device) + len(self._on_host) + len(self._on_disk)
 
     def usage(self) -> dict[str, int]:
-        pinned = len(self._on_device) - self.index.num_unpinned_device
-        return {"device_cached": len(self._on_device), "device_in_use": self._num_owned + pinned,
-                "device_total": self.num_blocks,
+        return {"device_cached": len(self._on_device), "device_in_use": self._num_owned
+                + len(self._on_device) - self.index.num_unpinned_device, "device_total": self.num_blocks,
                 "host_cached": len(self._on_host), "host_total": self.host_blocks,
                 **self.admission.snapshot(len(self._on_host)),
                 "disk_cached": len(self._on_disk), "disk_total": self.disk_blocks, **self.stats,
@@ -161,7 +160,7 @@ class PrefixCache:
         if plan.kind in ("release", "preempt"):
             self._release(plan)
             return plan.allocation
-        reuse = self._reuse_by_tier(plan) if plan.kind == "allocate" else {}
+        reuse = reuse_by_tier(plan) if plan.kind == "allocate" else {}
         sources = {}  # host slots of the blocks being restored, freed first: a park may take one over
         for block in plan.restores:
             if block.on_host:
@@ -191,17 +190,6 @@ class PrefixCache:
             self.stats["spills"] -= 1
             self._drop(block, "host", "host tier full and the disk write failed")
         return alloc
-
-    @staticmethod
-    def _reuse_by_tier(plan: Plan) -> dict[str, int]:
-        """Reused tokens by the tier they come from (before anything moves)."""
-        match = plan.match
-        host = sum(len(b.tokens) for b in plan.restores if b.on_host)
-        disk = sum(len(b.tokens) for b in plan.restores if not b.on_host)
-        source = match.cow_source
-        if source is not None and not source.on_device and not plan.takeover:
-            host, disk = (host + match.cow_tokens, disk) if source.on_host else (host, disk + match.cow_tokens)
-        return {"device": match.num_tokens - host - disk, "host": host, "disk": disk}
 
     def _apply_allocation(self, plan: Plan, moves: BlockMoves, reuse: dict, sources: dict) -> Allocation:
         match, source = plan.match, plan.match.cow_source
@@ -289,7 +277,8 @@ class PrefixCache:
 
     def _release(self, plan: Plan) -> None:
         allocation, token_ids, num_computed = plan.allocation, plan.token_ids, plan.num_computed
-        conversation = self._conversation(allocation, token_ids, finished=plan.kind == "release")
+        conversation = self.activity.for_release(allocation.conversation, token_ids, self.block_size,
+                                                 finished=plan.kind == "release") if self.enabled else None
         node = self._root(allocation.salt)
         for i, device_id in enumerate(allocation.block_table):
             start = i * self.block_size
@@ -297,25 +286,20 @@ class PrefixCache:
             if i < allocation.num_shared:
                 node = self._on_device[device_id]
                 self._unpin(node)
-            else:
-                self._num_owned -= 1
-                if not tokens or not self.enabled:
-                    self._dev_free.free([device_id])
-                    continue
-                node = self._insert(node, tokens, device_id)
-            if conversation is not None:
-                self.activity.own(node, conversation)
-            self.index.sync(node)
+                self._keep(node, conversation)
+                continue
+            self._num_owned -= 1
+            if not tokens or not self.enabled:
+                self._dev_free.free([device_id])
+                continue
+            node = self._insert(node, tokens, device_id)
+            self._keep(node, conversation)
 
-    def _conversation(self, allocation: Allocation, token_ids: list[int], finished: bool):
-        """The conversation a released request's blocks now belong to; a finished turn counts toward it."""
-        if not self.enabled or not token_ids:
-            return None
-        name = allocation.conversation or first_block_name(token_ids, self.block_size)
-        conversation = self.activity.conversation(name, named=allocation.conversation is not None)
-        if finished:
-            self.activity.finish_turn(conversation)
-        return conversation
+    def _keep(self, block: CachedBlock, conversation) -> None:
+        """A released block joins its request's conversation and the eviction order."""
+        if conversation is not None:
+            self.activity.own(block, conversation)
+        self.index.sync(block)
 
     def _drop(self, block: CachedBlock, tier: str, reason: str) -> None:
         """Remove a block and everything cached after it; log what was lost."""
