@@ -37,3 +37,4 @@ def check_cache(cache: "PrefixCache") -> None:
         assert block.parent is not None and block.parent.children.get(block.tokens) is block
         assert not (block.on_device or block.on_host), "a block is in two tiers"
     cache.index.check(cache)  # the eviction order and counters against a full scan of the tiers
+    cache.activity.check({*cache._on_device.values(), *cache._on_host.values(), *cache._on_disk.values()})

@@ -89,7 +89,7 @@ class ConversationActivity:
             return
         if previous is not None:
             previous.blocks.discard(block)
-            self._forget_if_unused(previous)
+            self.forget_if_unused(previous)
         self._owner[block] = conversation
         conversation.blocks.add(block)
 
@@ -98,7 +98,7 @@ class ConversationActivity:
         previous = self._owner.pop(block, None)
         if previous is not None:
             previous.blocks.discard(block)
-            self._forget_if_unused(previous)
+            self.forget_if_unused(previous)
 
     def expire(self) -> None:
         """Conversations whose window has passed rank as one-off prompts again. O(expired x blocks)."""
@@ -108,10 +108,11 @@ class ConversationActivity:
             conversation = self._by_name.get(name)
             if conversation is not None and conversation.is_active and conversation.last_turn_s + self.window_s <= now:
                 self._set_active(conversation, False)
-                self._forget_if_unused(conversation)
+                self.forget_if_unused(conversation)
 
     def snapshot(self, block_size: int, limit: int = 256) -> list[dict]:
         """Conversations owning cached blocks, most recently used first: tokens per tier, last use."""
+        self.expire()
         found = sorted((c for c in self._by_name.values() if c.blocks), key=lambda c: -c.last_turn_s)[:limit]
         out = []
         for c in found:
@@ -122,11 +123,20 @@ class ConversationActivity:
                         "last_use_s": c.last_use_wall_s, "tokens": tokens})
         return out
 
+    def check(self, cached: set[CachedBlock]) -> None:
+        """Every owned block is cached and in its owner's set; no conversation lingers without blocks unless
+        active (tests: with the cache's integrity check)."""
+        assert all(block in cached and block in c.blocks for block, c in self._owner.items()), \
+            "a conversation owns a block the cache no longer holds"
+        assert sum(len(c.blocks) for c in self._by_name.values()) == len(self._owner), "conversation sets disagree"
+        assert all(c.blocks or c.is_active for c in self._by_name.values()), "an idle conversation without blocks"
+
     def _set_active(self, conversation: Conversation, active: bool) -> None:
         if conversation.is_active != active:
             conversation.is_active = active
             self.on_change(conversation.blocks)
 
-    def _forget_if_unused(self, conversation: Conversation) -> None:
+    def forget_if_unused(self, conversation: Conversation) -> None:
+        """Forget a conversation that owns no block and is not active (its turns counted no further)."""
         if not conversation.blocks and not conversation.is_active:
             self._by_name.pop(conversation.name, None)

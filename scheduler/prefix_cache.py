@@ -210,6 +210,7 @@ class PrefixCache:
         if plan.takeover:
             del source.parent.children[source.tokens]
             del self._on_device[source.device_id]
+            self.activity.forget(source)
             self.index.sync(source)
             own = [source.device_id] + self._dev_free.allocate(plan.fresh)
         else:
@@ -294,6 +295,8 @@ class PrefixCache:
                 continue
             node = self._insert(node, tokens, device_id)
             self._keep(node, conversation)
+        if conversation is not None:
+            self.activity.forget_if_unused(conversation)  # a request that left nothing cached
 
     def _keep(self, block: CachedBlock, conversation) -> None:
         """A released block joins its request's conversation and the eviction order."""

@@ -161,3 +161,19 @@ def test_cache_endpoint_joins_named_turn_stats_with_the_tokens_each_conversation
         (1, 8, True, True, {"device": 8, "host": 0, "disk": 0})
     assert listed["session-B"]["tokens"] == {"device": 0, "host": 0, "disk": 0} and not listed["session-B"]["active"]
     assert listed[first_block_name([2] * 6, B)]["tokens"]["device"] == 6
+
+
+@pytest.mark.parametrize("idle_s, spilled, dropped", [(0, [3, 4], [2, 3]),  # active: one-off leaves leave disk
+                                                      (ACTIVE_WINDOW_S, [1, 3], [1, 2])])  # inactive: LRU
+def test_on_disk_too_an_active_conversation_outlives_one_off_prompts(idle_s, spilled, dropped):
+    cache = _cache(num_blocks=2, host_blocks=2)
+    cache.disk_blocks = 4
+    _turn(cache, [1] * 8, key="session-A")
+    for first in (2, 3, 4):  # each turn moves the one before down a tier
+        _turn(cache, [first] * 8)
+    tiers = {t: sorted(b.tokens[0] for b in d.values())
+             for t, d in (("device", cache._on_device), ("host", cache._on_host), ("disk", cache._on_disk))}
+    assert tiers == {"device": [4, 4], "host": [1, 3], "disk": [1, 2, 2, 3]}
+    cache.activity.clock.now += idle_s
+    plan = cache.plan_allocate(cache.match([5] * 8, 7), 8)  # the disk is full: two disk leaves must go
+    assert [b.tokens[0] for b in plan.spills] == spilled and [b.tokens[0] for b in plan.disk_drops] == dropped
