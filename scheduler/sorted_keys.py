@@ -59,10 +59,6 @@ class SortedKeys:
         else:
             self._maxes[i] = run[-1]
 
-    def first(self):
-        """The smallest key, or None when empty."""
-        return self._runs[0][0] if self._runs else None
-
     def check(self) -> None:
         """Runs sorted, non-empty, strictly increasing across runs, maxima and length right."""
         flat = [k for run in self._runs for k in run]

@@ -1,7 +1,7 @@
 """Cost of the conversation cache's bookkeeping per request, on synthetic trees of 1K / 10K / 100K blocks.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_cache_ops.py [--sizes 1000,10000,100000]
-        [--requests 2000] [--reference]
+        [--requests 2000] [--reference [--max-warmup 50]]
 
 No model and no bytes: a null mover, so only the policy is timed. The device pool holds `size` blocks and
 is full: a tree of conversations of 32 blocks (512 tokens) under a shared 2-block system prompt, with host
@@ -81,11 +81,13 @@ def one_request(cache: PrefixCache, tokens: list[int], rng: random.Random) -> di
     return {"total": t4 - t0, "match": t1 - t0, "plan": t2 - t1, "apply": t3 - t2, "release": t4 - t3}
 
 
-def bench(size: int, requests: int, seed: int = 1) -> dict[str, float]:
+def bench(size: int, requests: int, seed: int = 1, max_warmup: int | None = None) -> dict[str, float]:
     cache, conversations = build(size, seed)
     rng = random.Random(seed + 1)
-    while len(cache._on_host) < cache.host_blocks:  # warm up: host RAM fills, parked blocks get hit
+    warmup = 0
+    while len(cache._on_host) < cache.host_blocks and warmup != max_warmup:  # host RAM fills, parked blocks hit
         one_request(cache, rng.choice(conversations), rng)
+        warmup += 1
     rows = [one_request(cache, rng.choice(conversations), rng) for _ in range(requests)]
     totals = sorted(r["total"] for r in rows)
     out = {"cached_blocks": cache.num_cached, "device": len(cache._on_device), "host": len(cache._on_host),
@@ -102,6 +104,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--reference", action="store_true", help="time the old full scans instead")
+    parser.add_argument("--max-warmup", type=int, default=None,
+                        help="requests before timing at most (default: until host RAM is full)")
     args = parser.parse_args()
     if args.reference:
         import tests.eviction_reference as reference
@@ -111,7 +115,7 @@ def main() -> None:
           " parks / restores / drops |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for size in (int(s) for s in args.sizes.split(",")):
-        r = bench(size, args.requests)
+        r = bench(size, args.requests, max_warmup=args.max_warmup)
         s = r["stats"]
         print(f"| {r['cached_blocks']} | {r['device']} / {r['host']} | {r['median_ms']:.3f} | {r['p99_ms']:.3f} | "
               f"{r['match_ms']:.3f} | {r['plan_ms']:.3f} | {r['apply_ms']:.3f} | {r['release_ms']:.3f} | "

@@ -178,3 +178,22 @@ def test_num_free_counts_unpinned_cached_blocks_from_the_index():
     assert cache.num_free == 8 - 2 - 1 and cache.usage()["device_in_use"] == 3
     cache.release([1] * 9, 9, held)
     cache.check_integrity()
+
+
+def test_sorted_keys_stay_sorted_through_splits_and_removals():
+    from scheduler.sorted_keys import SortedKeys
+    rng = random.Random(7)
+    keys, present = SortedKeys(), set()
+    for _ in range(5000):  # enough for runs to split (load 256) and to empty
+        key = (rng.random() < 0.5, rng.randrange(3000))
+        if key in present:
+            keys.remove(key)
+            present.discard(key)
+        else:
+            keys.add(key)
+            present.add(key)
+    keys.check()
+    assert list(keys) == sorted(present) and len(keys) == len(present) and len(keys._runs) > 1
+    for key in sorted(present):
+        keys.remove(key)
+    assert list(keys) == [] and keys._runs == []
