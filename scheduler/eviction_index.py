@@ -1,7 +1,7 @@
 """The conversation cache's eviction candidates per tier, kept in value order as blocks move.
 
-Today's rule (scheduler/cache_plan.py) is unchanged; only its cost is. Instead of ranking every cached block
-on each plan, the cache calls `sync(block)` after it changes a block (tier, pin, last use, a child attached
+The rule (scheduler/cache_plan.py) is the one the full scans of issue 12's first plans applied; only its cost
+changed. Instead of ranking every cached block on each plan, the cache calls `sync(block)` after it changes a block (tier, pin, last use, a child attached
 or detached), and this index updates, in O(log n):
 
     device  every unpinned device block   (has a device child, not superseded, active, last_used, seq)
@@ -10,7 +10,8 @@ or detached), and this index updates, in O(log n):
 
 Smallest key = evicted first: leaves before the heads they hang from, superseded reply tails first, then
 one-off prompts before the blocks of an active conversation (scheduler/conversation_activity.py), then least
-recently used. `seq` (the order blocks entered their tier) breaks ties the way the old scans did: dict order.
+recently used. Last use is unique except among blocks loaded from disk (all 0); there `seq`, the order blocks
+entered their tier, breaks the tie as the old scans' dict order did.
 A block becomes a host or disk candidate when its last child in the tiers above leaves (its parent's child
 counters drop to zero). Plans read these sets in order without changing them (scheduler/eviction_sim.py).
 """
