@@ -1,8 +1,8 @@
 """The conversation cache's eviction candidates per tier, kept in value order as blocks move.
 
 The rule (scheduler/cache_plan.py) is the one the full scans of issue 12's first plans applied; only its cost
-changed. Instead of ranking every cached block on each plan, the cache calls `sync(block)` after it changes a block (tier, pin, last use, a child attached
-or detached), and this index updates, in O(log n):
+changed. Instead of ranking every cached block on each plan, the cache calls `sync(block)` after it changes a
+block (tier, pin, last use, a child attached or detached), and this index updates, in O(log n):
 
     device  every unpinned device block   (has a device child, not superseded, active, last_used, seq)
     host    host blocks with no child on the device or in host RAM   (not superseded, active, last_used, seq)

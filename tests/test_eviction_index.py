@@ -36,7 +36,8 @@ class _Compare:
         assert found == expected
         for name in ("parks", "device_drops", "spills", "host_drops", "disk_drops"):
             got, want = getattr(plan, name), getattr(copy, name)
-            assert [id(b) for b in got] == [id(b) for b in want], (name, [b.tokens for b in got], [b.tokens for b in want])
+            assert [id(b) for b in got] == [id(b) for b in want], (name, [b.tokens for b in got],
+                                                                   [b.tokens for b in want])
             if got:
                 self.kinds.add(name)
         assert plan.host_grow == copy.host_grow
@@ -84,7 +85,8 @@ def _workload(cache, seed, steps, keys=False):
     running = []  # (tokens, computed, allocation, key)
     for _ in range(steps):
         clock.now += rng.choice([1, 1, 5, 400])  # sometimes past the active window
-        cache.admission.refuse_points = {rng.choice(["park", "spill", "grow", "restore"])} if rng.random() < 0.1 else set()
+        refuse = rng.random() < 0.1
+        cache.admission.refuse_points = {rng.choice(["park", "spill", "grow", "restore"])} if refuse else set()
         cache.mover.fail_saves = rng.random() < 0.05
         action = rng.random()
         if action < 0.45 and len(running) < 3:
