@@ -75,6 +75,8 @@ class ServerConfig:
     conversation_cache_write_behind_mib_s: float = _opt(
         64.0, "disk tier: write computed blocks behind at up to this rate while serving, so a crash or kill -9 "
               "keeps every conversation but the last seconds' work (0: write only on spills and at shutdown)")
+    conversation_active_s: float = _opt(300.0, "a conversation with a turn this recent keeps its cached blocks "
+                                               "longer than one-off prompts' (0: plain least recently used)")
     max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication); several "
                                      "comma-separated keys are tenants whose cached KV is never shared",
@@ -298,6 +300,8 @@ def _validate(cfg: ServerConfig) -> None:
     for name in ("max_body_mib", "progress_interval_s"):
         value = getattr(cfg, name)
         need(math.isfinite(value) and value > 0, f"{flag_name(name)} must be a number > 0 (got {value})")
+    need(math.isfinite(cfg.conversation_active_s) and cfg.conversation_active_s >= 0,
+         f"--conversation-active-s must be a number >= 0 (got {cfg.conversation_active_s}; 0 turns it off)")
     need(math.isfinite(cfg.shutdown_timeout_s) and cfg.shutdown_timeout_s >= 0,
          f"--shutdown-timeout-s must be a number >= 0 (got {cfg.shutdown_timeout_s})")
     for name in ("api_key", "served_model_name", "chat_template", "conversation_cache_dir"):

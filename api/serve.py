@@ -66,7 +66,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
                         max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,
                         disk=disk, batch_groups=groups, admission=admission,
-                        write_behind_mib_s=config.conversation_cache_write_behind_mib_s, device_min_blocks=min_blocks)
+                        write_behind_mib_s=config.conversation_cache_write_behind_mib_s,
+                        conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens", num_blocks, BLOCK_SIZE,

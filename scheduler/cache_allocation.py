@@ -1,4 +1,5 @@
-"""A request's share of the conversation cache (its block table), and reading matched disk blocks."""
+"""A request's share of the conversation cache (its block table), reading matched disk blocks, and where
+the reused tokens come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING
 from scheduler.cache_tree import CachedBlock, PrefixMatch
 
 if TYPE_CHECKING:
+    from scheduler.cache_plan import Plan
     from scheduler.prefix_cache import PrefixCache
 
 
@@ -19,6 +21,7 @@ class Allocation:
     cached_tokens: int
     reused_by_tier: dict[str, int] = field(default_factory=dict)
     salt: str = ""
+    conversation: str | None = None  # named by the client; None: named by its first block at release
     parks: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     restores: list[tuple[int, int]] = field(default_factory=list)  # (host slot or -1 for disk, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
@@ -33,12 +36,23 @@ def read_disk_blocks(cache: "PrefixCache", match: PrefixMatch) -> tuple[PrefixMa
             continue
         payload = cache.mover.read_disk(block)
         if payload is None:
-            return PrefixMatch(match.shared[:i], None, 0, match.salt), payloads, [block]
+            return PrefixMatch(match.shared[:i], None, 0, match.salt, match.conversation), payloads, [block]
         payloads[id(block)] = payload
     source = match.cow_source
     if source is not None and not (source.on_device or source.on_host):
         payload = cache.mover.read_disk(source)
         if payload is None:
-            return PrefixMatch(match.shared, None, 0, match.salt), payloads, [source]
+            return PrefixMatch(match.shared, None, 0, match.salt, match.conversation), payloads, [source]
         payloads[id(source)] = payload
     return match, payloads, []
+
+
+def reuse_by_tier(plan: "Plan") -> dict[str, int]:
+    """Reused tokens by the tier they come from (before anything moves)."""
+    match = plan.match
+    host = sum(len(b.tokens) for b in plan.restores if b.on_host)
+    disk = sum(len(b.tokens) for b in plan.restores if not b.on_host)
+    source = match.cow_source
+    if source is not None and not source.on_device and not plan.takeover:
+        host, disk = (host + match.cow_tokens, disk) if source.on_host else (host, disk + match.cow_tokens)
+    return {"device": match.num_tokens - host - disk, "host": host, "disk": disk}

@@ -9,7 +9,8 @@ if TYPE_CHECKING:
 
 def check_cache(cache: "PrefixCache") -> None:
     """Per tier: free + cached (+ owned by running requests) == total; host committed within its budget;
-    a block in one tier; pinned blocks on the device; tree links consistent; partial blocks are leaves."""
+    a block in one tier; pinned blocks on the device; tree links consistent; partial blocks are leaves; the
+    eviction index equal to a full scan."""
     dev_free, host_free = cache._dev_free, cache._host_free
     dev_free.check_integrity()
     host_free.check_integrity()
@@ -44,3 +45,5 @@ def check_cache(cache: "PrefixCache") -> None:
     for block in cache._on_disk.values():
         assert block.parent is not None and block.parent.children.get(block.tokens) is block
         assert not (block.on_device or block.on_host), "a block is in two tiers"
+    cache.index.check(cache)  # the eviction order and counters against a full scan of the tiers
+    cache.activity.check({*cache._on_device.values(), *cache._on_host.values(), *cache._on_disk.values()})

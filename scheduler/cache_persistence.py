@@ -35,6 +35,7 @@ def load_disk_index(cache: PrefixCache, entries: list[DiskEntry]) -> int:
             node = CachedBlock(entry.tokens, parent, digest=entry.digest, on_disk=True)
             parent.children[entry.tokens] = node
             cache._on_disk[entry.digest] = node
+            cache.index.sync(node)
             stack.append(node)
             attached += 1
     log.info("conversation cache: %d blocks loaded from disk", attached,

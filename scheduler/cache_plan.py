@@ -8,17 +8,18 @@ plan leaves every block where it was, because nothing was touched to make it.
 Room on the device is made in value order: unpinned device blocks, leaves first (a tail leaves before the
 head it hangs from), superseded branches before live tips, then least recently used. Each parked block
 needs a host slot: a free one, else a new segment of the host tier (a "grow"), else the least valuable
-host leaf goes to disk (a "spill") or, without room there, is dropped. The choice is simulated on a heap
-with the blocks already chosen set aside, so a parent becomes a candidate once its last device child is
-chosen, exactly as if the blocks had been moved one by one.
+host leaf goes to disk (a "spill") or, without room there, is dropped. The candidates of each tier are
+kept in that order as blocks move (scheduler/eviction_index.py); a plan reads them with the blocks already
+chosen set aside (scheduler/eviction_sim.py), so a parent becomes a candidate once its last device child is
+chosen, exactly as if the blocks had been moved one by one, and nothing is scanned or changed.
 """
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
-from scheduler.cache_tree import CachedBlock, PrefixMatch, is_superseded
+from scheduler.cache_tree import CachedBlock, PrefixMatch
+from scheduler.eviction_sim import HostLeaves, device_victims
 
 if TYPE_CHECKING:
     from scheduler.prefix_cache import Allocation, PrefixCache
@@ -61,18 +62,24 @@ class Plan:
                                            ("restore", [b for b in loads if not b.on_device])) if present}
 
 
-def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[int]) -> bool:
-    """Add to `plan` what frees `count` device blocks (beyond the free ones); False when it cannot."""
+def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[CachedBlock]) -> bool:
+    """Add to `plan` what frees `count` device blocks (beyond the free ones); False when it cannot.
+    `exclude`: the blocks this plan pins or copies from (never moved by it)."""
     short = count - cache._dev_free.num_free - plan.device_grow
     short -= plan_device_growth(cache, plan, short)  # an elastic pool grows before anything is parked
     if short <= 0:
         return True
-    victims = _pick(_device_candidates(cache, exclude), short, _device_rank, _device_parent(cache, exclude))
+    victims = device_victims(cache.index, short, exclude)
     if victims is None:
         return False
     host = _HostRoom(cache, plan, exclude)
     for victim in victims:
-        (plan.parks if host.take_slot() else plan.device_drops).append(victim)
+        if host.take_slot():
+            plan.parks.append(victim)
+            host.leaves.park(victim)
+        else:
+            plan.device_drops.append(victim)
+            host.leaves.move_down(victim)
     return True
 
 
@@ -92,13 +99,13 @@ def plan_device_growth(cache: "PrefixCache", plan: Plan, short: int) -> int:
 class _HostRoom:
     """Host slots as the plan consumes them: free ones, then granted growth, then evicted leaves."""
 
-    def __init__(self, cache: "PrefixCache", plan: Plan, exclude: set[int]):
-        self.cache, self.plan, self.exclude = cache, plan, exclude  # exclude: the blocks being restored
+    def __init__(self, cache: "PrefixCache", plan: Plan, exclude: set[CachedBlock]):
+        self.cache, self.plan = cache, plan
+        self.leaves = HostLeaves(cache.index, exclude)  # exclude: the blocks being restored
         # Slots the plan's own restores give back count as free: a restore and a park may swap a slot
         # (the runner reads such a restore's bytes before the park overwrites them).
         self.free = cache._host_free.num_free + sum(1 for b in plan.restores if b.on_host)
         self.disk_room = cache.disk_free
-        self.evicted: list[CachedBlock] | None = None
 
     def take_slot(self) -> bool:
         cache, plan = self.cache, self.plan
@@ -120,18 +127,13 @@ class _HostRoom:
         """Free a slot: the least valuable host leaf (blocks parked earlier in this plan included) goes to
         disk, or is dropped without room there. A block parked in this plan then skips the host tier."""
         cache, plan = self.cache, self.plan
-        where = _virtual_tiers(plan)
-        tier = lambda b: where.get(id(b), b.tier)  # noqa: E731
-        leaves = [b for b in list(cache._on_host.values()) + plan.parks if tier(b) == "host" and b.ref_count == 0
-                  and id(b) not in self.exclude and not any(tier(c) in ("device", "host") for c in b.children.values())]
-        if not leaves:
+        victim = self.leaves.take_host_leaf()
+        if victim is None:
             return False
-        victim = min(leaves, key=_host_rank)
         has_file = victim.disk_copy and victim not in plan.copy_drops  # a copy this plan deleted needs room again
         if self.disk_room == 0 and cache.disk_blocks and not has_file:
-            self._make_disk_room(tier)
-        was_parked = victim in plan.parks
-        if was_parked:
+            self._make_disk_room()
+        if victim in self.leaves.parked:
             plan.parks.remove(victim)
         if has_file:  # written behind: its file is there, the spill costs no room
             plan.spills.append(victim)
@@ -140,71 +142,18 @@ class _HostRoom:
             self.disk_room -= 1
         else:
             plan.host_drops.append(victim)  # from the device when this plan had parked it: no wasted copy
+        self.leaves.move_down(victim)
         self.free += 1
         return True
 
-
-    def _make_disk_room(self, tier) -> None:
+    def _make_disk_room(self) -> None:
         """One file's room: a written-behind copy goes first (its block stays resident), else a disk leaf."""
-        cache, plan = self.cache, self.plan
-        copies = [b for b in cache._disk_copies.values() if b not in plan.copy_drops and tier(b) in ("device", "host")]
-        if copies:
-            plan.copy_drops.append(min(copies, key=_host_rank))
+        copy = self.leaves.take_disk_copy()
+        if copy is not None:
+            self.plan.copy_drops.append(copy)
             self.disk_room += 1
             return
-        disk_leaves = [b for b in cache._on_disk.values()
-                       if not b.children and tier(b) == "disk" and id(b) not in self.exclude]
-        if disk_leaves:
-            plan.disk_drops.append(min(disk_leaves, key=_host_rank))
+        dropped = self.leaves.take_disk_leaf()
+        if dropped is not None:
+            self.plan.disk_drops.append(dropped)
             self.disk_room += 1
-
-
-def _virtual_tiers(plan: Plan) -> dict[int, str]:
-    """Where the plan has put each block it moved so far ("gone" for drops)."""
-    where = {id(b): "host" for b in plan.parks}
-    where.update({id(b): "disk" for b in plan.spills})
-    where.update({id(b): "gone" for b in plan.host_drops + plan.device_drops + plan.disk_drops})
-    return where
-
-
-def _device_candidates(cache: "PrefixCache", exclude: set[int]) -> list[CachedBlock]:
-    return [b for b in cache._on_device.values() if b.ref_count == 0 and id(b) not in exclude]
-
-
-def _device_parent(cache: "PrefixCache", exclude: set[int]) -> Callable[[CachedBlock], CachedBlock | None]:
-    def parent(block: CachedBlock) -> CachedBlock | None:
-        p = block.parent
-        ok = p is not None and p.on_device and p.ref_count == 0 and id(p) not in exclude
-        return p if ok else None
-    return parent
-
-
-def _device_rank(block: CachedBlock, gone: set[int]) -> tuple:
-    has_device_child = any(c.on_device and id(c) not in gone for c in block.children.values())
-    return (has_device_child, not is_superseded(block), block.last_used)
-
-
-def _host_rank(block: CachedBlock) -> tuple:
-    return (not is_superseded(block), block.last_used)
-
-
-def _pick(candidates: list[CachedBlock], count: int, rank, parent_of) -> list[CachedBlock] | None:
-    """The `count` best victims in rank order, as if each were removed before the next is chosen."""
-    gone: set[int] = set()
-    heap = [(rank(b, gone), id(b), b) for b in candidates]
-    heapq.heapify(heap)
-    out: list[CachedBlock] = []
-    while heap and len(out) < count:
-        key, ident, block = heapq.heappop(heap)
-        if ident in gone:
-            continue
-        current = rank(block, gone)
-        if current != key:  # a child left since this entry was made: it ranks better now
-            heapq.heappush(heap, (current, ident, block))
-            continue
-        out.append(block)
-        gone.add(ident)
-        parent = parent_of(block)
-        if parent is not None and id(parent) not in gone:
-            heapq.heappush(heap, (rank(parent, gone), id(parent), parent))
-    return out if len(out) == count else None

@@ -61,6 +61,7 @@ class PrefixMatch:
     cow_source: CachedBlock | None
     cow_tokens: int
     salt: str = ""
+    conversation: str | None = None  # the client's name for it (prompt_cache_key, session id), if any
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""The conversations clients name (``prompt_cache_key``, Claude Code's session id), as /cache shows them.
+"""The conversations clients name (``prompt_cache_key``, Claude Code's session id), as /cache shows them
+beside what the cache holds of every conversation (scheduler/conversation_activity.py).
 
 A named conversation's turns are tracked so an operator can read, per conversation, how much of each turn
 was reused: one entry per key (most recently used last), bounded, updated when a request finishes.
@@ -10,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 MAX_CONVERSATIONS = 256
+_EMPTY = {"active": False, "last_use_s": 0.0, "tokens": {"device": 0, "host": 0, "disk": 0}}  # nothing cached
 
 
 @dataclass
@@ -44,6 +46,13 @@ class ConversationLog:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
-    def snapshot(self) -> list[dict]:
-        """Every tracked conversation, most recently used first."""
-        return [asdict(s) for s in reversed(self._entries.values())]
+    def snapshot(self, cached: list[dict] = ()) -> list[dict]:
+        """Every tracked conversation, most recently used first, joined by key with what the cache holds of
+        each (`cached`: ConversationActivity.snapshot, unnamed conversations included)."""
+        holding = {c["key"]: c for c in cached}
+        out = []
+        for stats in reversed(self._entries.values()):
+            entry = {**_EMPTY, **holding.pop(stats.key, {}), **asdict(stats), "named": True}
+            out.append(entry)
+        out += [{**_EMPTY, **c} for c in holding.values()]
+        return sorted(out, key=lambda c: -max(c.get("last_seen_s", 0.0), c["last_use_s"]))

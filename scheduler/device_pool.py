@@ -89,6 +89,7 @@ def apply_shrink(cache: "PrefixCache", plan: Plan, moves: BlockMoves) -> int:
         cache._dev_free.free([block.device_id])
         block.device_id = new_id
         cache._on_device[new_id] = block
+        cache.index.sync(block)
     for block in plan.parks:
         cache._park(block, moves)
     cache._dev_free.shrink(plan.shrink_to)

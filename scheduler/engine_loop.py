@@ -26,6 +26,7 @@ from engine.sequence import ModelRunner, Sequence
 from engine.tokenizer import Tokenizer
 from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import flush_to_disk, load_disk_index
+from scheduler.conversation_activity import ACTIVE_WINDOW_S
 from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
 from scheduler.device_pool import SEGMENT_BLOCKS as DEVICE_SEGMENT_BLOCKS
@@ -56,7 +57,8 @@ class EngineLoop:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
                  max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
-                 batch_groups: int = 1, admission: MemoryAdmission | None = None, write_behind_mib_s: float = 0,
+                 batch_groups: int = 1, admission: MemoryAdmission | None = None,
+                 conversation_active_s: float = ACTIVE_WINDOW_S, write_behind_mib_s: float = 0,
                  device_min_blocks: int | None = None):
         self.runner = runner
         self.disk = disk
@@ -70,7 +72,7 @@ class EngineLoop:
                                  host_blocks=admission.host_budget_blocks,
                                  disk_blocks=disk.capacity_blocks if disk else 0,
                                  mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block,
-                                 admission=admission)
+                                 admission=admission, active_window_s=conversation_active_s)
         if disk is not None and prefix_cache:
             load_disk_index(self.cache, disk.scan())
         # Blocks reach the disk while serving, so a kill -9 loses seconds of work, not the whole cache.
@@ -183,10 +185,11 @@ class EngineLoop:
 
     def cache_snapshot(self) -> dict:
         """The conversation cache for GET /cache: per tier cached / in use / total (host: budget, committed,
-        used), moves and drops, and the conversations clients named (latest first)."""
+        used), moves and drops, and each conversation holding cached blocks (latest first): its tokens per
+        tier, whether it is active, its last use, and for those clients named, their turns' reuse."""
         usage = self.cache.usage()
         usage["block_size"] = self.cache.block_size
-        usage["conversations"] = self.conversations.snapshot()
+        usage["conversations"] = self.conversations.snapshot(self.cache.activity.snapshot(self.cache.block_size))
         return usage
 
     def pipeline_snapshot(self) -> dict:
@@ -286,7 +289,8 @@ class EngineLoop:
                 self._waiting.popleft()  # can never fit: the API checks this, so this is a bug guard
                 self._finish(request, "error", error=f"{total} tokens do not fit the KV pool")
                 continue
-            match = self.cache.match(tokens, len(tokens) - 1, salt=request.cache_salt)
+            match = self.cache.match(tokens, len(tokens) - 1, salt=request.cache_salt,
+                                     conversation=request.conversation_key)
             first_step = min(len(tokens), match.num_tokens + self.prefill_chunk)
             plan = self.cache.plan_allocate(match, first_step)
             allocation = self.memory.grant(plan)

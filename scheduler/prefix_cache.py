@@ -21,12 +21,14 @@ import logging
 
 from engine.kv import BlockAllocator, blocks_needed
 from scheduler.block_mover import BlockMover, BlockMoves, RecordingMover
-from scheduler.cache_allocation import Allocation, read_disk_blocks
+from scheduler.cache_allocation import Allocation, read_disk_blocks, reuse_by_tier
 from scheduler.cache_drops import DropLog
 from scheduler.cache_explain import explain_miss
 from scheduler.cache_integrity import check_cache
 from scheduler.cache_plan import Plan, plan_device_room
 from scheduler.cache_tree import CachedBlock, PrefixMatch, block_digest, conversation_id, longest_match, root_digest
+from scheduler.conversation_activity import ACTIVE_WINDOW_S, ConversationActivity
+from scheduler.eviction_index import EvictionIndex
 from scheduler.device_pool import apply_growth, apply_shrink, plan_shrink
 from scheduler.memory_admission import MemoryAdmission
 
@@ -39,7 +41,7 @@ class PrefixCache:
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool = True, host_blocks: int = 0,
                  disk_blocks: int = 0, mover: BlockMover | None = None, block_bytes: int = 0,
-                 admission: MemoryAdmission | None = None):
+                 admission: MemoryAdmission | None = None, active_window_s: float = ACTIVE_WINDOW_S):
         self.enabled = enabled  # off: nothing is ever matched or kept (the reference for tests)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -60,17 +62,22 @@ class PrefixCache:
         self.drops = DropLog(block_bytes)
         self._clock = itertools.count(1)
         self._num_owned = 0  # device blocks handed to running requests, not yet in the tree
+        # Every change to a cached block is followed by index.sync(block): the eviction order, kept as it goes.
+        self.activity = ConversationActivity(active_window_s, on_change=lambda blocks: self.index.resync(blocks))
+        self.index = EvictionIndex(block_size, self.activity.is_active)
         self.stats = {"parks": 0, "restores": 0, "spills": 0, "disk_loads": 0, "dropped_blocks": 0,
                       "dropped_tokens": 0, "hits": 0, "misses": 0, "miss_diverged": 0, "miss_evicted": 0,
                       "refused_plans": 0, "device_grows": 0, "device_shrinks": 0}
 
     # -- queries -------------------------------------------------------------------------------------
-    def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "") -> PrefixMatch:
+    def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "",
+              conversation: str | None = None) -> PrefixMatch:
         """Longest cached prefix, at most max_tokens long (callers pass len - 1 so the last prompt token is
-        always computed), among blocks cached under the same salt. Changes nothing."""
+        always computed), among blocks cached under the same salt; `conversation`: the client's name for it,
+        kept for the release. Changes nothing."""
         limit = min(len(token_ids), len(token_ids) if max_tokens is None else max_tokens)
         match = longest_match(self._root(salt), token_ids, limit if self.enabled else 0, self.block_size)
-        match.salt = salt
+        match.salt, match.conversation = salt, conversation or None
         return match
 
     def explain_miss(self, token_ids: list[int], match: PrefixMatch) -> dict | None:
@@ -85,7 +92,7 @@ class PrefixCache:
     @property
     def num_free(self) -> int:
         """Device blocks obtainable now: never-used plus unpinned cached ones (which can be moved off)."""
-        return self._dev_free.num_free + sum(1 for b in self._on_device.values() if b.ref_count == 0)
+        return self._dev_free.num_free + self.index.num_unpinned_device
 
     @property
     def disk_free(self) -> int:
@@ -98,7 +105,7 @@ class PrefixCache:
 
     def usage(self) -> dict[str, int]:
         return {"device_cached": len(self._on_device), "device_in_use": self._num_owned
-                + sum(1 for b in self._on_device.values() if b.ref_count), "device_total": self.num_blocks,
+                + len(self._on_device) - self.index.num_unpinned_device, "device_total": self.num_blocks,
                 "device_ceiling": max(self.num_blocks, self.admission.device_ceiling_blocks),
                 "host_cached": len(self._on_host), "host_total": self.host_blocks,
                 **self.admission.snapshot(len(self._on_host)),
@@ -110,11 +117,12 @@ class PrefixCache:
     def plan_allocate(self, match: PrefixMatch, num_tokens: int) -> Plan | None:
         """Pin the matched blocks (restoring parked ones) and fresh blocks up to num_tokens. None when the
         device cannot make room without moving pinned blocks (then nothing was decided)."""
+        self.activity.expire()  # re-ranks conversations whose window passed; moves nothing
         match, payloads, unreadable = read_disk_blocks(self, match)
         fresh = blocks_needed(num_tokens, self.block_size) - len(match.shared)
         plan = Plan("allocate", fresh=fresh, match=match, payloads=payloads, unreadable=unreadable,
                     restores=[b for b in match.shared if not b.on_device])
-        keep = {id(b) for b in match.shared} | ({id(match.cow_source)} if match.cow_source else set())
+        keep = set(match.shared) | ({match.cow_source} if match.cow_source else set())
         if plan_device_room(self, plan, fresh + len(plan.restores), keep):
             return plan
         source = match.cow_source
@@ -126,10 +134,11 @@ class PrefixCache:
                     restores=plan.restores, takeover=True)
         if source.ref_count == 0 and not source.children:
             return plan if plan_device_room(self, plan, plan.fresh + len(plan.restores), keep) else None
-        return self.plan_allocate(PrefixMatch(match.shared, None, 0, match.salt), num_tokens)
+        return self.plan_allocate(PrefixMatch(match.shared, None, 0, match.salt, match.conversation), num_tokens)
 
     def plan_extend(self, allocation: Allocation, num_tokens: int) -> Plan | None:
         """Fresh blocks so a running request's table holds num_tokens (its next step). None: no room."""
+        self.activity.expire()
         plan = Plan("extend", fresh=max(0, blocks_needed(num_tokens, self.block_size) - len(allocation.block_table)),
                     allocation=allocation)
         return plan if plan_device_room(self, plan, plan.fresh, set()) else None
@@ -172,7 +181,7 @@ class PrefixCache:
         if plan.kind in ("release", "preempt"):
             self._release(plan)
             return plan.allocation
-        reuse = self._reuse_by_tier(plan) if plan.kind == "allocate" else {}
+        reuse = reuse_by_tier(plan) if plan.kind == "allocate" else {}
         sources = {}  # host slots of the blocks being restored, freed first: a park may take one over
         for block in plan.restores:
             if block.on_host:
@@ -180,6 +189,7 @@ class PrefixCache:
                 self._host_free.free([block.host_slot])
                 del self._on_host[block.host_slot]
                 block.host_slot = -1
+                self.index.sync(block)
         for block in plan.unreadable:
             self._drop(block, "disk", "block file missing or corrupt")
         for block in plan.copy_drops:
@@ -205,20 +215,10 @@ class PrefixCache:
             self._drop(block, "host", "host tier full and the disk write failed")
         return alloc
 
-    @staticmethod
-    def _reuse_by_tier(plan: Plan) -> dict[str, int]:
-        """Reused tokens by the tier they come from (before anything moves)."""
-        match = plan.match
-        host = sum(len(b.tokens) for b in plan.restores if b.on_host)
-        disk = sum(len(b.tokens) for b in plan.restores if not b.on_host)
-        source = match.cow_source
-        if source is not None and not source.on_device and not plan.takeover:
-            host, disk = (host + match.cow_tokens, disk) if source.on_host else (host, disk + match.cow_tokens)
-        return {"device": match.num_tokens - host - disk, "host": host, "disk": disk}
-
     def _apply_allocation(self, plan: Plan, moves: BlockMoves, reuse: dict, sources: dict) -> Allocation:
         match, source = plan.match, plan.match.cow_source
-        alloc = Allocation([], len(match.shared), match.num_tokens, reused_by_tier=reuse, salt=match.salt)
+        alloc = Allocation([], len(match.shared), match.num_tokens, reused_by_tier=reuse, salt=match.salt,
+                           conversation=match.conversation)
         for block in match.shared:
             self._pin(block)
         for block in plan.restores:  # back to the device; the lower tier's copy is released
@@ -229,6 +229,8 @@ class PrefixCache:
                 self._load(block, device_id, plan.payloads, moves, keep_source=False)
             block.device_id = device_id
             self._on_device[device_id] = block
+        for block in match.shared:
+            self.index.sync(block)
         if plan.takeover:  # the source becomes the request's own block: it leaves the tree and the disk
             del source.parent.children[source.tokens]
             del self._on_device[source.device_id]
@@ -236,6 +238,8 @@ class PrefixCache:
             if source.disk_copy:
                 del self._disk_copies[source.digest]
                 self.mover.delete_disk(source)
+            self.activity.forget(source)
+            self.index.sync(source)
             own = [source.device_id] + self._dev_free.allocate(plan.fresh)
         else:
             own = self._dev_free.allocate(plan.fresh)
@@ -245,6 +249,7 @@ class PrefixCache:
                 else:
                     self._load(source, own[0], plan.payloads, moves, keep_source=True)
                 source.last_used = next(self._clock)
+                self.index.sync(source)
         self._num_owned += len(own)
         alloc.block_table = [b.device_id for b in match.shared] + own
         alloc.parks, alloc.restores, alloc.copies = moves.parks, moves.restores + [(-1, d) for d, _ in moves.writes], moves.copies
@@ -279,6 +284,7 @@ class PrefixCache:
         self._dev_free.free([block.device_id])
         block.device_id, block.host_slot = -1, slot
         self._on_host[slot] = block
+        self.index.sync(block)
         self.stats["parks"] += 1
 
     def _spill(self, block: CachedBlock, moves: BlockMoves) -> None:
@@ -303,10 +309,13 @@ class PrefixCache:
         block.on_disk = True
         self._on_disk[block.digest] = block
         self.unsaved.pop(id(block), None)
+        self.index.sync(block)
         self.stats["spills"] += 1
 
     def _release(self, plan: Plan) -> None:
         allocation, token_ids, num_computed = plan.allocation, plan.token_ids, plan.num_computed
+        conversation = self.activity.for_release(allocation.conversation, token_ids, self.block_size,
+                                                 finished=plan.kind == "release") if self.enabled else None
         node = self._root(allocation.salt)
         for i, device_id in enumerate(allocation.block_table):
             start = i * self.block_size
@@ -314,12 +323,22 @@ class PrefixCache:
             if i < allocation.num_shared:
                 node = self._on_device[device_id]
                 self._unpin(node)
+                self._keep(node, conversation)
                 continue
             self._num_owned -= 1
             if not tokens or not self.enabled:
                 self._dev_free.free([device_id])
                 continue
             node = self._insert(node, tokens, device_id)
+            self._keep(node, conversation)
+        if conversation is not None:
+            self.activity.forget_if_unused(conversation)  # a request that left nothing cached
+
+    def _keep(self, block: CachedBlock, conversation) -> None:
+        """A released block joins its request's conversation and the eviction order."""
+        if conversation is not None:
+            self.activity.own(block, conversation)
+        self.index.sync(block)
 
     def _drop(self, block: CachedBlock, tier: str, reason: str) -> None:
         """Remove a block and everything cached after it; log what was lost."""
@@ -342,6 +361,9 @@ class PrefixCache:
                 self.mover.delete_disk(node)
             self.unsaved.pop(id(node), None)
             node.device_id, node.host_slot, node.on_disk, node.disk_copy = -1, -1, False, False
+        for node in lost:  # parents first: each child then finds its parent already forgotten
+            self.activity.forget(node)
+            self.index.sync(node)
         tokens = sum(len(n.tokens) for n in lost)
         total = {"device": self.num_blocks, "host": self.host_blocks, "disk": self.disk_blocks}[tier]
         self.drops.record([n.digest for n in lost], tier, reason, conv, tokens, total)
@@ -355,6 +377,7 @@ class PrefixCache:
         del self.unsaved[id(block)]
         block.disk_copy = True
         self._disk_copies[block.digest] = block
+        self.index.sync(block)
 
     def forget_disk_copy(self, block: CachedBlock) -> None:
         """Delete a resident block's file for room; the block stays and is written again later."""
@@ -362,6 +385,7 @@ class PrefixCache:
         block.disk_copy = False
         self.mover.delete_disk(block)
         self.unsaved[id(block)] = block
+        self.index.sync(block)
 
     def check_integrity(self) -> None:
         """Per tier: free + cached (+ owned) == total; tree links consistent; pinned blocks on device."""

@@ -143,3 +143,22 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(tiny, monk
     assert first.finish_reason == "error" and "injected fault" in first.error
     assert second.finish_reason == "length" and len(tokens) == 3
     assert free == 256
+
+
+def test_a_named_conversation_reaches_the_cache_and_is_listed_with_its_tokens(tiny):
+    prompt = _prompt(10, seed=5)
+
+    async def main():
+        loop = _loop(tiny)
+        loop.start()
+        for i in range(2):
+            request = Request(f"c{i}", prompt, _greedy(4))
+            request.conversation_key = "session-7"
+            await _collect(loop.submit(request))
+        await loop.shutdown(1)
+        return loop.cache_snapshot()["conversations"]
+
+    listed = asyncio.run(main())
+    entry = next(c for c in listed if c["key"] == "session-7")
+    assert entry["turns"] == 2 and entry["named"] and entry["active"]
+    assert entry["tokens"] == {"device": 13, "host": 0, "disk": 0}  # 10 prompt + 3 computed reply tokens

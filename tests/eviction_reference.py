@@ -1,0 +1,153 @@
+"""The eviction choice as it was before the index (scheduler/cache_plan.py with write-behind, issue 12 item 7):
+rank every candidate on every plan. Kept verbatim as the reference the index must agree with, choice for
+choice; the one change is the conversation class (issue 12 item 6) in both ranks, after the superseded
+flag, so the same rule is compared with conversations active too (constant False without them).
+"""
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING, Callable
+
+from scheduler.cache_plan import Plan
+from scheduler.cache_tree import CachedBlock, is_superseded
+
+if TYPE_CHECKING:
+    from scheduler.prefix_cache import PrefixCache
+
+
+def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[int]) -> bool:
+    """Add to `plan` what frees `count` device blocks (beyond the free ones); False when it cannot."""
+    short = count - cache._dev_free.num_free
+    if short <= 0:
+        return True
+    victims = _pick(_device_candidates(cache, exclude), short, _device_rank, _device_parent(cache, exclude))
+    if victims is None:
+        return False
+    host = _HostRoom(cache, plan, exclude)
+    for victim in victims:
+        (plan.parks if host.take_slot() else plan.device_drops).append(victim)
+    return True
+
+
+class _HostRoom:
+    """Host slots as the plan consumes them: free ones, then granted growth, then evicted leaves."""
+
+    def __init__(self, cache: "PrefixCache", plan: Plan, exclude: set[int]):
+        self.cache, self.plan, self.exclude = cache, plan, exclude  # exclude: the blocks being restored
+        # Slots the plan's own restores give back count as free: a restore and a park may swap a slot
+        # (the runner reads such a restore's bytes before the park overwrites them).
+        self.free = cache._host_free.num_free + sum(1 for b in plan.restores if b.on_host)
+        self.disk_room = cache.disk_free
+        self.evicted: list[CachedBlock] | None = None
+
+    def take_slot(self) -> bool:
+        cache, plan = self.cache, self.plan
+        if cache.host_blocks == 0:
+            return False
+        if self.free == 0:
+            admission = cache.admission
+            committed = admission.host_committed_blocks + plan.host_grow
+            segment = min(admission.segment_blocks, cache.host_blocks - committed)
+            if segment > 0 and admission.host_room_for(committed + segment):
+                plan.host_grow += segment
+                self.free += segment
+        if self.free == 0 and not self._evict_host_leaf():
+            return False
+        self.free -= 1
+        return True
+
+    def _evict_host_leaf(self) -> bool:
+        """Free a slot: the least valuable host leaf (blocks parked earlier in this plan included) goes to
+        disk, or is dropped without room there. A block parked in this plan then skips the host tier."""
+        cache, plan = self.cache, self.plan
+        where = _virtual_tiers(plan)
+        tier = lambda b: where.get(id(b), b.tier)  # noqa: E731
+        leaves = [b for b in list(cache._on_host.values()) + plan.parks if tier(b) == "host" and b.ref_count == 0
+                  and id(b) not in self.exclude and not any(tier(c) in ("device", "host") for c in b.children.values())]
+        if not leaves:
+            return False
+        victim = min(leaves, key=_host_rank)
+        has_file = victim.disk_copy and victim not in plan.copy_drops  # a copy this plan deleted needs room again
+        if self.disk_room == 0 and cache.disk_blocks and not has_file:
+            self._make_disk_room(tier)
+        was_parked = victim in plan.parks
+        if was_parked:
+            plan.parks.remove(victim)
+        if has_file:  # written behind: its file is there, the spill costs no room
+            plan.spills.append(victim)
+        elif self.disk_room > 0:
+            plan.spills.append(victim)
+            self.disk_room -= 1
+        else:
+            plan.host_drops.append(victim)  # from the device when this plan had parked it: no wasted copy
+        self.free += 1
+        return True
+
+
+    def _make_disk_room(self, tier) -> None:
+        """One file's room: a written-behind copy goes first (its block stays resident), else a disk leaf."""
+        cache, plan = self.cache, self.plan
+        copies = [b for b in cache._disk_copies.values() if b not in plan.copy_drops and tier(b) in ("device", "host")]
+        if copies:
+            plan.copy_drops.append(min(copies, key=_host_rank))
+            self.disk_room += 1
+            return
+        disk_leaves = [b for b in cache._on_disk.values()
+                       if not b.children and tier(b) == "disk" and id(b) not in self.exclude]
+        if disk_leaves:
+            plan.disk_drops.append(min(disk_leaves, key=_host_rank))
+            self.disk_room += 1
+
+
+def _virtual_tiers(plan: Plan) -> dict[int, str]:
+    """Where the plan has put each block it moved so far ("gone" for drops)."""
+    where = {id(b): "host" for b in plan.parks}
+    where.update({id(b): "disk" for b in plan.spills})
+    where.update({id(b): "gone" for b in plan.host_drops + plan.device_drops + plan.disk_drops})
+    return where
+
+
+def _device_candidates(cache: "PrefixCache", exclude: set[int]) -> list[CachedBlock]:
+    return [b for b in cache._on_device.values() if b.ref_count == 0 and id(b) not in exclude]
+
+
+def _device_parent(cache: "PrefixCache", exclude: set[int]) -> Callable[[CachedBlock], CachedBlock | None]:
+    def parent(block: CachedBlock) -> CachedBlock | None:
+        p = block.parent
+        ok = p is not None and p.on_device and p.ref_count == 0 and id(p) not in exclude
+        return p if ok else None
+    return parent
+
+
+def _device_rank(block: CachedBlock, gone: set[int]) -> tuple:
+    has_device_child = any(c.on_device and id(c) not in gone for c in block.children.values())
+    return (has_device_child, not is_superseded(block), _active(block), block.last_used)
+
+
+def _host_rank(block: CachedBlock) -> tuple:
+    return (not is_superseded(block), _active(block), block.last_used)
+
+
+_active: Callable[[CachedBlock], bool] = lambda block: False  # noqa: E731  set by the test to the cache's
+
+
+def _pick(candidates: list[CachedBlock], count: int, rank, parent_of) -> list[CachedBlock] | None:
+    """The `count` best victims in rank order, as if each were removed before the next is chosen."""
+    gone: set[int] = set()
+    heap = [(rank(b, gone), id(b), b) for b in candidates]
+    heapq.heapify(heap)
+    out: list[CachedBlock] = []
+    while heap and len(out) < count:
+        key, ident, block = heapq.heappop(heap)
+        if ident in gone:
+            continue
+        current = rank(block, gone)
+        if current != key:  # a child left since this entry was made: it ranks better now
+            heapq.heappush(heap, (current, ident, block))
+            continue
+        out.append(block)
+        gone.add(ident)
+        parent = parent_of(block)
+        if parent is not None and id(parent) not in gone:
+            heapq.heappush(heap, (rank(parent, gone), id(parent), parent))
+    return out if len(out) == count else None

@@ -1,0 +1,205 @@
+"""The eviction index chooses exactly what the full scans chose (tests/eviction_reference.py), victim for
+victim, on randomized workloads with every tier under pressure, refused grants, failed disk writes,
+unreadable files and blocks loaded from disk (ties on last use); the index equals a full scan after every
+operation (check_integrity), and a plan, granted or refused, leaves it untouched."""
+import dataclasses
+import random
+
+import pytest
+
+import scheduler.cache_plan as cache_plan
+import scheduler.prefix_cache as prefix_cache_module
+import tests.eviction_reference as reference
+from scheduler.cache_persistence import load_disk_index
+from scheduler.disk_tier import DiskEntry
+from scheduler.memory_admission import MemoryAdmission
+from scheduler.prefix_cache import PrefixCache
+from scheduler.write_behind import WriteBehind
+
+B = 4
+
+
+class _Compare:
+    """plan_device_room run twice on the same state: the reference on a copy of the plan, the index on it."""
+
+    def __init__(self):
+        self.calls = self.victims = 0
+        self.kinds: set[str] = set()
+
+    def __call__(self, cache, plan, count, exclude):
+        reference._active = cache.activity.is_active
+        copy = dataclasses.replace(plan, parks=list(plan.parks), device_drops=list(plan.device_drops),
+                                   spills=list(plan.spills), host_drops=list(plan.host_drops),
+                                   disk_drops=list(plan.disk_drops), copy_drops=list(plan.copy_drops))
+        before = _index_state(cache)
+        expected = reference.plan_device_room(cache, copy, count, {id(b) for b in exclude})
+        found = cache_plan.plan_device_room(cache, plan, count, exclude)
+        assert found == expected
+        for name in ("parks", "device_drops", "spills", "host_drops", "disk_drops", "copy_drops"):
+            got, want = getattr(plan, name), getattr(copy, name)
+            assert [id(b) for b in got] == [id(b) for b in want], (name, [b.tokens for b in got],
+                                                                   [b.tokens for b in want])
+            if got:
+                self.kinds.add(name)
+        assert plan.host_grow == copy.host_grow
+        assert _index_state(cache) == before, "a plan changed the index"
+        self.calls += 1
+        self.victims += len(plan.parks) + len(plan.device_drops)
+        return found
+
+
+def _index_state(cache):
+    return [list(s) for s in (cache.index.device, cache.index.host, cache.index.disk)]
+
+
+@pytest.fixture
+def compare(monkeypatch):
+    checker = _Compare()
+    monkeypatch.setattr(prefix_cache_module, "plan_device_room", checker)
+    yield checker
+    reference._active = lambda block: False
+
+
+def _cache(num_blocks=12, host_blocks=6, disk_blocks=8, machine_room=None):
+    room = None if machine_room is None else (lambda: machine_room)  # bytes = blocks here (block_bytes 1)
+    admission = MemoryAdmission(host_blocks, block_bytes=1, host_committed_blocks=0, segment_blocks=2,
+                                machine_room_bytes=room)
+    return PrefixCache(num_blocks=num_blocks, block_size=B, host_blocks=host_blocks, disk_blocks=disk_blocks,
+                       admission=admission)
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _workload(cache, seed, steps, keys=False):
+    """Random turns of a few conversations (continued, branched, new), grown step by step, some finished,
+    some preempted, a share of grants refused; integrity after every operation."""
+    rng = random.Random(seed)
+    writer = WriteBehind(cache, block_bytes=2**20, mib_per_s=1) if cache.disk_blocks else None
+    clock = _Clock()
+    cache.activity.clock = clock
+    history: dict[int, list[int]] = {}
+    running = []  # (tokens, computed, allocation, key)
+    for _ in range(steps):
+        clock.now += rng.choice([1, 1, 5, 400])  # sometimes past the active window
+        refuse = rng.random() < 0.1
+        cache.admission.refuse_points = {rng.choice(["park", "spill", "grow", "restore"])} if refuse else set()
+        cache.mover.fail_saves = rng.random() < 0.05
+        if writer is not None and rng.random() < 0.3:
+            writer.tick(writer.last_tick + rng.choice([1, 2, 3]))  # 1-3 blocks written behind
+        action = rng.random()
+        if action < 0.45 and len(running) < 3:
+            conv = rng.randrange(6)
+            past = history.get(conv, [])
+            if past and rng.random() < 0.3:
+                past = past[: rng.randrange(len(past))]  # an edited history: a branch
+            tokens = past + [rng.randrange(1, 9) for _ in range(rng.randrange(1, 9))]
+            if rng.random() < 0.1 and cache._on_disk:
+                cache.mover.unreadable = {rng.choice(list(cache._on_disk.values())).digest}
+            key = f"k{conv}" if keys and conv % 2 else None
+            match = cache.match(tokens, len(tokens) - 1, conversation=key)
+            alloc = cache.allocate(match, min(len(tokens), match.num_tokens + rng.randrange(1, 7)))
+            cache.mover.unreadable = set()
+            if alloc is not None:
+                running.append([conv, tokens, alloc.cached_tokens, alloc])
+        elif action < 0.8 and running:
+            item = rng.choice(running)
+            n = rng.randrange(1, 6)
+            if item[2] + n > len(item[1]):
+                item[1] = item[1] + [rng.randrange(1, 9) for _ in range(item[2] + n - len(item[1]))]
+            if cache.extend(item[3], item[2] + n):
+                item[2] += n
+        elif running:
+            item = running.pop(rng.randrange(len(running)))
+            conv, tokens, computed, alloc = item
+            if rng.random() < 0.2:
+                cache.apply(cache.plan_release(tokens, computed, alloc, kind="preempt"))
+            else:
+                cache.release(tokens, computed, alloc)
+                history[conv] = tokens
+        cache.check_integrity()
+    for conv, tokens, computed, alloc in running:
+        cache.release(tokens, computed, alloc)
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_index_chooses_the_same_victims_as_the_full_scan(compare, seed):
+    cache = _cache()
+    _workload(cache, seed, 1500, keys=seed % 2 == 1)
+    assert compare.calls > 200 and compare.victims > 200, (compare.calls, compare.victims)
+
+
+def test_every_kind_of_eviction_was_compared(compare):
+    # the last two: the machine refuses host growth past 2 slots, or at all (victims dropped on the device)
+    for seed, config in enumerate([(12, 6, 8), (10, 2, 0), (9, 3, 2), (10, 6, 4, 2), (10, 6, 4, 0)]):
+        _workload(_cache(*config), seed, 1500, keys=True)
+    assert compare.kinds == {"parks", "device_drops", "spills", "host_drops", "disk_drops", "copy_drops"}
+
+
+def test_same_victims_without_host_or_disk_tiers(compare):
+    cache = PrefixCache(num_blocks=10, block_size=B)
+    _workload(cache, 11, 1500)
+    assert compare.kinds == {"device_drops"}
+
+
+def test_same_victims_among_blocks_loaded_from_disk_that_tie_on_last_use(compare):
+    first = _cache(disk_blocks=40)
+    _workload(first, 3, 600)
+    blocks = [b for b in first._on_disk.values()]
+    blocks += [b for b in [*first._on_device.values(), *first._on_host.values()]]
+    entries = [DiskEntry(b.digest, b.parent.digest, b.tokens) for b in blocks]
+    second = _cache(disk_blocks=10)  # fewer than were saved: the disk tier is full from the start
+    assert load_disk_index(second, entries) > 5
+    second.check_integrity()
+    assert {b.last_used for b in second._on_disk.values()} == {0}
+    _workload(second, 4, 1500)
+    assert "disk_drops" in compare.kinds
+
+
+def test_a_refused_plan_leaves_the_index_exactly_as_it_was():
+    cache = _cache(num_blocks=4, host_blocks=2, disk_blocks=2)
+    for first in (1, 2, 3):
+        tokens = [first] * 8
+        alloc = cache.allocate(cache.match(tokens, 7), 8)
+        cache.release(tokens, 8, alloc)
+    before = _index_state(cache)
+    cache.admission.refuse_points = {"park"}
+    assert cache.allocate(cache.match([4] * 8, 7), 8) is None
+    assert _index_state(cache) == before
+    cache.check_integrity()
+
+
+def test_num_free_counts_unpinned_cached_blocks_from_the_index():
+    cache = PrefixCache(num_blocks=8, block_size=B)
+    alloc = cache.allocate(cache.match([1] * 12, 11), 12)
+    cache.release([1] * 12, 12, alloc)  # 3 blocks cached, unpinned
+    assert cache.num_free == 8 and cache.index.num_unpinned_device == 3
+    held = cache.allocate(cache.match([1] * 9, 8), 12)  # pins the first two, copies from none
+    assert cache.num_free == 8 - 2 - 1 and cache.usage()["device_in_use"] == 3
+    cache.release([1] * 9, 9, held)
+    cache.check_integrity()
+
+
+def test_sorted_keys_stay_sorted_through_splits_and_removals():
+    from scheduler.sorted_keys import SortedKeys
+    rng = random.Random(7)
+    keys, present = SortedKeys(), set()
+    for _ in range(5000):  # enough for runs to split (load 256) and to empty
+        key = (rng.random() < 0.5, rng.randrange(3000))
+        if key in present:
+            keys.remove(key)
+            present.discard(key)
+        else:
+            keys.add(key)
+            present.add(key)
+    keys.check()
+    assert list(keys) == sorted(present) and len(keys) == len(present) and len(keys._runs) > 1
+    for key in sorted(present):
+        keys.remove(key)
+    assert list(keys) == [] and keys._runs == []
