@@ -76,7 +76,8 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
     request = Request(request_id, prepared.prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
                       describe_position=position_describer(state, turn), constraint=prepared.constraint,
                       num_tools=len(turn.specs.tools) if num_tools is None else num_tools,
-                      conversation_key=turn.conversation_key)
+                      conversation_key=turn.conversation_key,
+                      earlier_turns=sum(m.get("role") == "assistant" for m in turn.messages))
     stream = submit(state, request)
     return TurnRun(request, stream, prepared, ReplyAssembler(prepared.create_parser(), state.protocol.reasoning_field))
 

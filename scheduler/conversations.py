@@ -44,6 +44,10 @@ class ConversationLog:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
+    def __contains__(self, key: str) -> bool:
+        """Whether a turn of conversation ``key`` finished here since start (among the last `capacity`)."""
+        return key in self._entries
+
     def snapshot(self) -> list[dict]:
         """Every tracked conversation, most recently used first."""
         return [asdict(s) for s in reversed(self._entries.values())]
