@@ -28,7 +28,8 @@ from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
 
 log = logging.getLogger("strata.api")
-_OPEN_PATHS = {"/health", "/metrics"}  # answer without the API key (load balancers, scrapers)
+# answer without the API key: load balancers, scrapers, and a router's probes (api/worker_info.py)
+_OPEN_PATHS = {"/health", "/metrics", *worker_info.OPEN_PATHS}
 
 
 @dataclass

@@ -14,6 +14,9 @@ from importlib import metadata
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+# Open like /health (no API key): a router probes with no key unless told one per worker, and would
+# register a keyed replica under the model id "unknown". They tell what is served, not what was asked.
+OPEN_PATHS = ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_load")
 # GGUF `general.architecture` -> the Hugging Face class name sglang reports in `architectures`
 _HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                      "gemma3": "Gemma3ForCausalLM", "mistral": "MistralForCausalLM"}
