@@ -12,9 +12,9 @@ over request text, its default; also with `--cache-threshold 0.7` instead of 0.3
 
 `ideal` = prompt tokens not shared with the conversation's own previous prompt + reply, + 1 per request: what
 the replica that kept the conversation must compute. A replica may compute less where conversations share a
-prefix (SmolLM2's default system prompt), so a ratio can be under 1. A "full re-read" is a turn that
-recomputed its conversation's history (at least one 16-token block more than its ideal): on a replica that
-never held the conversation, everything but the prefix it shares with the others.
+prefix (SmolLM2's default system prompt), so a ratio can be under 1. A "full re-read" is a turn that reused
+under half of its conversation's history (its previous prompt + reply): on a replica that never held the
+conversation, it reuses only the prefix all conversations share.
 
 Then, with key routing, the replica-loss sequence: replica 0 stops (its cache flushed to its disk tier),
 every conversation takes a turn, replica 0 starts again on the same port and disk tier, every conversation
@@ -46,7 +46,6 @@ POLICIES = {"round_robin": ["--policy", "round_robin"], "cache_aware": ["--polic
             # worker with the smallest tree, instead of on whichever holds the shared prefix
             "cache_aware 0.7": ["--policy", "cache_aware", "--cache-threshold", "0.7"],
             "key (manual)": ["--policy", "manual"]}
-REREAD_TOKENS = 16  # one block: a turn that recomputed at least this much of its own history re-read it
 REPLICA_CONFIG = dict(batch=1, ctx_size=512, conversation_cache_mib=8, conversation_cache_disk_mib=256)
 
 
@@ -92,7 +91,7 @@ class Client:
         computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
         return {"reply": reply, "prompt": usage["prompt_tokens"], "computed": computed,
                 "ideal": len(prompt) - shared + 1, "ttft": ttft or 0.0,
-                "reread": computed >= len(prompt) - shared + 1 + REREAD_TOKENS}
+                "reread": shared > 0 and usage["prompt_tokens_details"]["cached_tokens"] < shared / 2}
 
 
 def play_round(client, conversations: dict[str, list[dict]], turn: int) -> list[dict]:
