@@ -14,7 +14,8 @@ if [ ! -x "$ROUTER_VENV/bin/python" ]; then
   "$PYTHON" -m venv "$ROUTER_VENV" >&2
 fi
 if ! "$ROUTER_VENV/bin/python" -c 'import sglang_router.sglang_router_rs' 2>/dev/null; then
-  "$ROUTER_VENV/bin/python" -m pip install --quiet --disable-pip-version-check "$ROUTER_SPEC" >&2
+  "$ROUTER_VENV/bin/python" -m pip install --quiet --disable-pip-version-check --retries 2 --timeout 30 \
+    "$ROUTER_SPEC" >&2
 fi
 "$ROUTER_VENV/bin/python" -c 'import sglang_router.sglang_router_rs' >&2
 echo "$(cd "$ROUTER_VENV" && pwd)/bin/python"
