@@ -93,7 +93,7 @@ class OutputProcessor:
             else:
                 log.info("%sno replica held it here: this replica never served the conversation since it "
                          "started, yet the prompt carries %d earlier turns (computed on another replica, which "
-                         "may have stopped); it matched only %d tokens%s shared with other prompts, and the "
+                         "may have stopped, or here before a restart); it matched only %d tokens%s shared with other prompts, and the "
                          "rest is read again", named, miss["earlier_turns"], position, where,
                          extra={"fields": fields})
         elif miss["cause"] == "evicted":
