@@ -61,7 +61,11 @@ def test_router_registers_balances_and_moves_conversations(router, smollm2, smol
     a = Replica(smollm2, conversation_cache_dir=str(tmp_path / "disk-a"), **common).start()
     b = Replica(open_model(str(smollm2_path)), **common).start()
     try:
-        with running_router(router, [a.url, b.url], tmp_path / "router.log", "--policy", "manual") as url:
+        # --cb-failure-threshold 3 (docs/DEPLOY.md): a request that finds its replica gone opens the circuit
+        # within its 5 retries and is retried on the other replica, before any health check has run; the
+        # circuit tries to close after --cb-timeout-duration-secs (default 60), whatever the health checks say
+        with running_router(router, [a.url, b.url], tmp_path / "router.log", "--policy", "manual",
+                            "--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "1") as url:
             workers = wait_for_workers(url, lambda ws: len(ws) == 2)
             assert {w["model_id"] for w in workers} == {a.state.served_name}  # from /server_info
             assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == a.state.served_name
@@ -87,8 +91,8 @@ def test_router_registers_balances_and_moves_conversations(router, smollm2, smol
             moved = c1  # the conversation whose replica will stop
 
             a.stop()  # flushes its cache to its disk tier
+            usage = moved.turn(url, "Last one?")  # at once: answered (turn() asserts 200), by b
             wait_for_workers(url, lambda ws: healthy(ws) == {a.url: False, b.url: True})
-            usage = moved.turn(url, "Last one?")
             assert usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"] // 2  # a re-read
             assert _turns_on(b, moved.key) == 1
             [unseen] = _unseen(caplog)
