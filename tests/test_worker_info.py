@@ -56,3 +56,23 @@ def test_worker_info_answers_without_the_api_key_like_health(smollm2):
         for path in ("/server_info", "/model_info", "/get_load"):
             assert httpx.get(url + path).status_code == 200
         assert httpx.get(url + "/slots").status_code == 401  # the rest still needs it
+
+
+def test_conversation_name_prefers_the_body_then_the_routing_key_then_x_conversation_id():
+    from api.turn_runner import conversation_name
+
+    both = {"x-smg-routing-key": "route-1", "x-conversation-id": "conv-1"}
+    assert conversation_name("pck", both) == "pck"  # prompt_cache_key / Claude Code's session id
+    assert conversation_name(None, both) == "route-1"
+    assert conversation_name(None, {"x-conversation-id": "conv-1"}) == "conv-1"
+    assert conversation_name(None, {"x-smg-routing-key": ""}) is None
+
+
+@pytest.mark.slow
+def test_a_responses_turn_named_only_by_the_routers_header_is_tracked_under_it(smollm2):
+    # what reaches a replica from sglang-router: the routing key header, prompt_cache_key dropped from the body
+    with running_server(smollm2, batch=1, ctx_size=512) as (url, state):
+        body = {"model": "smollm2", "input": "Say hi.", "max_output_tokens": 2, "store": False}
+        reply = httpx.post(url + "/v1/responses", json=body, headers={"X-SMG-Routing-Key": "codex-7"}, timeout=120)
+        assert reply.status_code == 200
+        assert [c["key"] for c in state.engine.conversations.snapshot()] == ["codex-7"]
