@@ -15,7 +15,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api import completions, messages_api, responses_api
+from api import completions, messages_api, responses_api, worker_info
 from api.chat_protocol import ChatProtocol
 from api.config import ServerConfig
 from api.errors import APIError, bad_request, internal_error, too_large, unauthorized
@@ -28,7 +28,8 @@ from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
 
 log = logging.getLogger("strata.api")
-_OPEN_PATHS = {"/health", "/metrics"}  # answer without the API key (load balancers, scrapers)
+# answer without the API key: load balancers, scrapers, and a router's probes (api/worker_info.py)
+_OPEN_PATHS = {"/health", "/metrics", *worker_info.OPEN_PATHS}
 
 
 @dataclass
@@ -243,6 +244,7 @@ def create_app(state: ServerState, lifespan=None) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),
+        *worker_info.create_routes(endpoint),  # what routers probe: /server_info, /model_info, /get_load
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.strata = state

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Mapping
 
 from starlette.requests import Request as HTTPRequest
 
@@ -25,6 +25,7 @@ from scheduler.request import Delta, Request
 
 log = logging.getLogger("strata.api")
 RETRY_AFTER_S = 2
+CONVERSATION_HEADERS = ("x-smg-routing-key", "x-conversation-id")  # lower case: HTTP names ignore case
 
 
 @dataclass
@@ -76,9 +77,18 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
     request = Request(request_id, prepared.prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
                       describe_position=position_describer(state, turn), constraint=prepared.constraint,
                       num_tools=len(turn.specs.tools) if num_tools is None else num_tools,
-                      conversation_key=turn.conversation_key)
+                      conversation_key=conversation_name(turn.conversation_key, http_request.headers),
+                      earlier_turns=sum(m.get("role") == "assistant" for m in turn.messages))
     stream = submit(state, request)
     return TurnRun(request, stream, prepared, ReplyAssembler(prepared.create_parser(), state.protocol.reasoning_field))
+
+
+def conversation_name(body_key: str | None, headers: Mapping[str, str]) -> str | None:
+    """The name a turn's conversation goes by in the logs and /cache: the body's (``prompt_cache_key``, Claude
+    Code's session id), else the routing key a router forwards (SGLang's ``X-SMG-Routing-Key``, the one
+    header it passes on, and which it drops ``prompt_cache_key`` from Responses bodies in favour of), else
+    ``X-Conversation-Id``."""
+    return body_key or next((headers[h] for h in CONVERSATION_HEADERS if headers.get(h)), None)
 
 
 def position_describer(state, turn: ChatTurn) -> Callable[[int], str]:

@@ -46,6 +46,10 @@ class ConversationLog:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
+    def __contains__(self, key: str) -> bool:
+        """Whether a turn of conversation ``key`` finished here since start (among the last `capacity`)."""
+        return key in self._entries
+
     def snapshot(self, cached: list[dict] = ()) -> list[dict]:
         """Every tracked conversation, most recently used first, joined by key with what the cache holds of
         each (`cached`: ConversationActivity.snapshot, unnamed conversations included)."""

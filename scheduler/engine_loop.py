@@ -26,6 +26,7 @@ from engine.sequence import ModelRunner, Sequence
 from engine.tokenizer import Tokenizer
 from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import flush_to_disk, load_disk_index
+from scheduler.cache_explain import explain_unseen
 from scheduler.conversation_activity import ACTIVE_WINDOW_S
 from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
@@ -198,6 +199,14 @@ class EngineLoop:
                   for g in range(self.num_groups)]
         return {"stages": self.pipeline.snapshot(), "groups": groups}
 
+    def load_snapshot(self) -> dict:
+        """Requests running and waiting, and the tokens they hold or will need (KV blocks of the running
+        ones, prompts of the waiting ones): what a router balances on (GET /get_load)."""
+        running = [r for r in self._slots if r is not None]
+        held = sum(len(r.seq.block_table) * self.runner.block_size for r in running if r.seq is not None)
+        return {"running": len(running), "waiting": len(self._waiting),
+                "tokens": held + sum(r.prompt_len for r in self._waiting)}
+
     @property
     def queue_depth(self) -> int:
         return len(self._waiting)
@@ -306,7 +315,7 @@ class EngineLoop:
                             request.request_id, lost, extra={"fields": {"request_id": request.request_id,
                                                                         "recomputed": lost}})
             if request.seq is None:
-                self.output.report_miss(request, self.cache.explain_miss(request.prompt_ids, match))
+                self.output.report_miss(request, self._explain_miss(request, match, allocation))
                 request.cached_tokens = allocation.cached_tokens
                 request.sampler = Sampler(request.params)
                 request.admitted_s = time.perf_counter()
@@ -321,6 +330,16 @@ class EngineLoop:
         self.metrics.observe_cache(self.cache.usage())
         if self.integrity_checks:
             self.cache.check_integrity()
+
+    def _explain_miss(self, request: Request, match, allocation) -> dict | None:
+        """Why the cache reused no more of a new request's prompt; None when it never held more. A named
+        conversation this replica never served is explained as such first: its prompt also diverges from
+        whatever else is cached here, but that is not why it missed."""
+        in_cache = self.cache.explain_miss(request.prompt_ids, match)  # always: it counts hits and misses
+        key = request.conversation_key
+        served_here = key is not None and key in self.conversations
+        return explain_unseen(key, served_here, request.earlier_turns, match,
+                              allocation.reused_by_tier.get("disk", 0)) or in_cache
 
     def _reserve(self, request: Request, n: int) -> bool:
         """Blocks for the request's next n tokens. When the pool is short, the plan parks unpinned cached

@@ -83,7 +83,20 @@ class OutputProcessor:
         base = {"request_id": request.request_id, "position": position}
         if request.conversation_key:
             base["conversation"] = request.conversation_key
-        if miss["cause"] == "evicted":
+        if miss["cause"] == "unseen":
+            fields = {**base, "miss": "unseen", "earlier_turns": miss["earlier_turns"], "disk": miss["disk_tokens"]}
+            if miss["disk_tokens"]:
+                log.info("%snot served by this replica since it started, yet the prompt carries %d earlier "
+                         "turns: the cache matched %d tokens%s, %d of them from its disk tier (computed here "
+                         "before a restart); the rest, computed on another replica meanwhile, is read again", named,
+                         miss["earlier_turns"], position, where, miss["disk_tokens"], extra={"fields": fields})
+            else:
+                log.info("%sno replica held it here: this replica never served the conversation since it "
+                         "started, yet the prompt carries %d earlier turns (computed on another replica, which "
+                         "may have stopped, or here before a restart); it matched only %d tokens%s shared with other prompts, and the "
+                         "rest is read again", named, miss["earlier_turns"], position, where,
+                         extra={"fields": fields})
+        elif miss["cause"] == "evicted":
             age_s = time.time() - miss["evicted_at"]
             log.info("%sprompt diverged from the cache at token %d%s: the rest was evicted from the %s tier "
                      "%.0f s ago (%s)", named, position, where, miss["tier"], age_s, miss["reason"],

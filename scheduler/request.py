@@ -73,6 +73,7 @@ class Request:
     constraint: "TokenConstraint | None" = None  # grammar on the sampled tokens (engine/grammar.py)
     num_tools: int = 0  # tool definitions the request carried, for the summary log line
     conversation_key: str | None = None  # the client's name for the conversation (prompt_cache_key, session id)
+    earlier_turns: int = 0  # assistant replies the prompt carries (0: the conversation's first turn)
     preemptions: int = 0  # times its blocks were given back to the cache for a request that needed room
 
     @property
