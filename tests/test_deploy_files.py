@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DEPLOY = ROOT / "deploy"
+DEPLOY = ROOT / "scripts" / "deploy"
 # docs/DEPLOY.md, "Several replicas on one host": the template unit, one config file per instance
 TEMPLATE_SED = "s#--config /etc/strata/config.json#--config /etc/strata/%i.json#"
 
