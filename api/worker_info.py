@@ -40,7 +40,7 @@ def server_info(state) -> dict:
         "tp_size": 1,
         "context_length": state.ctx_size,
         "max_running_requests": engine.num_slots,
-        "max_total_tokens": engine.cache.num_blocks * engine.runner.block_size,  # the device KV pool
+        "max_total_tokens": engine.device_pool_tokens,
         "max_prefill_tokens": engine.prefill_chunk,
         "version": _version(),
         "engine": "strata",

@@ -211,6 +211,11 @@ class EngineLoop:
     def queue_depth(self) -> int:
         return len(self._waiting)
 
+    @property
+    def device_pool_tokens(self) -> int:
+        """Tokens the device KV pool holds now (an elastic pool: its current size, not its ceiling)."""
+        return self.cache.num_blocks * self.runner.block_size
+
     # -- the loop -----------------------------------------------------------------------------------
     async def _stream(self, request: Request) -> AsyncIterator[Delta]:
         try:

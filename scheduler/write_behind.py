@@ -12,6 +12,7 @@ drop a block while its bytes are copied; the byte budget per tick keeps that pau
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 
@@ -45,7 +46,7 @@ class WriteBehind:
         elapsed, self.last_tick = now - self.last_tick, now
         budget = max(1, int(min(elapsed, 1.0) * self.bytes_per_s) // self.block_bytes)
         written = 0
-        for block in self._order():
+        for block in self._order(budget):
             if written >= budget or self.cache.disk_free <= 0:
                 break
             if not self.cache.mover.save(block):
@@ -56,10 +57,11 @@ class WriteBehind:
         self.written_blocks += written
         return written
 
-    def _order(self):
-        """Unsaved blocks, the most recently used conversation first, every block after its parent."""
+    def _order(self, budget: int):
+        """Unsaved blocks, the most recently used conversation first, every block after its parent. Only the
+        newest few tips are ranked (a turn writes `budget` blocks), so a tick costs O(n log budget)."""
         unsaved = self.cache.unsaved
-        for tip in sorted(unsaved.values(), key=lambda b: b.last_used, reverse=True):
+        for tip in heapq.nlargest(2 * budget, unsaved.values(), key=lambda b: b.last_used):
             if id(tip) not in unsaved:
                 continue  # written already, as an ancestor of a newer tip
             for block in _unsaved_path(tip, unsaved):
