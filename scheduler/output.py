@@ -114,7 +114,11 @@ class OutputProcessor:
 
     def _log_summary(self, request: Request, reason: str, error: str | None) -> None:
         reused = request.cached_tokens
-        computed = request.prompt_len - reused if request.prefill_done_s else 0
+        # A request that ends inside its prompt (aborted, preempted for good, failed) read what it computed;
+        # those tokens stay cached, and the next try of the same prompt reuses them.
+        done = request.prompt_len if request.prefill_done_s else min(request.prompt_len, getattr(
+            request.seq, "num_computed", 0))
+        computed = max(0, done - reused)
         read_ms = ((request.prefill_done_s or time.perf_counter()) - (request.admitted_s or request.arrival_s)) * 1e3
         rate = computed / (read_ms / 1e3) if read_ms > 0 else 0.0
         tiers = request.allocation.reused_by_tier if request.allocation is not None else {}

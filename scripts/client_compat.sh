@@ -49,6 +49,10 @@ for name in "${names[@]}"; do
   timeout "${CLIENT_TIMEOUT_S:-1500}" bash "scripts/clients/$name.sh" "$port" "$work" >"$work/out.txt" 2>&1 || status=$?
   seconds=$(( $(date +%s) - started ))
   result=$(grep '^RESULT ' "$work/out.txt" | tail -1 || true)
+  if [ -z "$result" ] && [ -f "scripts/clients/summarize.py" ] && [ "$name" != llm ]; then
+    # Killed by the timeout before it printed its line: read the events it had written so far.
+    result=$(python3 scripts/clients/summarize.py "$name" <"$work/out.txt" | tail -1)
+  fi
   tail -n +"$((start_line + 1))" "$log" >"$work/server.log"
   .venv/bin/python - "$name" "$status" "$seconds" "$result" "$work/server.log" >>"$rows" <<'PY'
 import json, re, sys

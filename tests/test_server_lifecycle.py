@@ -220,6 +220,32 @@ def test_progress_lines_count_up_and_each_request_has_one_summary_line(tiny, req
                                                                                                  "length")
 
 
+def test_a_request_aborted_inside_its_prompt_reports_what_it_read_and_leaves_it_cached(tiny, request_log):
+    model, tokenizer = tiny
+    prompt = np.random.default_rng(8).integers(3, 250, size=60).tolist()
+
+    async def main():
+        loop = EngineLoop(ModelRunner(model, 256, 4), tokenizer, num_slots=1, prefill_chunk=8, max_queue=4,
+                          progress_interval_s=0.0)
+        loop.start()
+        request = Request("cut", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        stream = loop.submit(request)
+        while request.seq is None or request.seq.num_computed < 24:
+            await asyncio.sleep(0.001)
+        loop.abort("cut")
+        async for _ in stream:
+            pass
+        again = loop.submit(Request("again", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+        cached = [d.usage.cached_tokens async for d in again if d.finish_reason is not None]
+        await loop.shutdown(1)
+        return cached[0]
+
+    cached = asyncio.run(main())
+    _, reused, computed, _, _ = _lines_of(request_log, "cut", SUMMARY)[0]
+    assert reused == 0 and 24 <= computed < len(prompt)  # what it had read when it was cut, not 0
+    assert cached >= computed // 4 * 4  # its full blocks were kept: the retry reuses them
+
+
 # -- `strata serve --log-format json`, a real process -------------------------------------------------------
 
 def _free_port() -> int:
