@@ -30,7 +30,11 @@ class Sequence:
 
 
 class ModelRunner:
-    """Owns a model's KV pools and allocator; runs one batched forward over chosen sequences.
+    """Owns a model's KV pools; runs one batched forward over chosen sequences.
+
+    Block ids have one owner at a time. Under the server the conversation cache owns them
+    (`claim_blocks`), and `ensure_blocks` / `release` then refuse; without one (`strata generate`, tests,
+    benchmarks) those two hand out ids from a free list the runner makes on first use.
 
     With a layer split (engine/stages.py) the pools are per stage; one allocator hands out block ids that
     are valid in every stage's pool, and every block operation (copy, park, restore, read, write) acts on
@@ -45,7 +49,22 @@ class ModelRunner:
         self.host_layout = layout_for(model.config, host_blocks, block_size)
         self.stages = [self._make_stage(i, layers, num_blocks, host_blocks)
                        for i, layers in enumerate(split_layers(model.config.n_layers, layer_split))]
-        self.allocator = BlockAllocator(num_blocks)
+        self._standalone: BlockAllocator | None = None  # block ids for runs without a conversation cache
+        self.blocks_owner: str | None = None
+
+    def claim_blocks(self, owner: str) -> None:
+        """Hand every block id to `owner` (the conversation cache); standalone tables are refused from now on."""
+        assert self._standalone is None or self._standalone.num_free == self.layout.num_blocks, \
+            "block ids are already in standalone use"
+        self.blocks_owner, self._standalone = owner, None
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        """The standalone free list (runs without a conversation cache)."""
+        assert self.blocks_owner is None, f"this runner's block ids belong to the {self.blocks_owner}"
+        if self._standalone is None:
+            self._standalone = BlockAllocator(self.layout.num_blocks)
+        return self._standalone
 
     def _make_stage(self, index: int, layers: range, num_blocks: int, host_blocks: int) -> Stage:
         backend = self.model.backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own

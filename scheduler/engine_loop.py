@@ -62,6 +62,7 @@ class EngineLoop:
                  conversation_active_s: float = ACTIVE_WINDOW_S, write_behind_mib_s: float = 0,
                  device_min_blocks: int | None = None):
         self.runner = runner
+        runner.claim_blocks("conversation cache")  # one owner of block ids: the cache's allocator
         self.disk = disk
         # Without an admission the host tier is what the runner committed at start, fixed.
         admission = admission or MemoryAdmission(runner.host_layout.num_blocks, runner.layout.bytes_per_block)

@@ -6,7 +6,7 @@ import pytest
 
 from engine.generate import generate
 from engine.sampling import SamplingParams
-from engine.sequence import ModelRunner
+from engine.sequence import ModelRunner, Sequence
 from scheduler import step as step_module
 from scheduler.engine_loop import EngineLoop, QueueFullError
 from scheduler.request import Request
@@ -162,3 +162,15 @@ def test_a_named_conversation_reaches_the_cache_and_is_listed_with_its_tokens(ti
     entry = next(c for c in listed if c["key"] == "session-7")
     assert entry["turns"] == 2 and entry["named"] and entry["active"]
     assert entry["tokens"] == {"device": 13, "host": 0, "disk": 0}  # 10 prompt + 3 computed reply tokens
+
+
+def test_under_the_engine_loop_the_cache_is_the_one_owner_of_block_ids(tiny):
+    model, tokenizer = tiny
+    runner = ModelRunner(model, 16, 4)
+    assert runner.ensure_blocks(Sequence([1, 2, 3]), 3)  # standalone: the runner's own free list
+    with pytest.raises(AssertionError, match="already in standalone use"):
+        EngineLoop(runner, tokenizer, num_slots=1, prefill_chunk=8, max_queue=1)
+    runner = ModelRunner(model, 16, 4)
+    EngineLoop(runner, tokenizer, num_slots=1, prefill_chunk=8, max_queue=1)
+    with pytest.raises(AssertionError, match="belong to the conversation cache"):
+        runner.ensure_blocks(Sequence([1, 2, 3]), 3)
