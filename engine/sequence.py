@@ -38,11 +38,12 @@ class ModelRunner:
     """
 
     def __init__(self, model: Model, num_blocks: int, block_size: int = BLOCK_SIZE, host_blocks: int = 0,
-                 layer_split: tuple[int, ...] = ()):
+                 layer_split: tuple[int, ...] = (), kv_type: str = "f32"):
         self.model = model
         self.block_size = block_size
-        self.layout = layout_for(model.config, num_blocks, block_size)  # whole model: accounting, disk tier
-        self.host_layout = layout_for(model.config, host_blocks, block_size)
+        # whole model: accounting, disk tier; kv_type is resolved (engine/kv.resolve_kv_type), never "auto"
+        self.layout = layout_for(model.config, num_blocks, block_size, kv_type)
+        self.host_layout = replace(self.layout, num_blocks=host_blocks)
         self.stages = [self._make_stage(i, layers, num_blocks, host_blocks)
                        for i, layers in enumerate(split_layers(model.config.n_layers, layer_split))]
         self.allocator = BlockAllocator(num_blocks)
@@ -121,7 +122,8 @@ class ModelRunner:
             self.move_blocks([], [], copies)
 
     def read_block(self, tier: str, index: int):
-        """Copy of one block's (K, V) from the device or the host pools, as numpy [layers, KVH, B, hd]."""
+        """Copy of one block's stored (K, V) from the device or the host pools, as numpy [layers, KVH, B, row]
+        (rows as engine/kv_quant.py stores them: int8 rows carry their scales)."""
         parts = [s.mover.read_block(s.kv_pool if tier == "device" else s.host_pool, index) for s in self.stages]
         if len(parts) == 1:
             return parts[0]

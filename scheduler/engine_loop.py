@@ -150,6 +150,9 @@ class EngineLoop:
         used), moves and drops, and the conversations clients named (latest first)."""
         usage = self.cache.usage()
         usage["block_size"] = self.cache.block_size
+        layout = self.runner.layout
+        usage["kv"] = {"type": layout.kv_type, "bytes_per_token": layout.bytes_per_token,
+                       "bytes_per_block": layout.bytes_per_block}
         usage["conversations"] = self.conversations.snapshot()
         return usage
 

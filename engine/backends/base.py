@@ -36,7 +36,8 @@ class Backend(Protocol):
         """A matrix [out, in] used as y = x @ weight.T."""
 
     def create_kv_pool(self, layout: KVLayout) -> Any:
-        """Allocate the paged K/V pool for every layer."""
+        """Allocate the paged K/V pool for every layer, rows of layout.kv_type (one of the backend's
+        `kv_types`, a tuple whose first entry is its default for --kv-type auto)."""
 
     def to_host(self, x: Array) -> np.ndarray: ...
 
@@ -57,7 +58,8 @@ class Backend(Protocol):
         """Copy (host slot, device block) pairs from the host pool back to the device pool."""
 
     def read_block(self, pool: Any, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """(K, V) of one block, every layer, as host numpy arrays [layers, KVH, block_size, hd]."""
+        """(K, V) of one block, every layer, as host numpy arrays [layers, KVH, block_size, row]: the stored
+        rows of the pool's --kv-type (engine/kv_quant.py; int8 rows end in their scales)."""
 
     def write_block(self, pool: Any, block: int, k: np.ndarray, v: np.ndarray) -> None:
         """Inverse of read_block."""

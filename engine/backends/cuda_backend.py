@@ -45,6 +45,7 @@ class CudaBackend(CudaOps):
     """
 
     name = "cuda"
+    kv_types = ("f32",)  # --kv-type: the kernels read float32 rows (f16 and int8 rows: issue 13's CUDA part)
 
     def __init__(self, device: int = 0, stream=None, stage: int = 0, wait_mode: str | None = None,
                  graphs: bool | None = None):

@@ -13,6 +13,7 @@ These run on the backend's copy stream, ordered after the compute stream's work 
 from __future__ import annotations
 
 import bisect
+from dataclasses import replace
 
 import numpy as np
 
@@ -81,7 +82,7 @@ class CudaHostPool:
         self._starts.append(self._num_blocks)
         self._num_blocks = num_blocks
         lay = self.layout
-        self.layout = KVLayout(num_blocks, lay.block_size, lay.n_layers, lay.n_kv_heads, lay.head_dim, lay.dtype)
+        self.layout = replace(lay, num_blocks=num_blocks)
 
     def _segment(self, slot: int) -> int:
         assert 0 <= slot < self._num_blocks, f"host slot {slot} is not committed ({self._num_blocks} are)"
