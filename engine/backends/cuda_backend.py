@@ -45,7 +45,9 @@ class CudaBackend(CudaOps):
     """
 
     name = "cuda"
-    kv_types = ("f32",)  # --kv-type: the kernels read float32 rows (f16 and int8 rows: issue 13's CUDA part)
+    # --kv-type: f16 by default (half the bytes of f32, logits within docs/BENCHMARKS.md's bound), int8 with
+    # per-token scales, f32 the reference; every type has its store and attention kernels (kv_blocks.cu, attention.cu).
+    kv_types = ("f16", "int8", "f32")
 
     def __init__(self, device: int = 0, stream=None, stage: int = 0, wait_mode: str | None = None,
                  graphs: bool | None = None):
