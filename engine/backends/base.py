@@ -12,6 +12,9 @@ Optional capabilities, looked up with getattr (the float32 NumpyBackend has none
 - `upload_embedding_quantized(part)`: the token table arrives as raw rows too (numpy quantized);
 - `run_forward(model, batch, pool)`: runs model.forward its own way (cuda: CUDA-graph replay of decode steps);
   engine/sequence.ModelRunner calls it when present.
+- `create_step_runner(worker)`: how a pipeline stage's step runs without blocking the event loop
+  (engine/backends/step_runner.py; default: on the stage's worker thread; cuda: launched from the loop, its
+  completion event awaited).
 """
 from __future__ import annotations
 

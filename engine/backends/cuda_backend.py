@@ -26,6 +26,7 @@ from engine.backends.cuda_array import DeviceArray, blocks_needed_by, pack_layou
 from engine.backends.cuda_device import PinnedBuffer, check, driver, get_device
 from engine.backends.cuda_graphs import DecodeGraphs
 from engine.backends.cuda_kv import CudaHostPool, CudaKVPool, KVTransfers
+from engine.backends.cuda_step import PinnedOutputs, StreamStepRunner
 from engine.backends.cuda_ops import CudaOps
 from engine.backends.cuda_wait import EventWaiter
 from engine.batch import BatchMeta
@@ -65,6 +66,9 @@ class CudaBackend(CudaOps):
         self._staging = PinnedBuffer(STAGING_BYTES)
         self._staging_used = 0
         self._events: list = []
+        self._is_idle = False  # no work queued on the streams: set only by mark_idle (an observed event)
+        self._defer_host = False  # inside a StreamStepRunner launch: to_host enqueues, never waits
+        self._host_outputs = PinnedOutputs(self.device)
         self.poison = False  # tests: fill every new activation with NaN so an unwritten element shows
         self.waiter = EventWaiter(wait_mode or os.environ.get(WAIT_ENV, "thread"), self._event_done,
                                   self._event_sync, self.device.make_current)
@@ -140,9 +144,12 @@ class CudaBackend(CudaOps):
         return array
 
     def _recycle_staging(self, need: int) -> None:
-        """Reuse the staging buffer from its start, once every copy queued from it has finished."""
-        self.synchronize_stream(self.stream)
-        self.synchronize_stream(self.copy_stream)
+        """Reuse the staging buffer from its start, once every copy queued from it has finished (known
+        without a wait when the step runner saw the streams' last event complete)."""
+        if not self._is_idle:
+            self.synchronize_stream(self.stream)
+            self.synchronize_stream(self.copy_stream)
+        self._is_idle = False
         if need > self._staging.nbytes:
             self._staging.close()
             self._staging = PinnedBuffer(round_up(need, 2**20))
@@ -179,6 +186,8 @@ class CudaBackend(CudaOps):
     def to_host(self, x: DeviceArray) -> np.ndarray:
         if self._capture is not None:  # the graph copies into its pinned output on every replay
             return self._capture.capture_output(x, self.current_stream)
+        if self._defer_host:  # valid once the step's completion event has been observed
+            return self._host_outputs.copy(x, self.current_stream)
         out = np.empty(x.shape, dtype=x.dtype)
         self.device.dtoh(out.ctypes.data, x.ptr, x.nbytes, self.current_stream)
         self.synchronize()
@@ -203,7 +212,31 @@ class CudaBackend(CudaOps):
         self.kv.write_block(pool, block, k, v)
 
     # -- streams and events ---------------------------------------------------------------------------
+    def create_step_runner(self, worker):
+        """Pipeline stages launch this backend's steps from the event loop and await their events."""
+        return StreamStepRunner(self, worker)
+
+    @property
+    def is_idle(self) -> bool:
+        return self._is_idle
+
+    def mark_idle(self) -> None:
+        """The caller observed an event recorded after all of this backend's queued work complete."""
+        self._is_idle = True
+
+    @contextlib.contextmanager
+    def deferred_host(self):
+        """to_host and graph replays enqueue their copies into pinned buffers and return without waiting;
+        the results are valid after an event recorded at the end has completed (cuda_step.StreamStepRunner)."""
+        self._defer_host = True
+        self._host_outputs.reset()
+        try:
+            yield
+        finally:
+            self._defer_host = False
+
     def launch(self, kernel: str, **args) -> None:
+        self._is_idle = False
         self.device.ensure_current()
         self.kernels.launch(kernel, self.current_stream, **args)
 
@@ -317,5 +350,6 @@ class CudaBackend(CudaOps):
     def close(self) -> None:
         """Stop the waiter thread and free graphs (the device and its arena stay for other stages)."""
         self.waiter.close()
+        self._host_outputs.close()
         if self.graphs is not None:
             self.graphs.clear()
