@@ -107,6 +107,15 @@ class ModelRunner:
                 backend.restore_blocks(stage.host_pool, stage.kv_pool, restores)
             if copies:
                 backend.copy_blocks(stage.kv_pool, copies)
+        self._fence_moves()
+
+    def _fence_moves(self) -> None:
+        """Each stage's next step after the block moves just queued, in device order where the backend has
+        streams (cuda: the stage's stream waits on the mover's event; numpy moves are done on return)."""
+        for stage in self.stages:
+            fence = getattr(stage.mover, "move_fence", None)
+            if fence is not None and stage.mover is not stage.backend:
+                stage.backend.wait_for(fence(), stage.mover)
 
     def apply_moves(self, parks, restores, writes, copies) -> None:
         """A granted plan's block moves in one call: parks (device -> host), restores (host -> device),
@@ -133,6 +142,7 @@ class ModelRunner:
         for stage in self.stages:
             layers = slice(stage.layers.start, stage.layers.stop)
             stage.mover.write_block(stage.kv_pool, device_id, k[layers], v[layers])
+        self._fence_moves()
 
     def release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)

@@ -43,6 +43,7 @@ class AsyncStreamsDriver(FakeDriver):
     def __init__(self, kernel_delay_s: float = 0.0):
         super().__init__()
         self.kernel_delay_s = kernel_delay_s
+        self.kernel_delays: dict[str, float] = {}  # kernel name -> its own delay (overrides kernel_delay_s)
         self._streams: dict[int, _Stream] = {}
         self._events: dict[int, threading.Event] = {}  # event -> its latest record's completion
         self._pinned: set[int] = set()
@@ -70,11 +71,13 @@ class AsyncStreamsDriver(FakeDriver):
             self._stream(stream).jobs.put(work)
         return (OK,)
 
-    def kernel(self, work):
-        """A launch's work, made slow by kernel_delay_s (FakeKernelSet routes launches through here)."""
+    def kernel(self, name: str, work):
+        """A launch's work, made slow by kernel_delays / kernel_delay_s (_SlowKernelSet routes launches here)."""
+        delay = self.kernel_delays.get(name, self.kernel_delay_s)
+
         def slow():
-            if self.kernel_delay_s:
-                time.sleep(self.kernel_delay_s)
+            if delay:
+                time.sleep(delay)
             work()
         return slow
 
@@ -154,7 +157,7 @@ class _SlowKernelSet(fake_cuda.FakeKernelSet):
         self.driver.launches.append(kernel)
         self.driver.launch_threads.add(threading.current_thread().name)
         base = kernel.split("_")[0] if kernel.startswith(("matvec_", "gemm_")) else kernel
-        err, = self.driver._run(stream, self.driver.kernel(lambda: KERNELS[base](kernel, a)))
+        err, = self.driver._run(stream, self.driver.kernel(kernel, lambda: KERNELS[base](kernel, a)))
         assert err == OK, f"{kernel} launched from a thread without a current context"
 
 

@@ -197,3 +197,48 @@ def test_a_failing_launch_fails_only_its_step_and_leaves_deferred_mode(slow_gpu)
     assert not backend._defer_host and backend.is_idle
     worker.shutdown()
     backend.close()
+
+
+def test_parks_and_restores_are_ordered_by_events_and_keep_every_token(slow_gpu):
+    """Four conversations rotating through a device pool that holds about two: their blocks park to the pinned
+    host tier and come back. Moves queue on the mover's copy stream and the stage's stream waits on their
+    event; nothing blocks (but the event waiter), and the replies equal the cache-off run's."""
+    from engine.backends.cuda_backend import CudaBackend
+    from engine.sequence import ModelRunner
+    from scheduler.engine_loop import EngineLoop
+
+    driver, path = slow_gpu
+    if hasattr(driver, "kernel_delays"):  # the moves slow, the steps fast: a step not ordered after them fails
+        driver.kernel_delay_s = 0.0
+        driver.kernel_delays = {k: 0.02 for k in ("scatter_kv_blocks_f32", "gather_kv_blocks_f32", "copy_kv_blocks_f32")}
+    backend = CudaBackend()
+    loaded = open_model(str(path), backend=backend)
+
+    def play(cache_on):
+        async def main():
+            runner = ModelRunner(loaded.model, 12, 4, host_blocks=64 if cache_on else 0, kv_type="f16")
+            loop = EngineLoop(runner, loaded.tokenizer, num_slots=1, prefill_chunk=16, max_queue=8,
+                              prefix_cache=cache_on, integrity_checks=True)
+            loop.start()
+            driver.blocking_calls.clear()
+            history, replies = {}, []
+            for turn in range(3):
+                for conv in range(4):
+                    prompt = history.get(conv, list(range(10 + conv, 20 + conv))) + [40 + conv, 41 + turn]
+                    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+                    tokens = [t async for d in loop.submit(Request(f"c{conv}t{turn}", prompt, params))
+                              for t in d.token_ids]
+                    history[conv] = prompt + tokens
+                    replies.append(tokens)
+            blocking = list(driver.blocking_calls)
+            await loop.shutdown(1)
+            return replies, loop.cache.stats, blocking
+
+        return asyncio.run(main())
+
+    on, stats, blocking = play(True)
+    off, _, _ = play(False)
+    assert on == off
+    assert stats["parks"] > 0 and stats["restores"] > 0
+    assert {call for call, _ in blocking} <= {"cuEventSynchronize"}, blocking
+    backend.close()

@@ -15,6 +15,9 @@ Optional capabilities, looked up with getattr (the float32 NumpyBackend has none
 - `create_step_runner(worker)`: how a pipeline stage's step runs without blocking the event loop
   (engine/backends/step_runner.py; default: on the stage's worker thread; cuda: launched from the loop, its
   completion event awaited).
+- `move_fence()` on a mover handle and `wait_for(event, mover)` on a stage backend: block moves are queued,
+  not waited for, and the stage's next step is ordered after them on the device (cuda); ModelRunner calls
+  them after every batch of moves.
 """
 from __future__ import annotations
 

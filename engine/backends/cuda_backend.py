@@ -249,16 +249,32 @@ class CudaBackend(CudaOps):
     @contextlib.contextmanager
     def on_copy_stream(self):
         """Run the enclosed launches and copies on the copy stream, after the compute stream's queued work
-        (which may still read memory the transfer's staging reuses); returns once they have finished."""
+        (which may still read memory the transfer's staging reuses); returns once they are queued, with the
+        compute stream made to wait for them (its later work, and a workspace block reused there, come after)."""
         event = self.record_event(self.stream)
         check(driver.cuStreamWaitEvent(self.copy_stream, event, 0), "cuStreamWaitEvent")
+        self._events.append(event)  # reusable at once: a wait takes the event's state when it is queued
         self.current_stream = self.copy_stream
         try:
             yield
         finally:
             self.current_stream = self.stream
-            self.synchronize_stream(self.copy_stream)
-            self._events.append(event)
+            done = self.record_event(self.copy_stream)
+            check(driver.cuStreamWaitEvent(self.stream, done, 0), "cuStreamWaitEvent")
+            self._events.append(done)
+            self._is_idle = False
+
+    def move_fence(self):
+        """An event after every block move this (mover) backend queued; pass it to the stage's `wait_for`."""
+        return self.record_event(self.stream)
+
+    def wait_for(self, event, owner: "CudaBackend") -> None:
+        """Order this backend's later work after `event` (cuStreamWaitEvent, no host wait); owner's pool gets
+        the event back."""
+        self.device.ensure_current()
+        check(driver.cuStreamWaitEvent(self.stream, event, 0), "cuStreamWaitEvent")
+        owner.release_event(event)
+        self._is_idle = False
 
     def record_event(self, stream=None):
         """An event marking the work queued so far on stream (default: the compute stream)."""

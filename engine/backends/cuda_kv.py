@@ -10,7 +10,10 @@ so a parked block is one contiguous piece and a run of host slots one copy:
     park:    pool --gather_kv_blocks--> device staging [n, planes, block_elems] --DtoH per run--> host
     restore: host --HtoD per run--> device staging --scatter_kv_blocks--> pool
 
-These run on the backend's copy stream, ordered after the compute stream's work and before its next step.
+These run on the backend's copy stream, ordered after the compute stream's work, and nothing waits for them on
+the host: the backend's compute stream waits on the copy stream (cuStreamWaitEvent) when a transfer ends, and
+ModelRunner makes each stage's compute stream wait on the mover's `move_fence()` event, so the next step runs
+after the moves in device order. Only a CPU access to host slots (the disk tier) synchronises first.
 """
 from __future__ import annotations
 
@@ -168,7 +171,6 @@ class KVTransfers:
             b.launch("copy_kv_blocks_f32", pool=pool.ptr, src_blocks=src, dst_blocks=dst, n_pairs=len(part),
                      planes=pool.planes, num_slots=pool.layout.num_slots, block_elems=pool.block_elems,
                      hd=pool.row_words)
-        b.synchronize()
 
     def _park(self, pool: CudaKVPool, host: CudaHostPool, pairs: list[tuple[int, int]]) -> None:
         """(device block, host slot) pairs: gather on the device, then one DtoH copy per run of host slots."""
@@ -180,7 +182,8 @@ class KVTransfers:
             for first, slot, count in host_runs(host, [h for _, h in part]):
                 self.device.dtoh(host.address(slot), staging.ptr + first * nbytes, count * nbytes,
                                  b.current_stream)
-            b.synchronize()  # the staging buffer is reused by the next chunk, and the caller reads host now
+        # No wait: the next chunk's gather into staging is stream-ordered after these copies, and a CPU read
+        # of the host slots (read_block, write_block) first waits for the copy stream.
 
     def _restore(self, host: CudaHostPool, pool: CudaKVPool, pairs: list[tuple[int, int]]) -> None:
         """(host slot, device block) pairs: one HtoD copy per run of host slots, then scatter on the device."""
@@ -192,12 +195,12 @@ class KVTransfers:
                                  b.current_stream)
             blocks = b.index_array(np.array([d for _, d in part], dtype=np.int32))
             self._kernel("scatter_kv_blocks_f32", staging, pool, blocks, len(part))
-            b.synchronize()
 
     def read_block(self, pool, block: int) -> tuple[np.ndarray, np.ndarray]:
         """(K, V) [layers, KVH, block_size, row] host copies of one block of the device or host pool (stored
         rows: int8 rows end in their scales)."""
         if isinstance(pool, CudaHostPool):
+            self._wait_for_copies()
             data = pool.block(block)
         else:
             b, lay = self.backend, pool.layout
@@ -210,12 +213,17 @@ class KVTransfers:
     def write_block(self, pool, block: int, k: np.ndarray, v: np.ndarray) -> None:
         packed = np.ascontiguousarray(np.stack([k, v], axis=1), dtype=pool.layout.dtype)  # [layers, 2, KVH, B, row]
         if isinstance(pool, CudaHostPool):
+            self._wait_for_copies()
             pool.block(block)[...] = packed
             return
         b = self.backend
         staging = b.upload_activation(packed.reshape(-1).view(np.float32))  # the words the kernels move
         self._kernel("scatter_kv_blocks_f32", staging, pool, b.index_array(np.array([block], np.int32)), 1)
-        b.synchronize()
+
+    def _wait_for_copies(self) -> None:
+        """The CPU is about to touch host slots that parks or restores queued on the copy stream may use:
+        a host synchronisation, on the disk tier's paths (and a park/restore swap) only."""
+        self.backend.synchronize_stream(self.backend.copy_stream)
 
     def _kernel(self, kernel: str, staging, pool: CudaKVPool, blocks, n: int) -> None:
         self.backend.launch(kernel, staging=staging, pool=pool.ptr, blocks=blocks, n=n, planes=pool.planes,
