@@ -48,7 +48,8 @@ class AsyncStreamsDriver(FakeDriver):
         self._events: dict[int, threading.Event] = {}  # event -> its latest record's completion
         self._pinned: set[int] = set()
         self.blocking_calls: list[tuple[str, str]] = []  # (call, thread name)
-        self.launch_threads: set[str] = set()  # the threads kernels were launched from
+        self.launch_threads: set[str] = set()
+        self.copy_log: list[str] = []  # "HtoD" / "DtoH" / "DtoD", in call order  # the threads kernels were launched from
         self.blocking_stacks: list[str] = []  # where each was called from (for a failing test's message)
         self._lock = threading.Lock()
 
@@ -90,12 +91,14 @@ class AsyncStreamsDriver(FakeDriver):
         return any(p <= address < p + self._keep[p].nbytes for p in self._pinned if p in self._keep)
 
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):
+        self.copy_log.append("HtoD")
         if self._is_pinned(int(src)):  # read in stream order (a graph replays it with new inputs)
             return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         data = ctypes.string_at(int(src), n)  # pageable: read now, the source may be a temporary
         return self._run(stream, lambda: ctypes.memmove(int(dst), data, n))
 
     def cuMemcpyDtoHAsync(self, dst, src, n, stream):
+        self.copy_log.append("DtoH")
         result = self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         if not self._is_pinned(int(dst)) and stream not in self.capturing:
             self._block("cuMemcpyDtoHAsync(pageable)")
@@ -103,6 +106,7 @@ class AsyncStreamsDriver(FakeDriver):
         return result
 
     def cuMemcpyDtoDAsync(self, dst, src, n, stream):
+        self.copy_log.append("DtoD")
         return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
 
     def _drain(self, stream) -> None:

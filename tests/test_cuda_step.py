@@ -149,8 +149,9 @@ def test_the_loop_serves_health_while_a_long_cuda_step_is_in_flight(slow_gpu, mo
 
 
 def test_a_two_stage_cuda_pipeline_hands_off_through_awaited_events(slow_gpu):
-    """Stage 0's (x, h) reach stage 1 as copies of its pinned outputs, taken once stage 0's event completed;
-    two groups keep both stages busy. Same tokens as numpy."""
+    """Stage 0's (x, h) stay on the device: stage 1's stream waits on stage 0's event and copies them (DtoD),
+    stage 0's stream waits on that copy before reusing them; two groups keep both stages busy. Same tokens
+    as numpy, no host wait."""
     from engine.backends.cuda_backend import CudaBackend
 
     driver, path = slow_gpu
@@ -161,6 +162,8 @@ def test_a_two_stage_cuda_pipeline_hands_off_through_awaited_events(slow_gpu):
 
     async def work(state, client):
         driver.blocking_calls.clear()
+        if hasattr(driver, "copy_log"):
+            driver.copy_log.clear()
 
         async def consume(i, prompt):
             return [t async for d in state.engine.submit(Request(f"r{i}", prompt, params)) for t in d.token_ids]
@@ -171,6 +174,8 @@ def test_a_two_stage_cuda_pipeline_hands_off_through_awaited_events(slow_gpu):
     reference = load_model(path, NumpyBackend())[0]
     assert got == [greedy_with_logits(reference, p, 4, chunk=16, kv_type="f16")[0] for p in prompts]
     assert {call for call, _ in driver.blocking_calls} <= {"cuEventSynchronize"}
+    if hasattr(driver, "copy_log"):  # 2 requests x 4 steps: (x, h) handed off DtoD, only the logits DtoH
+        assert (driver.copy_log.count("DtoD"), driver.copy_log.count("DtoH")) == (2 * 4 * 2, 2 * 4)
     backend.close()
 
 

@@ -26,7 +26,7 @@ from engine.backends.cuda_array import DeviceArray, blocks_needed_by, pack_layou
 from engine.backends.cuda_device import PinnedBuffer, check, driver, get_device
 from engine.backends.cuda_graphs import DecodeGraphs
 from engine.backends.cuda_kv import CudaHostPool, CudaKVPool, KVTransfers
-from engine.backends.cuda_step import PinnedOutputs, StreamStepRunner
+from engine.backends.cuda_step import DeviceHandoff, PinnedOutputs, StreamStepRunner
 from engine.backends.cuda_ops import CudaOps
 from engine.backends.cuda_wait import EventWaiter
 from engine.batch import BatchMeta
@@ -93,16 +93,28 @@ class CudaBackend(CudaOps):
         belong to one thread at a time."""
         return CudaBackend(self.device.ordinal, stage=self.stage, wait_mode=self.waiter.mode, graphs=False)
 
-    def send_hidden(self, hidden: tuple) -> tuple:
-        """A stage's output (x, h) as host arrays: its workspace is reused by its next job while the next
-        stage reads this one. Synchronises this stage's stream."""
+    def send_hidden(self, hidden: tuple):
+        """A stage's output (x, h) for the next stage, which reads it while this stage's workspace goes on
+        with its next job: launched from the loop (deferred mode), a DeviceHandoff ordered by events; else
+        host arrays (synchronises this stage's stream)."""
+        if self._defer_host:
+            return DeviceHandoff(tuple(hidden), self.record_event(), self)
         return tuple(None if a is None else self.to_host(a) for a in hidden)
 
-    def receive_hidden(self, hidden: tuple, batch: BatchMeta) -> tuple:
+    def receive_hidden(self, hidden, batch: BatchMeta) -> tuple:
         """Start a step that enters at a later layer: its index arrays and the handed-off (x, h) go to this
-        stage's workspace."""
+        stage's workspace (DtoD after the producer's event, or uploaded from host arrays)."""
         self.begin_step(batch)
+        if isinstance(hidden, DeviceHandoff):
+            return hidden.receive(self)
         return tuple(None if a is None else self.upload_activation(np.asarray(a, dtype=np.float32)) for a in hidden)
+
+    def copy_device(self, src: DeviceArray) -> DeviceArray:
+        """A copy of a device array (another stage's, same device) in this backend's workspace, on its stream."""
+        out = self.empty(src.shape, src.dtype)
+        self.device.dtod(out.ptr, src.ptr, src.nbytes, self.stream)
+        self._is_idle = False
+        return out
 
     # -- memory ---------------------------------------------------------------------------------------
     def empty(self, shape, dtype=np.float32) -> DeviceArray:

@@ -1,7 +1,8 @@
 """The CUDA stage step: launched from the event loop, its completion an event the loop awaits.
 
     loop thread:  [settle: await an event if the stream may still be busy]
-                  launch(): begin_step + kernels (or a decode graph replay), outputs DtoH into pinned buffers
+                  launch(): begin_step + kernels (or a decode graph replay); the last stage's logits DtoH into
+                  pinned buffers, a middle stage's (x, h) stay on the device (DeviceHandoff)
                   record event on the stage's stream --await EventWaiter--> (the loop serves HTTP meanwhile)
     worker:       finish(copies of the pinned outputs): hand-off arrays or sampling
 
@@ -78,6 +79,25 @@ class PinnedOutputs:
             if buffer is not None:
                 buffer.close()
         self._buffers = []
+
+
+class DeviceHandoff:
+    """A non-last stage's (x, h) left on the device for the next stage, with the event that marks them written.
+
+    receive() runs on the next stage: its stream waits on that event, copies the arrays into its own
+    workspace (DtoD), and the producing stage's stream then waits on the copies before the producer may reuse
+    the source memory (its handles are dropped only after that wait is queued). Ordered by cuStreamWaitEvent
+    on both sides; nothing waits on the host."""
+
+    def __init__(self, arrays: tuple, event, owner):
+        self.arrays, self.event, self.owner = arrays, event, owner
+
+    def receive(self, backend) -> tuple:
+        backend.wait_for(self.event, self.owner)
+        copies = tuple(None if a is None else backend.copy_device(a) for a in self.arrays)
+        self.owner.wait_for(backend.record_event(), backend)
+        self.arrays = ()
+        return copies
 
 
 def _detach(value):
