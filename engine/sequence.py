@@ -173,8 +173,9 @@ class ModelRunner:
         if last:
             return model.head(hidden, backend)
         # The hand-off buffer: a stage's workspace is reused by its next job while the next stage still
-        # reads this one, so a backend with device memory hands over a host copy (what crossing to another
-        # GPU needs anyway); numpy hands over its arrays as they are.
+        # reads this one. cuda launched from the loop hands over its device arrays with their event (the next
+        # stage copies them DtoD, ordered by cuStreamWaitEvent both ways), otherwise a host copy; numpy hands
+        # over its arrays as they are.
         return backend.send_hidden(hidden)
 
     @staticmethod

@@ -3,7 +3,8 @@
 A group's step (its decodes plus at most one prefill chunk) enters stage 0's queue; each stage task takes
 the next job and runs its layers through the stage backend's step runner (engine/backends/step_runner.py;
 numpy: on a worker thread of its own, so two stages compute at once on two cores; CUDA: launched from the
-loop onto the stage's stream, its completion event awaited without blocking), then hands the job (its batch and hidden state: the hand-off buffer) to the
+loop onto the stage's stream, its completion event awaited without blocking), then hands the job (its
+batch and hidden state: the hand-off buffer; CUDA keeps it on the device, ordered by events) to the
 next stage's queue and goes on with the next job at once. So while stage 1 works on group g, stage 0
 already works on group g + 1. The last stage applies the head and samples; the job's future resolves.
 

@@ -145,6 +145,7 @@ def test_the_loop_serves_health_while_a_long_cuda_step_is_in_flight(slow_gpu, mo
         assert (wait_mode == "thread") == bool(waits)
     expected, _ = greedy_with_logits(load_model(path, NumpyBackend())[0], PROMPT, 4, chunk=16, kv_type="f16")
     assert tokens == expected
+    assert backend.graphs.replays >= 2  # the decode steps were graph replays, enqueued and awaited too
     backend.close()
 
 
