@@ -144,3 +144,26 @@ def test_the_cache_snapshot_shows_the_type_and_its_bytes_per_token(load_tiny):
     cfg = model.config
     assert kv == {"type": "int8", "bytes_per_token": 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + 4),
                   "bytes_per_block": 2 * cfg.n_layers * cfg.n_kv_heads * (cfg.head_dim + 4) * B}
+
+
+def test_serve_sizes_the_pool_from_the_types_bytes_and_logs_them(tmp_path, caplog):
+    from dataclasses import replace
+
+    from api.config import ServerConfig
+    from api.serve import build_state
+    from engine.loader import open_model
+    from tests.tiny_gguf import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "m.gguf", "llama", seed=4)
+    loaded = open_model(str(tmp_path / "m.gguf"), backend=NumpyBackend())
+    blocks = {}
+    for kv_type in ("f32", "int8"):
+        config = replace(ServerConfig(port=0), kv_type=kv_type, kv_cache_mib=1, ctx_size=64, batch=1,
+                         conversation_cache_mib=0)
+        with caplog.at_level("INFO", logger="strata.serve"):
+            runner = build_state(config, loaded).engine.runner
+        per_token = runner.layout.bytes_per_token
+        assert f"K/V {kv_type}, {per_token} bytes per token" in caplog.text
+        blocks[kv_type] = runner.layout.num_blocks
+        assert blocks[kv_type] == 2**20 // (per_token * 16)
+    assert blocks["int8"] > 3 * blocks["f32"]
