@@ -8,8 +8,11 @@ stay in their GGUF blocks (cuda_linear.py); the KV pool is one device allocation
 A step's index arrays (token ids, positions, slots, block tables, logit rows) go to the device in one
 copy through pinned memory when the step starts (`run_forward`, or the first op of `Model.forward`); the
 ops find them by the identity of the batch's numpy arrays. Decode steps of common shapes replay a CUDA
-graph (cuda_graphs.py). Ops are asynchronous; `to_host` synchronises; `record_event` + `await wait(event)`
-let the event loop wait for a stage without blocking.
+graph (cuda_graphs.py). Ops are asynchronous; `to_host` synchronises, except in `deferred_host` mode, where
+a pipeline stage's step is launched from the event loop (cuda_step.StreamStepRunner): then its copies go to
+pinned buffers, a middle stage hands its (x, h) over on the device, and `record_event` + `await wait(event)`
+let the loop learn of the step's end without blocking. Block moves are queued on the copy stream and fenced
+by events (`move_fence` / `wait_for`), not waited for.
 """
 from __future__ import annotations
 
