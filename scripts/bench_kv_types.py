@@ -2,7 +2,7 @@
 conversations of a given length stay resident in a pool of a given size, per type.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_kv_types.py [--models smollm2,gemma3] [--tokens 48]
-        [--pool-mib 256] [--context 4096] [--memory-only]
+        [--pool-mib 256] [--context 4096] [--memory-only] [--speed]
 
 Accuracy: for every prompt of tests/data/<model>_reference.json (quantised weights, the default), the f32-K/V
 run decodes `--tokens` greedy ids; each other type is then fed the same ids (teacher forcing), so every step
@@ -12,6 +12,8 @@ greedy decoding would first go another way; "-" = none in --tokens), `top-5 err`
 perturbation). `int8/block` simulates one scale per
 block, head and K/V instead of per token (the block re-quantised as it fills, as a per-block store must).
 Memory: bytes per token from engine/kv.KVLayout, blocks of 16 tokens in the pool, whole conversations.
+--speed (instead of the accuracy table): SmolLM2 prefill of 1024 tokens and decode at that context, per type,
+in CPU seconds of the calling thread (wall time on a shared machine measures the neighbours), two rounds.
 """
 from __future__ import annotations
 
@@ -74,6 +76,31 @@ def accuracy_rows(name: str, n_tokens: int) -> list[dict]:
     return out
 
 
+def speed_rows(context: int = 1024, decode_steps: int = 16) -> list[str]:
+    import time
+
+    from engine.sequence import ModelRunner, Sequence
+
+    model = open_model(str(resolve_model("smollm2"))).model
+    prompt = np.random.default_rng(0).integers(100, 20000, context).tolist()
+    rows = []
+    for kv_type in [*KV_TYPES] * 2:
+        runner = ModelRunner(model, blocks_needed(context + decode_steps, BLOCK_SIZE) + 1, BLOCK_SIZE, kv_type=kv_type)
+        seq = Sequence(list(prompt))
+        runner.ensure_blocks(seq, context + decode_steps)
+        started = time.thread_time()
+        while seq.num_pending:
+            runner.step([(seq, min(256, seq.num_pending))])
+        prefill_s, started = time.thread_time() - started, time.thread_time()
+        for _ in range(decode_steps):
+            seq.token_ids.append(5)
+            runner.step([(seq, 1)])
+        decode_ms = 1e3 * (time.thread_time() - started) / decode_steps
+        rows.append(f"| {kv_type} | {prefill_s:.1f} | {decode_ms:.1f} |")
+        print(f"  {rows[-1]}", flush=True)
+    return rows
+
+
 def memory_rows(name: str, pool_mib: int, context: int) -> list[dict]:
     from engine.config import config_from_gguf
 
@@ -95,7 +122,13 @@ def main() -> int:
     parser.add_argument("--pool-mib", type=int, default=256)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--memory-only", action="store_true")
+    parser.add_argument("--speed", action="store_true")
     args = parser.parse_args()
+    if args.speed:
+        rows = speed_rows()
+        print("| K/V type | prefill 1024 tokens (CPU s) | decode at 1024 context (CPU ms / token) |\n| --- | --- | --- |")
+        print("\n".join(rows))
+        return 0
     names = [m for m in args.models.split(",") if m]
     print(f"| model | K/V type | bytes per token | blocks in {args.pool_mib} MiB | "
           f"{args.context}-token conversations resident |\n| --- | --- | --- | --- | --- |")

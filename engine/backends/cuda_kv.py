@@ -40,7 +40,9 @@ def row_words(layout: KVLayout) -> int:
 
 
 def block_bytes(layout: KVLayout) -> int:
-    return planes_of(layout) * layout.block_size * row_words(layout) * 4
+    """One block of every plane: the layout's own figure (engine/kv.py owns it), in whole words."""
+    assert planes_of(layout) * layout.block_size * row_words(layout) * 4 == layout.bytes_per_block
+    return layout.bytes_per_block
 
 
 class CudaKVPool:
