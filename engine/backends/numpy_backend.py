@@ -47,7 +47,7 @@ class NumpyBackend:
     """Backend protocol on numpy arrays (see engine/backends/base.py)."""
 
     name = "numpy"
-    kv_types = ("f32", "f16", "int8")  # --kv-type auto: the first (f32 measured best here: docs/BENCHMARKS.md)
+    kv_types = ("f32", "f16", "int8")  # --kv-type auto: the first (exact, and the cheapest here: docs/BENCHMARKS.md)
 
     def upload(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=_F32)
