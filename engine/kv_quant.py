@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kv import KV_TYPES
-
 _F32 = np.float32
 _QMAX = _F32(127.0)
 
@@ -52,7 +50,3 @@ def decode_rows(rows: np.ndarray, head_dim: int) -> np.ndarray:
     values, scale = split_rows(rows, head_dim)
     out = values.astype(_F32)
     return out if scale is None else out * scale[..., None]
-
-
-def row_elems(kv_type: str, head_dim: int) -> int:
-    return KV_TYPES[kv_type].row_elems(head_dim)
