@@ -61,6 +61,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ctx-size", type=int, default=4096, help="tokens of KV memory to reserve")
     gen.add_argument("--prefill-chunk", type=int, default=256)
     gen.add_argument("--threads", type=int, default=None, help="BLAS and kernel threads (default: all cores)")
+    gen.add_argument("--kv-type", choices=("auto", "f32", "f16", "int8"), default="auto",
+                     help="how K/V is stored (as for strata serve)")
     gen.add_argument("--cpu-weights", choices=("quantized", "f32"), default="quantized",
                      help="numpy backend: keep the file's quantised blocks, or dequantise to float32")
     gen.set_defaults(func=_cmd_generate)
@@ -112,6 +114,7 @@ def _cmd_generate(args) -> int:
     from engine.generate import Completion, generate_stream
     from engine.loader import encode_chat_prompt, open_model
     from engine.sampling import SamplingParams
+    from engine.kv import resolve_kv_type
     from engine.sequence import ModelRunner
 
     params = SamplingParams(
@@ -130,7 +133,8 @@ def _cmd_generate(args) -> int:
         else:
             prompt_ids = loaded.tokenizer.encode(args.prompt, add_special=True, parse_special=False)
         block_size = 16
-        runner = ModelRunner(loaded.model, num_blocks=-(-args.ctx_size // block_size), block_size=block_size)
+        runner = ModelRunner(loaded.model, num_blocks=-(-args.ctx_size // block_size), block_size=block_size,
+                             kv_type=resolve_kv_type(args.kv_type, loaded.model.backend))
         completion = Completion(prompt_ids)
         started = time.perf_counter()
         for delta in generate_stream(runner, loaded.tokenizer, prompt_ids, params, args.prefill_chunk, completion):

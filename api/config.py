@@ -24,6 +24,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 BACKENDS = ("auto", "numpy", "cuda")
 # How the numpy backend holds weights (engine/loader.CPU_WEIGHTS): the file's blocks or float32.
 CPU_WEIGHTS = ("quantized", "f32")
+# How K/V rows are stored (engine/kv.KV_TYPES); auto: the backend's default (numpy f32, cuda its first type).
+KV_TYPE_CHOICES = ("auto", "f32", "f16", "int8")
 # auto: picked from the chat template (api/tool_calls.detect_format); the names of api/tool_calls' registry.
 TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "generic")
 # Where thinking text goes: vLLM's older field, its newer one, or left in content unparsed.
@@ -63,6 +65,9 @@ class ServerConfig:
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
     kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy): start at --kv-cache-mib, grow up to this many MiB "
                                     "as requests need room, shrink on POST /cache/device-pool (0: a fixed pool)")
+    kv_type: str = _opt("auto", "how K/V is stored: f32, f16, or int8 (one float32 scale per token and head; "
+                                "about a quarter of f32's bytes); auto: f32 on numpy, the backend's default "
+                                "elsewhere", KV_TYPE_CHOICES)
     conversation_cache_mib: int = _opt(8192, "host RAM budget for parked conversation KV (0: none), clamped to "
                                              "what the machine has")
     conversation_cache_commit: str = _opt("on-demand", "when the host tier takes its RAM: on-demand (in segments, "
@@ -308,7 +313,7 @@ def _validate(cfg: ServerConfig) -> None:
         need(getattr(cfg, name) != "", f"{flag_name(name)} must not be empty; leave it unset instead")
     need(cfg.threads is None or cfg.threads >= 1, f"--threads must be >= 1 (got {cfg.threads}; unset uses every core)")
     need(cfg.seed is None or 0 <= cfg.seed < 2**64, f"--seed must be in 0..2**64-1 (got {cfg.seed})")
-    for name in ("log_format", "log_level", "backend", "cpu_weights"):
+    for name in ("log_format", "log_level", "backend", "cpu_weights", "kv_type"):
         choices = ServerConfig.__dataclass_fields__[name].metadata["choices"]
         value = getattr(cfg, name)
         need(value in choices, f"{flag_name(name)} {value!r} is not one of: {', '.join(choices)}")

@@ -16,10 +16,10 @@ from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
 from engine.loader import LoadedModel, open_model
-from engine.kv import BLOCK_SIZE, blocks_needed, layout_for
+from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type
 from engine.sequence import ModelRunner
 from scheduler.admission import create_admission, plan_memory
-from scheduler.disk_tier import DiskTier, cache_key, model_file_identity
+from scheduler.disk_tier import DiskTier, model_file_identity
 from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
 
@@ -35,12 +35,12 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     if config.ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
                     config.ctx_size, loaded.model.config.context_length)
+    kv_type = resolve_kv_type(config.kv_type, loaded.model.backend)
+    bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE, kv_type).bytes_per_block
     per_slot_blocks = blocks_needed(config.ctx_size, BLOCK_SIZE)
     num_blocks = per_slot_blocks * config.batch
     if config.kv_cache_mib:
-        bytes_per_block = loaded.model.config.kv_bytes_per_token() * BLOCK_SIZE
         num_blocks = max(per_slot_blocks, int(config.kv_cache_mib * 2**20) // bytes_per_block)
-    bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE).total_bytes
     min_blocks, num_blocks = _elastic_pool(config, loaded, num_blocks, bytes_per_block)
     # What the engine itself holds in host RAM: numpy keeps weights and KV there; cuda keeps them on the GPU.
     on_host = loaded.model.backend.name == "numpy"
@@ -50,7 +50,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     admission = create_admission(plan, config.conversation_cache_commit == "at-start",
                                  config.conversation_cache_min_free_mib)
     runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=admission.host_committed_blocks,
-                         layer_split=config.layer_cuts)
+                         layer_split=config.layer_cuts, kv_type=kv_type)
     groups = config.groups_for(len(runner.stages))
     if len(runner.stages) > 1 or groups > 1:
         log.info("pipeline: %s; %d batch groups of slots move through them staggered",
@@ -70,8 +70,11 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                         conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
-    log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens", num_blocks, BLOCK_SIZE,
-             runner.layout.total_bytes / 2**20, config.batch, config.ctx_size)
+    log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens; K/V %s, %d bytes per token",
+             num_blocks, BLOCK_SIZE, runner.layout.total_bytes / 2**20, config.batch, config.ctx_size,
+             kv_type, runner.layout.bytes_per_token,
+             extra={"fields": {"kv_type": kv_type, "kv_bytes_per_token": runner.layout.bytes_per_token,
+                               "kv_blocks": num_blocks}})
     protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
                                     config.reasoning_format)
     return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol)
@@ -95,14 +98,10 @@ def _elastic_pool(config: ServerConfig, loaded: LoadedModel, num_blocks: int, by
 
 def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:
     """The disk tier, keyed by the model file's identity and everything that changes the KV bytes."""
-    layout = runner.layout
-    identity = model_file_identity(loaded.path)
     # The backend actually running (never "auto"): KV written by numpy and by cuda may differ in the last bits.
-    key = cache_key(identity, (loaded.model.backend.name, layout.block_size, layout.n_layers, layout.n_kv_heads,
-                               layout.head_dim, layout.dtype))
-    block_shape = (layout.n_layers, layout.n_kv_heads, layout.block_size, layout.head_dim)
-    capacity = int(config.conversation_cache_disk_mib * 2**20) // layout.bytes_per_block
-    return DiskTier(config.conversation_cache_dir, key, block_shape, layout.dtype, capacity)
+    return DiskTier.for_layout(config.conversation_cache_dir, model_file_identity(loaded.path),
+                               loaded.model.backend.name, runner.layout,
+                               int(config.conversation_cache_disk_mib * 2**20))
 
 
 @contextlib.asynccontextmanager

@@ -7,6 +7,7 @@
 //   keys of query row t:  first = window ? max(0, p - window + 1) : 0  ..  p = token_pos[t]   (never empty)
 //   key j lives at slot   block_tables[s * max_blocks + j / block_size] * block_size + j % block_size
 //
+// The pool rows are f32, f16 or int8 + scale (--kv-type, engine/kv_quant.py): one template, a kernel pair per type.
 // The split variant (flash-decoding) adds a grid dimension over chunks of chunk_keys keys, so a few long
 // decode rows still fill the GPU; attention_combine_f32 merges the partials. A chunk past the last key
 // writes max = -inf, sum = 0, and every merge gives such a part weight 0 instead of exp(-inf - -inf) = NaN.
@@ -28,6 +29,35 @@ __device__ __forceinline__ float part_weight(float m, float m_all) {
     return m == NEG_INF ? 0.0f : expf(m - m_all);
 }
 
+// One layer's K or V rows in the pool, by --kv-type (engine/kv_quant.py): value(row, d) and the row's scale
+// (1 for the float types, so their products are exactly the f32 kernel's). row = kv_head * num_slots + slot.
+struct RowsF32 {
+    const float* base;
+    int hd;
+    __device__ __forceinline__ float value(long long row, int d) const { return base[row * hd + d]; }
+    __device__ __forceinline__ float scale(long long) const { return 1.0f; }
+};
+
+struct RowsF16 {
+    const unsigned short* base;
+    int hd;
+    __device__ __forceinline__ float value(long long row, int d) const {
+        float out;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(out) : "h"(base[row * hd + d]));
+        return out;
+    }
+    __device__ __forceinline__ float scale(long long) const { return 1.0f; }
+};
+
+struct RowsInt8 {  // hd int8 values, then their float32 scale: row_bytes = hd + 4
+    const signed char* base;
+    int hd;
+    __device__ __forceinline__ float value(long long row, int d) const { return (float)base[row * (hd + 4) + d]; }
+    __device__ __forceinline__ float scale(long long row) const {
+        return *reinterpret_cast<const float*>(base + row * (hd + 4) + hd);
+    }
+};
+
 struct BlockResult {
     float m;  // max score over the keys (-inf when there were none)
     float l;  // sum of exp(score - m)
@@ -35,7 +65,9 @@ struct BlockResult {
 
 // Softmax-weighted sum over keys [key_begin, key_end) of query row t, head h, merged over the block's warps.
 // Leaves the unnormalised output (relative to the returned m) in acc_out[0 .. hd) (shared memory).
-__device__ BlockResult attend_keys(const float* q, const float* pool_k, const float* pool_v, const int* token_seq,
+// int8 folds the scales in as the numpy reference does: score = (q . k_q) * s_k, and p * s_v weighs v_q.
+template <typename Rows>
+__device__ BlockResult attend_keys(const float* q, Rows pool_k, Rows pool_v, const int* token_seq,
                                    const int* block_tables, int max_blocks, int t, int h, int H, int KVH, int hd,
                                    int block_size, int num_slots, float scale, int key_begin, int key_end,
                                    float* acc_out) {
@@ -45,8 +77,7 @@ __device__ BlockResult attend_keys(const float* q, const float* pool_k, const fl
     const int warp = threadIdx.x >> 5;
     const int kv_head = h / (H / KVH);  // GQA: a group of H / KVH query heads shares one KV head
     const int* table = block_tables + (long long)token_seq[t] * max_blocks;
-    const float* k_head = pool_k + (long long)kv_head * num_slots * hd;
-    const float* v_head = pool_v + (long long)kv_head * num_slots * hd;
+    const long long head_rows = (long long)kv_head * num_slots;
 
     float q_reg[ATTN_PER_LANE], acc[ATTN_PER_LANE];
     const float* q_row = q + ((long long)t * H + h) * hd;
@@ -59,23 +90,23 @@ __device__ BlockResult attend_keys(const float* q, const float* pool_k, const fl
     float m = NEG_INF, l = 0.0f;
     for (int j = key_begin + warp; j < key_end; j += ATTN_WARPS) {
         const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-        const float* k_row = k_head + slot * hd;
-        const float* v_row = v_head + slot * hd;
+        const long long row = head_rows + slot;
         float partial = 0.0f;
 #pragma unroll
         for (int i = 0; i < ATTN_PER_LANE; ++i) {
             const int d = lane + 32 * i;
-            if (d < hd) partial += q_reg[i] * k_row[d];
+            if (d < hd) partial += q_reg[i] * pool_k.value(row, d);
         }
-        const float score = warp_sum(partial);
+        const float score = warp_sum(partial) * pool_k.scale(row);
         const float m_new = fmaxf(m, score);
         const float correction = expf(m - m_new);  // m = -inf on the first key: correction 0
         const float p = expf(score - m_new);
         l = l * correction + p;
+        const float pv = p * pool_v.scale(row);
 #pragma unroll
         for (int i = 0; i < ATTN_PER_LANE; ++i) {
             const int d = lane + 32 * i;
-            if (d < hd) acc[i] = acc[i] * correction + p * v_row[d];
+            if (d < hd) acc[i] = acc[i] * correction + pv * pool_v.value(row, d);
         }
         m = m_new;
     }
@@ -105,11 +136,12 @@ __device__ __forceinline__ int first_key(int pos, int window) {
     return window > 0 ? max(0, pos - window + 1) : 0;
 }
 
-// out [T, H * hd]; q [T, H, hd]; pool_k / pool_v one layer's [KVH, num_slots, hd]. Grid (T * H), block 128.
-extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
-paged_attention_f32(float* out, const float* q, const float* pool_k, const float* pool_v, const int* token_seq,
-                    const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd,
-                    int block_size, int num_slots, float scale, int window) {
+// out [T, H * hd]; q [T, H, hd]; pool_k / pool_v one layer's [KVH, num_slots, row] (f32, f16 or int8 rows).
+// Grid (T * H), block 128.
+template <typename Rows>
+__device__ void paged_attention(float* out, const float* q, Rows pool_k, Rows pool_v, const int* token_seq,
+                                const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH,
+                                int hd, int block_size, int num_slots, float scale, int window) {
     __shared__ float acc[ATTN_MAX_HD];
     const int t = blockIdx.x / H;
     const int h = blockIdx.x - t * H;
@@ -123,12 +155,11 @@ paged_attention_f32(float* out, const float* q, const float* pool_k, const float
 
 // Flash-decoding pass 1. Grid (T * H, n_chunks): chunk c covers keys first + c * chunk_keys, ... (at most
 // chunk_keys, possibly none). part_out [T * H, n_chunks, hd] unnormalised, part_max / part_sum [T * H, n_chunks].
-extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
-paged_attention_split_f32(float* out, const float* q, const float* pool_k, const float* pool_v,
-                          const int* token_seq, const int* token_pos, const int* block_tables, int max_blocks, int T,
-                          int H, int KVH, int hd, int block_size, int num_slots, float scale, int window,
-                          float* part_out, float* part_max, float* part_sum, int chunk_keys) {
-    // `out` is unused: it keeps the argument list of paged_attention_f32 as a prefix (docs/CUDA_KERNELS.md).
+template <typename Rows>
+__device__ void paged_attention_split(const float* q, Rows pool_k, Rows pool_v, const int* token_seq,
+                                      const int* token_pos, const int* block_tables, int max_blocks, int T, int H,
+                                      int KVH, int hd, int block_size, int num_slots, float scale, int window,
+                                      float* part_out, float* part_max, float* part_sum, int chunk_keys) {
     __shared__ float acc[ATTN_MAX_HD];
     const int t = blockIdx.x / H;
     const int h = blockIdx.x - t * H;
@@ -146,6 +177,63 @@ paged_attention_split_f32(float* out, const float* q, const float* pool_k, const
         part_sum[part] = r.l;
     }
 }
+
+// One pair of kernels per --kv-type: f32 rows, f16 rows, int8 rows with their scales. The split kernels'
+// `out` is unused: it keeps the argument list of paged_attention_* as a prefix (docs/CUDA_KERNELS.md).
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
+paged_attention_f32(float* out, const float* q, const float* pool_k, const float* pool_v, const int* token_seq,
+                    const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd,
+                    int block_size, int num_slots, float scale, int window) {
+    paged_attention(out, q, RowsF32{pool_k, hd}, RowsF32{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks, T,
+                    H, KVH, hd, block_size, num_slots, scale, window);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
+paged_attention_split_f32(float* out, const float* q, const float* pool_k, const float* pool_v,
+                          const int* token_seq, const int* token_pos, const int* block_tables, int max_blocks, int T,
+                          int H, int KVH, int hd, int block_size, int num_slots, float scale, int window,
+                          float* part_out, float* part_max, float* part_sum, int chunk_keys) {
+    paged_attention_split(q, RowsF32{pool_k, hd}, RowsF32{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks,
+                          T, H, KVH, hd, block_size, num_slots, scale, window, part_out, part_max, part_sum,
+                          chunk_keys);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
+paged_attention_f16(float* out, const float* q, const unsigned short* pool_k, const unsigned short* pool_v, const int* token_seq,
+                    const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd,
+                    int block_size, int num_slots, float scale, int window) {
+    paged_attention(out, q, RowsF16{pool_k, hd}, RowsF16{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks, T,
+                    H, KVH, hd, block_size, num_slots, scale, window);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
+paged_attention_split_f16(float* out, const float* q, const unsigned short* pool_k, const unsigned short* pool_v,
+                          const int* token_seq, const int* token_pos, const int* block_tables, int max_blocks, int T,
+                          int H, int KVH, int hd, int block_size, int num_slots, float scale, int window,
+                          float* part_out, float* part_max, float* part_sum, int chunk_keys) {
+    paged_attention_split(q, RowsF16{pool_k, hd}, RowsF16{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks,
+                          T, H, KVH, hd, block_size, num_slots, scale, window, part_out, part_max, part_sum,
+                          chunk_keys);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
+paged_attention_int8(float* out, const float* q, const signed char* pool_k, const signed char* pool_v, const int* token_seq,
+                    const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd,
+                    int block_size, int num_slots, float scale, int window) {
+    paged_attention(out, q, RowsInt8{pool_k, hd}, RowsInt8{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks, T,
+                    H, KVH, hd, block_size, num_slots, scale, window);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
+paged_attention_split_int8(float* out, const float* q, const signed char* pool_k, const signed char* pool_v,
+                          const int* token_seq, const int* token_pos, const int* block_tables, int max_blocks, int T,
+                          int H, int KVH, int hd, int block_size, int num_slots, float scale, int window,
+                          float* part_out, float* part_max, float* part_sum, int chunk_keys) {
+    paged_attention_split(q, RowsInt8{pool_k, hd}, RowsInt8{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks,
+                          T, H, KVH, hd, block_size, num_slots, scale, window, part_out, part_max, part_sum,
+                          chunk_keys);
+}
+
 
 // Flash-decoding pass 2: out[t, h] = sum_c w_c part_out[c] / sum_c w_c part_sum[c], w_c = exp(max_c - max).
 // Grid (T * H), block >= 32 threads, dynamic shared memory n_chunks floats.

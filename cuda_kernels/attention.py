@@ -7,6 +7,9 @@ ATTENTION_THREADS = 128  # ATTN_WARPS * 32 in attention.cu
 MAX_HEAD_DIM = 256  # ATTN_MAX_HD in attention.cu
 MAX_CHUNKS = 65535  # gridDim.y limit
 DEFAULT_DYNAMIC_SHARED_LIMIT = 48 * 1024  # without cuFuncSetAttribute opt-in, on every arch
+KV_TYPES = ("f32", "f16", "int8")  # one kernel pair per --kv-type, one geometry for all
+DIRECT_KERNELS = tuple(f"paged_attention_{t}" for t in KV_TYPES)
+SPLIT_KERNELS = tuple(f"paged_attention_split_{t}" for t in KV_TYPES)
 
 
 def num_chunks(max_blocks: int, block_size: int, chunk_keys: int, window: int = 0) -> int:
@@ -29,10 +32,10 @@ def geometry(kernel: str, **ints: int):
     if rows > MAX_GRID_X:
         raise ValueError(f"T * H = {rows} query rows exceed one launch")
     grid_rows = max(1, rows)
-    if kernel == "paged_attention_f32":
+    if kernel in DIRECT_KERNELS:
         _check_gqa(ints)
         return (grid_rows, 1, 1), (ATTENTION_THREADS, 1, 1), 0
-    if kernel == "paged_attention_split_f32":
+    if kernel in SPLIT_KERNELS:
         _check_gqa(ints)
         chunks = num_chunks(ints["max_blocks"], ints["block_size"], ints["chunk_keys"], ints.get("window", 0))
         if chunks * ints["chunk_keys"] < min(ints["max_blocks"] * ints["block_size"], ints.get("window") or 2**62):

@@ -5,6 +5,8 @@
 //
 //   plane p:  | block 0 | block 1 | ... | block num_blocks-1 |     (num_slots * hd floats)
 //
+// Block moves see the pool as 32-bit words, whatever the --kv-type: for f16 / int8 rows the backend passes
+// `hd` = row words (row bytes / 4) and block_elems = block_size * row words, so one kernel moves every type.
 // Block moves copy float4 when block_elems % 4 == 0 (every real head size), else single floats, with a
 // grid-stride loop so one launch covers any number of blocks (cuda_kernels/kv_blocks.py).
 
@@ -23,6 +25,63 @@ extern "C" __global__ void store_kv_f32(float* pool_layer_k, float* pool_layer_v
     const long long dst = ((long long)h * num_slots + slot) * hd + d;
     pool_layer_k[dst] = k[i];
     pool_layer_v[dst] = v[i];
+}
+
+// --kv-type f16 / int8 rows (engine/kv_quant.py is the reference): a pool row is one token's K (or V) of one
+// head. f16: hd halves (hd even; pairs are converted with one cvt.rn.f16x2). int8: hd int8 values, then the
+// row's float32 scale (row_bytes = hd + 4, hd % 4 == 0 so the scale is aligned); scale = max|x| / 127,
+// q = rint(x * (127 / max|x|)) clipped to +-127, all float32 steps as in numpy, so the bytes are identical.
+
+// One thread per pair of elements: pool_layer_{k,v} [KVH, num_slots, hd] halves.
+extern "C" __global__ void store_kv_f16(unsigned short* pool_layer_k, unsigned short* pool_layer_v, const float* k,
+                                        const float* v, const long long* slots, int T, int KVH, int hd,
+                                        int num_slots) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // pair index
+    const int pairs = hd / 2;
+    if (i >= (long long)T * KVH * pairs) return;
+    const long long row = i / pairs;  // t * KVH + h
+    const int d = 2 * (int)(i - row * pairs);
+    const int t = (int)(row / KVH);
+    const int h = (int)(row - (long long)t * KVH);
+    const long long slot = slots[t];
+    if (slot < 0) return;
+    const long long src = row * hd + d;
+    const long long dst = ((long long)h * num_slots + slot) * hd + d;
+    unsigned packed_k, packed_v;  // the first source lands in the upper half: element d + 1
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed_k) : "f"(k[src + 1]), "f"(k[src]));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed_v) : "f"(v[src + 1]), "f"(v[src]));
+    *reinterpret_cast<unsigned*>(pool_layer_k + dst) = packed_k;
+    *reinterpret_cast<unsigned*>(pool_layer_v + dst) = packed_v;
+}
+
+__device__ __forceinline__ float warp_max(float value) {
+    for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    return value;
+}
+
+// One row of hd values -> hd int8 + its scale, by one warp (lane l: elements l, l + 32, ...).
+__device__ __forceinline__ void quantize_row(signed char* dst, const float* x, int hd, int lane) {
+    float amax = 0.0f;
+    for (int d = lane; d < hd; d += 32) amax = fmaxf(amax, fabsf(x[d]));
+    amax = warp_max(amax);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int d = lane; d < hd; d += 32) dst[d] = (signed char)fminf(127.0f, fmaxf(-127.0f, rintf(x[d] * inv)));
+    if (lane == 0) *reinterpret_cast<float*>(dst + hd) = amax / 127.0f;
+}
+
+// One warp per (t, h) row, 4 rows a 128-thread block: pool_layer_{k,v} [KVH, num_slots, hd + 4] bytes.
+extern "C" __global__ void store_kv_int8(signed char* pool_layer_k, signed char* pool_layer_v, const float* k,
+                                         const float* v, const long long* slots, int T, int KVH, int hd,
+                                         int num_slots) {
+    const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;  // t * KVH + h
+    if (row >= (long long)T * KVH) return;
+    const int t = (int)(row / KVH);
+    const int h = (int)(row - (long long)t * KVH);
+    const long long slot = slots[t];
+    if (slot < 0) return;
+    const long long dst = ((long long)h * num_slots + slot) * (hd + 4);
+    quantize_row(pool_layer_k + dst, k + row * hd, hd, threadIdx.x & 31);
+    quantize_row(pool_layer_v + dst, v + row * hd, hd, threadIdx.x & 31);
 }
 
 // Where element `e` of block `block` in plane `plane` lives in the pool, in units of `vec` floats.

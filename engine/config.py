@@ -56,9 +56,6 @@ class ModelConfig:
     def group_size(self) -> int:
         return self.n_heads // self.n_kv_heads
 
-    def kv_bytes_per_token(self, itemsize: int = 4) -> int:
-        return 2 * self.n_layers * self.kv_dim * itemsize
-
 
 def config_from_gguf(fields: dict[str, Any], vocab_size: int) -> ModelConfig:
     """Build a ModelConfig from GGUF metadata; raise ValueError naming anything unsupported."""

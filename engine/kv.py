@@ -16,31 +16,87 @@ BLOCK_SIZE = 16  # tokens per KV block of the server (tests pick smaller ones ex
 
 
 @dataclass(frozen=True)
+class KVType:
+    """How one token's K (or V) of one head is stored: a row of `head_dim` values of `storage`, followed
+    by `scale_bytes` bytes (int8: the row's float32 scale, so x = q * scale; see engine/kv_quant.py)."""
+
+    name: str
+    storage: str  # numpy dtype name of the stored values
+    scale_bytes: int
+
+    def row_elems(self, head_dim: int) -> int:
+        """Storage elements of one row: the values, then the scale's bytes seen as elements."""
+        return head_dim + self.scale_bytes // np.dtype(self.storage).itemsize
+
+    def row_bytes(self, head_dim: int) -> int:
+        return self.row_elems(head_dim) * np.dtype(self.storage).itemsize
+
+
+# --kv-type: one float32 scale per token, head and K/V for int8 (why per token: docs/BENCHMARKS.md).
+KV_TYPES = {"f32": KVType("f32", "float32", 0), "f16": KVType("f16", "float16", 0), "int8": KVType("int8", "int8", 4)}
+
+
+@dataclass(frozen=True)
 class KVLayout:
-    """Shape of a KV pool: the same block ids address every layer."""
+    """Shape of a KV pool: the same block ids address every layer. The one owner of K/V bytes per token
+    and per block (the pool, the host tier, the disk tier and the admission all size from here)."""
 
     num_blocks: int
     block_size: int
     n_layers: int
     n_kv_heads: int
     head_dim: int
-    dtype: str = "float32"
+    kv_type: str = "f32"  # a key of KV_TYPES
+
+    def __post_init__(self) -> None:
+        if self.kv_type not in KV_TYPES:
+            raise ValueError(f"--kv-type {self.kv_type!r} is not one of: {', '.join(KV_TYPES)}")
+
+    @property
+    def type(self) -> KVType:
+        return KV_TYPES[self.kv_type]
+
+    @property
+    def dtype(self) -> str:
+        """numpy dtype of the stored elements (int8 rows carry their scale's bytes as 4 more elements)."""
+        return self.type.storage
+
+    @property
+    def row_elems(self) -> int:
+        """Last axis of every pool array: head_dim values (+ the scale's bytes for int8)."""
+        return self.type.row_elems(self.head_dim)
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
     @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.n_kv_heads * self.type.row_bytes(self.head_dim)
+
+    @property
     def bytes_per_block(self) -> int:
-        return 2 * self.n_layers * self.n_kv_heads * self.block_size * self.head_dim * np.dtype(self.dtype).itemsize
+        return self.bytes_per_token * self.block_size
 
     @property
     def total_bytes(self) -> int:
         return self.bytes_per_block * self.num_blocks
 
 
-def layout_for(config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE, dtype: str = "float32") -> KVLayout:
-    return KVLayout(num_blocks, block_size, config.n_layers, config.n_kv_heads, config.head_dim, dtype)
+def layout_for(config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE, kv_type: str = "f32") -> KVLayout:
+    return KVLayout(num_blocks, block_size, config.n_layers, config.n_kv_heads, config.head_dim, kv_type)
+
+
+def resolve_kv_type(requested: str, backend) -> str:
+    """--kv-type resolved for a backend: `auto` is the backend's first supported type (its default);
+    a type the backend cannot run is a ValueError that names the ones it can."""
+    supported = tuple(getattr(backend, "kv_types", ("f32",)))
+    if requested == "auto":
+        return supported[0]
+    if requested not in supported:
+        raise ValueError(f"--kv-type {requested} is not supported by the {backend.name} backend "
+                         f"(it runs: {', '.join(supported)})")
+    return requested
 
 
 class BlockAllocator:

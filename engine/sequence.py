@@ -42,11 +42,12 @@ class ModelRunner:
     """
 
     def __init__(self, model: Model, num_blocks: int, block_size: int = BLOCK_SIZE, host_blocks: int = 0,
-                 layer_split: tuple[int, ...] = ()):
+                 layer_split: tuple[int, ...] = (), kv_type: str = "f32"):
         self.model = model
         self.block_size = block_size
-        self.layout = layout_for(model.config, num_blocks, block_size)  # whole model: accounting, disk tier
-        self.host_layout = layout_for(model.config, host_blocks, block_size)
+        # whole model: accounting, disk tier; kv_type is resolved (engine/kv.resolve_kv_type), never "auto"
+        self.layout = layout_for(model.config, num_blocks, block_size, kv_type)
+        self.host_layout = replace(self.layout, num_blocks=host_blocks)
         self.stages = [self._make_stage(i, layers, num_blocks, host_blocks)
                        for i, layers in enumerate(split_layers(model.config.n_layers, layer_split))]
         self._standalone: BlockAllocator | None = None  # block ids for runs without a conversation cache
@@ -133,6 +134,15 @@ class ModelRunner:
                 backend.restore_blocks(stage.host_pool, stage.kv_pool, restores)
             if copies:
                 backend.copy_blocks(stage.kv_pool, copies)
+        self._fence_moves()
+
+    def _fence_moves(self) -> None:
+        """Each stage's next step after the block moves just queued, in device order where the backend has
+        streams (cuda: the stage's stream waits on the mover's event; numpy moves are done on return)."""
+        for stage in self.stages:
+            fence = getattr(stage.mover, "move_fence", None)
+            if fence is not None and stage.mover is not stage.backend:
+                stage.backend.wait_for(fence(), stage.mover)
 
     def apply_moves(self, parks, restores, writes, copies) -> None:
         """A granted plan's block moves in one call: parks (device -> host), restores (host -> device),
@@ -148,7 +158,8 @@ class ModelRunner:
             self.move_blocks([], [], copies)
 
     def read_block(self, tier: str, index: int):
-        """Copy of one block's (K, V) from the device or the host pools, as numpy [layers, KVH, B, hd]."""
+        """Copy of one block's stored (K, V) from the device or the host pools, as numpy [layers, KVH, B, row]
+        (rows as engine/kv_quant.py stores them: int8 rows carry their scales)."""
         parts = [s.mover.read_block(s.kv_pool if tier == "device" else s.host_pool, index) for s in self.stages]
         if len(parts) == 1:
             return parts[0]
@@ -158,6 +169,7 @@ class ModelRunner:
         for stage in self.stages:
             layers = slice(stage.layers.start, stage.layers.stop)
             stage.mover.write_block(stage.kv_pool, device_id, k[layers], v[layers])
+        self._fence_moves()
 
     def release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
@@ -188,8 +200,9 @@ class ModelRunner:
         if last:
             return model.head(hidden, backend)
         # The hand-off buffer: a stage's workspace is reused by its next job while the next stage still
-        # reads this one, so a backend with device memory hands over a host copy (what crossing to another
-        # GPU needs anyway); numpy hands over its arrays as they are.
+        # reads this one. cuda launched from the loop hands over its device arrays with their event (the next
+        # stage copies them DtoD, ordered by cuStreamWaitEvent both ways), otherwise a host copy; numpy hands
+        # over its arrays as they are.
         return backend.send_hidden(hidden)
 
     @staticmethod

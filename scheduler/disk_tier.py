@@ -1,8 +1,8 @@
 """The disk tier of the conversation cache: one file per KV block, named by its chain digest.
 
 Files live under `<--conversation-cache-dir>/<cache key>/`, where the cache key is a digest of everything
-that changes the KV bytes (the model file's name, size and content digest, the KV layout: block size,
-layers, KV heads, head dim, dtype). A block file holds a header (magic, format version, cache key,
+that changes the KV bytes (the model file's name, size and content digest, the backend, the KV layout:
+block size, layers, KV heads, head dim, K/V type). A block file holds a header (magic, format version, cache key,
 digest, parent digest, tokens) and the K and V bytes, followed by a checksum of all of it. At start-up
 the index is rebuilt from the files; a file that is truncated, corrupt or for another model is ignored
 and logged, never loaded. Writes go to a temporary name and are renamed into place, so a crash leaves
@@ -62,6 +62,19 @@ class DiskTier:
         self.block_shape = block_shape  # shape of K (and of V) for one block, all layers
         self.dtype = np.dtype(dtype)
         self.capacity_blocks = capacity_blocks
+
+    @classmethod
+    def for_layout(cls, root: str | Path, model_identity: str, backend_name: str, layout,
+                   capacity_bytes: int) -> "DiskTier":
+        """The tier of one model file, backend and KV layout (engine/kv.KVLayout of the whole model).
+
+        The key covers every field that changes a block's bytes, the K/V type included, so a restart
+        with another --kv-type (or backend: numpy and cuda may differ in the last bits) uses a directory
+        of its own and never reads these bytes."""
+        key = cache_key(model_identity, (backend_name, layout.block_size, layout.n_layers, layout.n_kv_heads,
+                                         layout.head_dim, layout.kv_type, layout.dtype, layout.row_elems))
+        block_shape = (layout.n_layers, layout.n_kv_heads, layout.block_size, layout.row_elems)
+        return cls(root, key, block_shape, layout.dtype, capacity_bytes // layout.bytes_per_block)
 
     def _path(self, digest: bytes) -> Path:
         return self.dir / f"{digest.hex()}.kv"

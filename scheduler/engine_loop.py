@@ -191,6 +191,9 @@ class EngineLoop:
         tier, whether it is active, its last use, and for those clients named, their turns' reuse."""
         usage = self.cache.usage()
         usage["block_size"] = self.cache.block_size
+        layout = self.runner.layout
+        usage["kv"] = {"type": layout.kv_type, "bytes_per_token": layout.bytes_per_token,
+                       "bytes_per_block": layout.bytes_per_block}
         usage["conversations"] = self.conversations.snapshot(self.cache.activity.snapshot(self.cache.block_size))
         return usage
 

@@ -1,8 +1,10 @@
 """Pipeline stages over a layer split: one asyncio task per stage, each with a worker of its own.
 
 A group's step (its decodes plus at most one prefill chunk) enters stage 0's queue; each stage task takes
-the next job, runs its layers on its worker (numpy: a thread of its own, so two stages compute at once on
-two cores; CUDA: a stream), then hands the job (its batch and hidden state: the hand-off buffer) to the
+the next job and runs its layers through the stage backend's step runner (engine/backends/step_runner.py;
+numpy: on a worker thread of its own, so two stages compute at once on two cores; CUDA: launched from the
+loop onto the stage's stream, its completion event awaited without blocking), then hands the job (its
+batch and hidden state: the hand-off buffer; CUDA keeps it on the device, ordered by events) to the
 next stage's queue and goes on with the next job at once. So while stage 1 works on group g, stage 0
 already works on group g + 1. The last stage applies the head and samples; the job's future resolves.
 
@@ -19,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.backends.step_runner import create_step_runner
 from engine.batch import BatchMeta
 from engine.sequence import ModelRunner
 from engine.stages import Stage
@@ -69,6 +72,7 @@ class Pipeline:
         self.stats = [StageStats() for _ in self.stages]
         self._queues: list[asyncio.Queue] = []
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"strata-stage{s.index}") for s in self.stages]
+        self._runners = [create_step_runner(s.backend, w) for s, w in zip(self.stages, self._workers)]
         self._tasks: list[asyncio.Task] = []
         self._jobs: dict[int, _Job] = {}  # group -> its job in flight
         self.started_s = time.perf_counter()
@@ -125,7 +129,6 @@ class Pipeline:
         self._queues[index].put_nowait(job)
 
     async def _stage_loop(self, index: int) -> None:
-        loop = asyncio.get_running_loop()
         queue, stats, last = self._queues[index], self.stats[index], index == len(self.stages) - 1
         while True:
             job = await queue.get()
@@ -136,8 +139,10 @@ class Pipeline:
             stats.queue_depth -= 1
             self._observe_depth(index)
             stats.current_group = job.group
+            started = time.perf_counter()
             try:
-                result = await loop.run_in_executor(self._workers[index], self._compute, index, job)
+                result = await self._runners[index].run(lambda: self._launch(index, job),
+                                                        lambda output: self._finish(index, job, output))
             except Exception as exc:  # noqa: BLE001 - a stage's failure belongs to its job, not the pipeline
                 stats.failures += 1
                 log.error("pipeline stage %d failed on group %d: %s", index, job.group, exc,
@@ -147,32 +152,35 @@ class Pipeline:
                 continue
             finally:
                 stats.current_group = None
+                self._count_busy(index, time.perf_counter() - started)
             if last:
                 if not job.future.done():
                     job.future.set_result(result)
             else:
                 self._enqueue(index + 1, job)
 
-    def _compute(self, index: int, job: _Job):
-        """On the stage's worker: this stage's layers for the job (and, on the last stage, the head and
-        sampling)."""
-        started = time.perf_counter()
-        try:
-            stage = self.stages[index]
-            seq_work = [(request.seq, n) for request, n in job.work]
-            if stage.is_first:
-                job.batch = self.runner.prepare(seq_work)
-            job.hidden = self.runner.run_stage(stage, job.batch, job.hidden)
-            if index < len(self.stages) - 1:
-                return None
-            self.runner.commit(seq_work)
-            return self.finish(job.work, job.hidden)
-        finally:
-            busy = time.perf_counter() - started
-            self.stats[index].busy_seconds += busy
-            self.stats[index].jobs += 1
-            if self.metrics is not None:
-                self.metrics.stage_busy_seconds.labels(str(index)).inc(busy)
+    def _launch(self, index: int, job: _Job):
+        """This stage's layers for the job (the step runner decides on which thread; cuda: enqueued only).
+        Returns the stage's pending output: the hand-off (x, h), or the last stage's logits."""
+        stage = self.stages[index]
+        if stage.is_first:
+            job.batch = self.runner.prepare([(request.seq, n) for request, n in job.work])
+        return self.runner.run_stage(stage, job.batch, job.hidden)
+
+    def _finish(self, index: int, job: _Job, output):
+        """Once the stage's output is complete, on its worker: keep the hand-off, or (last stage) count the
+        computed tokens and sample."""
+        job.hidden = output
+        if index < len(self.stages) - 1:
+            return None
+        self.runner.commit([(request.seq, n) for request, n in job.work])
+        return self.finish(job.work, output)
+
+    def _count_busy(self, index: int, busy: float) -> None:
+        self.stats[index].busy_seconds += busy
+        self.stats[index].jobs += 1
+        if self.metrics is not None:
+            self.metrics.stage_busy_seconds.labels(str(index)).inc(busy)
 
     def _observe_depth(self, index: int) -> None:
         if self.metrics is not None:

@@ -1,10 +1,11 @@
 """Benchmark of the CUDA backend: throughput, bandwidth, per-kernel times, completion latency.
 
-    python3 scripts/bench_cuda.py [--models default,1b] [--quant Q8_0] [--decode-steps 32]
+    python3 scripts/bench_cuda.py [--models default,1b] [--quant Q8_0] [--decode-steps 32] [--kv-types f16]
 
 Prints markdown tables for the default model (when its file is already cached: nothing is fetched) and for
 a 1B-class llama-shaped model with random weights written here (scripts/bench_cuda_model.py, cached in /tmp):
-- prefill and decode tokens/s at batch 1, 4 and 16 (decode replays CUDA graphs, as the server does);
+- prefill and decode tokens/s at batch 1, 4 and 16 (decode replays CUDA graphs, as the server does), per
+  --kv-types entry (default f16, the server's CUDA default; int8 and f32 on request);
 - decode bandwidth: bytes of the linear weights read per step / step time, against the card's device copy
   bandwidth (cuMemcpyDtoD of a 1 GiB buffer, bytes read + written);
 - GPU time per kernel (events around every launch, graphs off) for one prefill and some decode steps;
@@ -35,6 +36,7 @@ def main() -> int:
     parser.add_argument("--quant", default="Q8_0", choices=("Q8_0", "Q4_0"), help="weights of the 1b model")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--kv-types", default="f16", help="comma list of K/V types to measure (f16, int8, f32)")
     args = parser.parse_args()
     available, reason = probe(args.device)
     if not available:
@@ -51,7 +53,7 @@ def main() -> int:
         path = model_path(spec.strip(), args.quant)
         if path is None:
             continue
-        bench_model(backend, path, copy_gbps, args.decode_steps)
+        bench_model(backend, path, copy_gbps, args.decode_steps, args.kv_types.split(","))
     return 0
 
 
@@ -136,10 +138,10 @@ def print_latency_table(backend, samples: int = 50) -> None:
     print()
 
 
-def bench_model(backend, path: Path, copy_gbps: float, decode_steps: int) -> None:
+def bench_model(backend, path: Path, copy_gbps: float, decode_steps: int, kv_types=("f16",)) -> None:
     from engine.backends.cuda_linear import QuantLinear
     from engine.model import load_model
-    from engine.sequence import ModelRunner, Sequence
+    from engine.sequence import ModelRunner
 
     model, _, info = load_model(path, backend)
     c = model.config
@@ -147,10 +149,19 @@ def bench_model(backend, path: Path, copy_gbps: float, decode_steps: int) -> Non
                        if isinstance(v, QuantLinear)) + model.weights.output.nbytes
     print(f"## {path.name}: {c.n_layers} layers, d {c.d_model}, loaded in {info.load_seconds:.1f} s, "
           f"{linear_bytes / 2**20:.0f} MiB of linear weights\n")
-    print("| batch | prefill tok/s | decode tok/s | decode step ms | decode GB/s | of copy bandwidth |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| K/V | batch | prefill tok/s | decode tok/s | decode step ms | decode GB/s | of copy bandwidth |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     per_seq_blocks = -(-(PREFILL_TOKENS + decode_steps + 1) // BLOCK)
-    runner = ModelRunner(model, num_blocks=per_seq_blocks * max(BATCHES), block_size=BLOCK)
+    for kv_type in kv_types:
+        runner = ModelRunner(model, num_blocks=per_seq_blocks * max(BATCHES), block_size=BLOCK, kv_type=kv_type)
+        _bench_batches(runner, kv_type, decode_steps, linear_bytes, copy_gbps)
+    print()
+    print_kernel_table(backend, runner, decode_steps)
+
+
+def _bench_batches(runner, kv_type: str, decode_steps: int, linear_bytes: int, copy_gbps: float) -> None:
+    from engine.sequence import Sequence
+
     for batch in BATCHES:
         seqs = [Sequence([(7 * i + 13 * b) % 1000 + 10 for i in range(PREFILL_TOKENS)]) for b in range(batch)]
         for seq in seqs:
@@ -169,12 +180,10 @@ def bench_model(backend, path: Path, copy_gbps: float, decode_steps: int) -> Non
             steps.append(time.perf_counter() - t0)
         step_s = statistics.median(steps[2:])  # the first steps capture graphs
         gbps = linear_bytes / step_s / 1e9
-        print(f"| {batch} | {batch * PREFILL_TOKENS / prefill_s:.0f} | {batch / step_s:.0f} | {step_s * 1e3:.2f} | "
-              f"{gbps:.0f} | {100 * gbps / copy_gbps:.0f}% |")
+        print(f"| {kv_type} | {batch} | {batch * PREFILL_TOKENS / prefill_s:.0f} | {batch / step_s:.0f} | "
+              f"{step_s * 1e3:.2f} | {gbps:.0f} | {100 * gbps / copy_gbps:.0f}% |")
         for seq in seqs:
             runner.release(seq)
-    print()
-    print_kernel_table(backend, runner, decode_steps)
 
 
 def print_kernel_table(backend, runner, decode_steps: int) -> None:

@@ -49,8 +49,11 @@ PYEOF
 
 if command -v strata >/dev/null; then KERNELS=(strata kernels); else KERNELS=("$PY" -m api.cli kernels); fi
 step kernels 120 "${KERNELS[@]}" --check --arch sm_90
-step tests 150 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" tests/
-step bench 200 "$PY" scripts/bench_cuda.py
+# -m cuda selects every GPU variant, among them tests/test_cuda_kv_types.py (f16 / int8 K/V: store, paged and
+# split-K attention, block moves, tiny models) and tests/test_cuda_step.py (steps launched from the loop, their
+# events awaited, no thread but the event waiter blocking); tests/test_cuda_selection.py checks nothing is left out.
+step tests 170 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" tests/
+step bench 190 "$PY" scripts/bench_cuda.py
 
 if [ ${#failed[@]} -eq 0 ]; then
   echo "device check: all steps passed" | tee "$OUT/summary.log"

@@ -29,7 +29,8 @@ _KINDS = {"float*": "ptr", "int": "int", "float": "float"}
 # (split-K partials, staging, an ld_y offset) fails at that launch instead of corrupting a neighbour.
 REDZONE = 256
 CANARY = bytes.fromhex("addec0ff") * (REDZONE // 4)  # 0xffc0dead: a NaN as float, negative as int32/int64
-_NATURAL_ALIGNMENT = {"float*": 4, "int*": 4, "long long*": 8, "unsigned long long*": 8, "unsigned char*": 1}
+_NATURAL_ALIGNMENT = {"float*": 4, "int*": 4, "long long*": 8, "unsigned long long*": 8, "unsigned char*": 1,
+                      "unsigned short*": 4, "signed char*": 4}  # K/V rows: f16 pairs and int8 scales are words
 
 
 def _kind(ctype: str) -> str:

@@ -12,6 +12,8 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from cuda_kernels.attention import num_chunks
+from engine.kv import KV_TYPES
+from engine.kv_quant import decode_rows, encode_rows
 
 def view(ptr, count: int, dtype=np.float32) -> np.ndarray:
     """count elements of dtype at a real address, as a writable numpy array."""
@@ -63,20 +65,32 @@ def _rope(kernel, a):
     x[..., :half], x[..., half:dims] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
-def _store_kv(_, a):
+def _kv_type(kernel: str) -> str:
+    return kernel.rsplit("_", 1)[1]  # store_kv_int8 -> int8
+
+
+def _pool_rows(ptr, KVH: int, S: int, hd: int, kv_type: str) -> np.ndarray:
+    """One layer's stored rows [KVH, S, row] of a --kv-type (engine/kv_quant.py)."""
+    kind = KV_TYPES[kv_type]
+    row = kind.row_elems(hd)
+    return view(ptr, KVH * S * row, kind.storage).reshape(KVH, S, row)
+
+
+def _store_kv(kernel, a):
     T, KVH, hd, S = a["T"], a["KVH"], a["hd"], a["num_slots"]
     slots = view(a["slots"], T, np.int64)
     for src, dst in (("k", "pool_layer_k"), ("v", "pool_layer_v")):
-        view(a[dst], KVH * S * hd).reshape(KVH, S, hd)[:, slots, :] = \
-            view(a[src], T * KVH * hd).reshape(T, KVH, hd).transpose(1, 0, 2)
+        x = view(a[src], T * KVH * hd).reshape(T, KVH, hd)
+        _pool_rows(a[dst], KVH, S, hd, _kv_type(kernel))[:, slots, :] = \
+            encode_rows(x, _kv_type(kernel)).transpose(1, 0, 2)
 
 
-def _attention_rows(a):
-    """Per query row t: (scores [H, L], values [H, L, hd]) over its visible keys."""
+def _attention_rows(a, kv_type: str):
+    """Per query row t: (scores [H, L], values [H, L, hd]) over its visible keys (rows decoded to float32)."""
     T, H, KVH, hd, B, S = a["T"], a["H"], a["KVH"], a["hd"], a["block_size"], a["num_slots"]
     q = view(a["q"], T * H * hd).reshape(T, H, hd)
-    pool_k = view(a["pool_k"], KVH * S * hd).reshape(KVH, S, hd)
-    pool_v = view(a["pool_v"], KVH * S * hd).reshape(KVH, S, hd)
+    pool_k = decode_rows(_pool_rows(a["pool_k"], KVH, S, hd, kv_type), hd)
+    pool_v = decode_rows(_pool_rows(a["pool_v"], KVH, S, hd, kv_type), hd)
     seq_of, pos_of = view(a["token_seq"], T, np.int32), view(a["token_pos"], T, np.int32)
     tables = view(a["block_tables"], (int(seq_of.max()) + 1) * a["max_blocks"], np.int32)
     heads = np.arange(H) // (H // KVH)
@@ -88,22 +102,22 @@ def _attention_rows(a):
         yield t, keys, scores, pool_v[heads][:, slots, :]
 
 
-def _paged_attention(_, a):
+def _paged_attention(kernel, a):
     T, H, hd = a["T"], a["H"], a["hd"]
     out = view(a["out"], T * H * hd).reshape(T, H, hd)
-    for t, _, scores, values in _attention_rows(a):
+    for t, _, scores, values in _attention_rows(a, _kv_type(kernel)):
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         out[t] = np.einsum("hl,hld->hd", probs / probs.sum(axis=-1, keepdims=True), values)
 
 
-def _paged_attention_split(_, a):
+def _paged_attention_split(kernel, a):
     T, H, hd, C = a["T"], a["H"], a["hd"], a["chunk_keys"]
     n_chunks = num_chunks(a["max_blocks"], a["block_size"], C, a["window"])  # the grid the geometry gives
     part_out = view(a["part_out"], T * H * n_chunks * hd).reshape(T, H, n_chunks, hd)
     part_max = view(a["part_max"], T * H * n_chunks).reshape(T, H, n_chunks)
     part_sum = view(a["part_sum"], T * H * n_chunks).reshape(T, H, n_chunks)
     part_out[:], part_max[:], part_sum[:] = 0, -np.inf, 0
-    for t, keys, scores, values in _attention_rows(a):
+    for t, keys, scores, values in _attention_rows(a, _kv_type(kernel)):
         for c in range(n_chunks):
             sel = (keys >= c * C) & (keys < (c + 1) * C)
             if sel.any():
@@ -187,6 +201,9 @@ KERNELS = {
     "embedding_f32": _embedding, "rms_norm_f32": _rms_norm, "add_rms_norm_f32": _add_rms_norm, "add_f32": _add,
     "split_columns_f32": _split_columns, "rope_neox_f32": _rope, "rope_norm_f32": _rope, "store_kv_f32": _store_kv,
     "paged_attention_f32": _paged_attention, "paged_attention_split_f32": _paged_attention_split,
+    "store_kv_f16": _store_kv, "store_kv_int8": _store_kv, "paged_attention_f16": _paged_attention,
+    "paged_attention_int8": _paged_attention, "paged_attention_split_f16": _paged_attention_split,
+    "paged_attention_split_int8": _paged_attention_split,
     "attention_combine_f32": _combine, "gated_silu_f32": _gated, "gated_gelu_tanh_f32": _gated,
     "gather_rows_f32": _gather_rows, "copy_kv_blocks_f32": _copy_kv_blocks, "gather_kv_blocks_f32": _kv_staging,
     "scatter_kv_blocks_f32": _kv_staging, "matvec": _quant_linear, "gemm": _quant_linear,

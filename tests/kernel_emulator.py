@@ -27,7 +27,8 @@ _STATIC_SHARED = re.compile(r"^(\s*)__shared__\s+([^;]*);", re.M)
 _ASM = re.compile(r"\basm\s*(?:volatile\s*)?\(")
 _EXTERN_SHARED = re.compile(r"extern\s+__shared__\s+(\w+)\s+(\w+)\[\];")
 _POINTER_DTYPES = {"float": np.float32, "int": np.int32, "long long": np.int64,
-                   "unsigned long long": np.uint64, "unsigned char": np.uint8}
+                   "unsigned long long": np.uint64, "unsigned char": np.uint8,
+                   "unsigned short": np.uint16, "signed char": np.int8}
 
 
 def compiler_available() -> bool:

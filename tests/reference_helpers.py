@@ -43,3 +43,35 @@ def assert_top5(logits_row, top5, message=""):
     ids = [i for i, _ in top5]
     np.testing.assert_allclose(logits_row[ids], np.array([v for _, v in top5]), rtol=1e-3, atol=1e-3,
                                err_msg=message)
+
+
+def forced_logits(model, prompt_ids, continuation, chunk=64, block_size=16, **runner_args):
+    """Teacher-forced logits through the paged runner: row i [vocab] is the next-token logits after
+    prompt + continuation[:i], for i in 0 .. len(continuation) - 1 (chunked prefill, then decode steps).
+
+    Two runs fed the same continuation see the same contexts, so their rows compare step by step, and
+    the first row whose argmax differs is where free-running greedy decoding would first diverge."""
+    n_new = len(continuation)
+    runner = ModelRunner(model, num_blocks=-(-(len(prompt_ids) + n_new) // block_size) + 1, block_size=block_size,
+                         **runner_args)
+    seq = Sequence(list(prompt_ids))
+    assert runner.ensure_blocks(seq, len(prompt_ids) + n_new)
+    logits = None
+    while seq.num_pending:
+        logits = runner.step([(seq, min(chunk, seq.num_pending))])
+    rows = [logits[-1]]
+    for token in continuation[:-1]:
+        seq.token_ids.append(int(token))
+        rows.append(runner.step([(seq, 1)])[-1])
+    return np.array(rows)  # [n_new, vocab]
+
+
+def compare_to_reference(rows, reference_rows, k=5):
+    """(first step whose argmax differs or None, largest |logit error| on the reference's top-k ids, the
+    reference's gap between its best and second-best logit at that first differing step or None)."""
+    differs = np.argmax(rows, axis=-1) != np.argmax(reference_rows, axis=-1)
+    first = int(np.argmax(differs)) if differs.any() else None
+    top = np.argsort(-reference_rows, axis=-1)[:, :k]  # [steps, k]
+    error = np.abs(np.take_along_axis(rows, top, -1) - np.take_along_axis(reference_rows, top, -1))
+    gap = None if first is None else float(reference_rows[first, top[first, 0]] - reference_rows[first, top[first, 1]])
+    return first, float(error.max()), gap

@@ -94,14 +94,13 @@ def tiny(load_tiny):
     return load_tiny("llama", seed=9, n_ctx=512)
 
 
-def _serve_once(tiny, disk_root, prompt, cache_on=True):
+def _serve_once(tiny, disk_root, prompt, cache_on=True, kv_type="f32"):
     model, tokenizer = tiny
 
     async def main():
-        runner = ModelRunner(model, 64, 4)
-        layout = runner.layout
-        disk = DiskTier(disk_root, cache_key("tiny", (4,)), (layout.n_layers, layout.n_kv_heads, 4,
-                        layout.head_dim), "float32", 256) if cache_on else None
+        runner = ModelRunner(model, 64, 4, kv_type=kv_type)
+        disk = DiskTier.for_layout(disk_root, "tiny", "numpy", runner.layout,
+                                   256 * runner.layout.bytes_per_block) if cache_on else None
         loop = EngineLoop(runner, tokenizer, num_slots=1, prefill_chunk=16, max_queue=4, disk=disk,
                           prefix_cache=cache_on, integrity_checks=True)
         loop.start()
@@ -124,3 +123,33 @@ def test_the_cache_survives_a_restart(tiny, tmp_path):
     reply2, cached2 = _serve_once(tiny, tmp_path, second)
     assert cached2 == len(first) + len(reply) - 1  # everything but the reply's last token (never computed)
     assert reply2 == _serve_once(tiny, tmp_path, second, cache_on=False)[0]
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "int8"])
+def test_the_cache_survives_a_restart_with_compact_kv(tiny, tmp_path, kv_type):
+    first = list(range(20, 60))
+    reply, _ = _serve_once(tiny, tmp_path, first, kv_type=kv_type)
+    second = first + reply + [7, 8, 9]
+    reply2, cached2 = _serve_once(tiny, tmp_path, second, kv_type=kv_type)
+    assert cached2 == len(first) + len(reply) - 1
+    assert reply2 == _serve_once(tiny, tmp_path, second, cache_on=False, kv_type=kv_type)[0]
+
+
+def test_a_restart_with_another_kv_type_never_reads_the_other_types_files(tiny, tmp_path):
+    first = list(range(20, 60))
+    reply, _ = _serve_once(tiny, tmp_path, first, kv_type="f32")
+    second = first + reply + [7, 8, 9]
+    reply_int8, cached = _serve_once(tiny, tmp_path, second, kv_type="int8")
+    assert cached == 0  # a directory of its own: the f32 files are neither read nor removed
+    assert reply_int8 == _serve_once(tiny, tmp_path, second, cache_on=False, kv_type="int8")[0]
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
+    _, cached_f32 = _serve_once(tiny, tmp_path, second, kv_type="f32")
+    assert cached_f32 == len(first) + len(reply) - 1
+
+
+def test_a_block_file_of_another_kv_type_is_refused_even_under_the_same_key(tmp_path):
+    f32 = DiskTier(tmp_path, b"k" * 16, SHAPE, "float32", 8)
+    f32.write(_entry(), np.ones(SHAPE, np.float32), np.ones(SHAPE, np.float32))
+    int8 = DiskTier(tmp_path, b"k" * 16, SHAPE[:-1] + (SHAPE[-1] + 4,), "int8", 8)
+    with pytest.raises(ValueError, match="size does not match"):
+        int8.read(_entry().digest)

@@ -127,15 +127,15 @@ def test_a_stage_that_fails_on_one_group_fails_only_that_group(tiny, unpipelined
     state = {"failed": False}
 
     def inject(pipeline: Pipeline):
-        real = pipeline._compute
+        real = pipeline._launch
 
-        def compute(index, job):
+        def launch(index, job):
             if index == 1 and not state["failed"] and any(r.request_id == "c1" for r, _ in job.work):
                 state["failed"] = True
                 raise RuntimeError("injected stage fault")
             return real(index, job)
 
-        pipeline._compute = compute
+        pipeline._launch = launch
 
     tokens, reasons, _, loop = _run_conversations(tiny, (2,), 4, prompts, wrap_pipeline=inject)
     assert state["failed"] and reasons == ["length", "error", "length", "length"]

@@ -12,6 +12,12 @@ Optional capabilities, looked up with getattr (the float32 NumpyBackend has none
 - `upload_embedding_quantized(part)`: the token table arrives as raw rows too (numpy quantized);
 - `run_forward(model, batch, pool)`: runs model.forward its own way (cuda: CUDA-graph replay of decode steps);
   engine/sequence.ModelRunner calls it when present.
+- `create_step_runner(worker)`: how a pipeline stage's step runs without blocking the event loop
+  (engine/backends/step_runner.py; default: on the stage's worker thread; cuda: launched from the loop, its
+  completion event awaited).
+- `move_fence()` on a mover handle and `wait_for(event, mover)` on a stage backend: block moves are queued,
+  not waited for, and the stage's next step is ordered after them on the device (cuda); ModelRunner calls
+  them after every batch of moves.
 """
 from __future__ import annotations
 
@@ -36,7 +42,8 @@ class Backend(Protocol):
         """A matrix [out, in] used as y = x @ weight.T."""
 
     def create_kv_pool(self, layout: KVLayout) -> Any:
-        """Allocate the paged K/V pool for every layer."""
+        """Allocate the paged K/V pool for every layer, rows of layout.kv_type (one of the backend's
+        `kv_types`, a tuple whose first entry is its default for --kv-type auto)."""
 
     def to_host(self, x: Array) -> np.ndarray: ...
 
@@ -60,7 +67,8 @@ class Backend(Protocol):
         """Copy (host slot, device block) pairs from the host pool back to the device pool."""
 
     def read_block(self, pool: Any, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """(K, V) of one block, every layer, as host numpy arrays [layers, KVH, block_size, hd]."""
+        """(K, V) of one block, every layer, as host numpy arrays [layers, KVH, block_size, row]: the stored
+        rows of the pool's --kv-type (engine/kv_quant.py; int8 rows end in their scales)."""
 
     def write_block(self, pool: Any, block: int, k: np.ndarray, v: np.ndarray) -> None:
         """Inverse of read_block."""

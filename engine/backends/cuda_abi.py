@@ -13,6 +13,14 @@ import re
 _ATTENTION = ("float* out, const float* q, const float* pool_k, const float* pool_v, const int* token_seq, "
               "const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd, "
               "int block_size, int num_slots, float scale, int window")
+# --kv-type f16 / int8: the same argument lists over half / int8 pool rows (docs/CUDA_KERNELS.md).
+_ATTENTION_F16 = _ATTENTION.replace("const float* pool_k, const float* pool_v",
+                                    "const unsigned short* pool_k, const unsigned short* pool_v")
+_ATTENTION_INT8 = _ATTENTION.replace("const float* pool_k, const float* pool_v",
+                                     "const signed char* pool_k, const signed char* pool_v")
+_SPLIT = ", float* part_out, float* part_max, float* part_sum, int chunk_keys"
+_STORE_KV = ("float* pool_layer_k, float* pool_layer_v, const float* k, const float* v, "
+             "const long long* slots, int T, int KVH, int hd, int num_slots")
 _KV_BLOCKS = ("float* staging, float* pool, const int* blocks, int n, int planes, int num_slots, int block_elems, "
                "int hd")
 _ROPE = "float* x, const int* positions, const float* cos, const float* sin, int T, int H, int hd, int rope_dims"
@@ -26,10 +34,17 @@ SIGNATURES: dict[str, str] = {
     "split_columns_f32": "float* out, const float* x, int T, int in_cols, int col_start, int out_cols",
     "rope_neox_f32": _ROPE,
     "rope_norm_f32": _ROPE,
-    "store_kv_f32": ("float* pool_layer_k, float* pool_layer_v, const float* k, const float* v, "
-                     "const long long* slots, int T, int KVH, int hd, int num_slots"),
+    "store_kv_f32": _STORE_KV,
+    "store_kv_f16": _STORE_KV.replace("float* pool_layer_k, float* pool_layer_v",
+                                      "unsigned short* pool_layer_k, unsigned short* pool_layer_v"),
+    "store_kv_int8": _STORE_KV.replace("float* pool_layer_k, float* pool_layer_v",
+                                       "signed char* pool_layer_k, signed char* pool_layer_v"),
     "paged_attention_f32": _ATTENTION,
-    "paged_attention_split_f32": _ATTENTION + ", float* part_out, float* part_max, float* part_sum, int chunk_keys",
+    "paged_attention_split_f32": _ATTENTION + _SPLIT,
+    "paged_attention_f16": _ATTENTION_F16,
+    "paged_attention_split_f16": _ATTENTION_F16 + _SPLIT,
+    "paged_attention_int8": _ATTENTION_INT8,
+    "paged_attention_split_int8": _ATTENTION_INT8 + _SPLIT,
     "attention_combine_f32": ("float* out, const float* part_out, const float* part_max, const float* part_sum, "
                               "int T, int H, int hd, int n_chunks"),
     "gated_silu_f32": _GATED,

@@ -8,8 +8,11 @@ stay in their GGUF blocks (cuda_linear.py); the KV pool is one device allocation
 A step's index arrays (token ids, positions, slots, block tables, logit rows) go to the device in one
 copy through pinned memory when the step starts (`run_forward`, or the first op of `Model.forward`); the
 ops find them by the identity of the batch's numpy arrays. Decode steps of common shapes replay a CUDA
-graph (cuda_graphs.py). Ops are asynchronous; `to_host` synchronises; `record_event` + `await wait(event)`
-let the event loop wait for a stage without blocking.
+graph (cuda_graphs.py). Ops are asynchronous; `to_host` synchronises, except in `deferred_host` mode, where
+a pipeline stage's step is launched from the event loop (cuda_step.StreamStepRunner): then its copies go to
+pinned buffers, a middle stage hands its (x, h) over on the device, and `record_event` + `await wait(event)`
+let the loop learn of the step's end without blocking. Block moves are queued on the copy stream and fenced
+by events (`move_fence` / `wait_for`), not waited for.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from engine.backends.cuda_array import DeviceArray, blocks_needed_by, pack_layou
 from engine.backends.cuda_device import PinnedBuffer, check, driver, get_device
 from engine.backends.cuda_graphs import DecodeGraphs
 from engine.backends.cuda_kv import CudaHostPool, CudaKVPool, KVTransfers
+from engine.backends.cuda_step import DeviceHandoff, PinnedOutputs, StreamStepRunner
 from engine.backends.cuda_ops import CudaOps
 from engine.backends.cuda_wait import EventWaiter
 from engine.batch import BatchMeta
@@ -45,6 +49,9 @@ class CudaBackend(CudaOps):
     """
 
     name = "cuda"
+    # --kv-type: f16 by default (half the bytes of f32, logits within docs/BENCHMARKS.md's bound), int8 with
+    # per-token scales, f32 the reference; every type has its store and attention kernels (kv_blocks.cu, attention.cu).
+    kv_types = ("f16", "int8", "f32")
 
     def __init__(self, device: int = 0, stream=None, stage: int = 0, wait_mode: str | None = None,
                  graphs: bool | None = None):
@@ -62,6 +69,9 @@ class CudaBackend(CudaOps):
         self._staging = PinnedBuffer(STAGING_BYTES)
         self._staging_used = 0
         self._events: list = []
+        self._is_idle = False  # no work queued on the streams: set only by mark_idle (an observed event)
+        self._defer_host = False  # inside a StreamStepRunner launch: to_host enqueues, never waits
+        self._host_outputs = PinnedOutputs(self.device)
         self.poison = False  # tests: fill every new activation with NaN so an unwritten element shows
         self.waiter = EventWaiter(wait_mode or os.environ.get(WAIT_ENV, "thread"), self._event_done,
                                   self._event_sync, self.device.make_current)
@@ -86,16 +96,28 @@ class CudaBackend(CudaOps):
         belong to one thread at a time."""
         return CudaBackend(self.device.ordinal, stage=self.stage, wait_mode=self.waiter.mode, graphs=False)
 
-    def send_hidden(self, hidden: tuple) -> tuple:
-        """A stage's output (x, h) as host arrays: its workspace is reused by its next job while the next
-        stage reads this one. Synchronises this stage's stream."""
+    def send_hidden(self, hidden: tuple):
+        """A stage's output (x, h) for the next stage, which reads it while this stage's workspace goes on
+        with its next job: launched from the loop (deferred mode), a DeviceHandoff ordered by events; else
+        host arrays (synchronises this stage's stream)."""
+        if self._defer_host:
+            return DeviceHandoff(tuple(hidden), self.record_event(), self)
         return tuple(None if a is None else self.to_host(a) for a in hidden)
 
-    def receive_hidden(self, hidden: tuple, batch: BatchMeta) -> tuple:
+    def receive_hidden(self, hidden, batch: BatchMeta) -> tuple:
         """Start a step that enters at a later layer: its index arrays and the handed-off (x, h) go to this
-        stage's workspace."""
+        stage's workspace (DtoD after the producer's event, or uploaded from host arrays)."""
         self.begin_step(batch)
+        if isinstance(hidden, DeviceHandoff):
+            return hidden.receive(self)
         return tuple(None if a is None else self.upload_activation(np.asarray(a, dtype=np.float32)) for a in hidden)
+
+    def copy_device(self, src: DeviceArray) -> DeviceArray:
+        """A copy of a device array (another stage's, same device) in this backend's workspace, on its stream."""
+        out = self.empty(src.shape, src.dtype)
+        self.device.dtod(out.ptr, src.ptr, src.nbytes, self.stream)
+        self._is_idle = False
+        return out
 
     # -- memory ---------------------------------------------------------------------------------------
     def empty(self, shape, dtype=np.float32) -> DeviceArray:
@@ -137,9 +159,12 @@ class CudaBackend(CudaOps):
         return array
 
     def _recycle_staging(self, need: int) -> None:
-        """Reuse the staging buffer from its start, once every copy queued from it has finished."""
-        self.synchronize_stream(self.stream)
-        self.synchronize_stream(self.copy_stream)
+        """Reuse the staging buffer from its start, once every copy queued from it has finished (known
+        without a wait when the step runner saw the streams' last event complete)."""
+        if not self._is_idle:
+            self.synchronize_stream(self.stream)
+            self.synchronize_stream(self.copy_stream)
+        self._is_idle = False
         if need > self._staging.nbytes:
             self._staging.close()
             self._staging = PinnedBuffer(round_up(need, 2**20))
@@ -180,6 +205,8 @@ class CudaBackend(CudaOps):
     def to_host(self, x: DeviceArray) -> np.ndarray:
         if self._capture is not None:  # the graph copies into its pinned output on every replay
             return self._capture.capture_output(x, self.current_stream)
+        if self._defer_host:  # valid once the step's completion event has been observed
+            return self._host_outputs.copy(x, self.current_stream)
         out = np.empty(x.shape, dtype=x.dtype)
         self.device.dtoh(out.ctypes.data, x.ptr, x.nbytes, self.current_stream)
         self.synchronize()
@@ -204,7 +231,31 @@ class CudaBackend(CudaOps):
         self.kv.write_block(pool, block, k, v)
 
     # -- streams and events ---------------------------------------------------------------------------
+    def create_step_runner(self, worker):
+        """Pipeline stages launch this backend's steps from the event loop and await their events."""
+        return StreamStepRunner(self, worker)
+
+    @property
+    def is_idle(self) -> bool:
+        return self._is_idle
+
+    def mark_idle(self) -> None:
+        """The caller observed an event recorded after all of this backend's queued work complete."""
+        self._is_idle = True
+
+    @contextlib.contextmanager
+    def deferred_host(self):
+        """to_host and graph replays enqueue their copies into pinned buffers and return without waiting;
+        the results are valid after an event recorded at the end has completed (cuda_step.StreamStepRunner)."""
+        self._defer_host = True
+        self._host_outputs.reset()
+        try:
+            yield
+        finally:
+            self._defer_host = False
+
     def launch(self, kernel: str, **args) -> None:
+        self._is_idle = False
         self.device.ensure_current()
         self.kernels.launch(kernel, self.current_stream, **args)
 
@@ -217,16 +268,32 @@ class CudaBackend(CudaOps):
     @contextlib.contextmanager
     def on_copy_stream(self):
         """Run the enclosed launches and copies on the copy stream, after the compute stream's queued work
-        (which may still read memory the transfer's staging reuses); returns once they have finished."""
+        (which may still read memory the transfer's staging reuses); returns once they are queued, with the
+        compute stream made to wait for them (its later work, and a workspace block reused there, come after)."""
         event = self.record_event(self.stream)
         check(driver.cuStreamWaitEvent(self.copy_stream, event, 0), "cuStreamWaitEvent")
+        self._events.append(event)  # reusable at once: a wait takes the event's state when it is queued
         self.current_stream = self.copy_stream
         try:
             yield
         finally:
             self.current_stream = self.stream
-            self.synchronize_stream(self.copy_stream)
-            self._events.append(event)
+            done = self.record_event(self.copy_stream)
+            check(driver.cuStreamWaitEvent(self.stream, done, 0), "cuStreamWaitEvent")
+            self._events.append(done)
+            self._is_idle = False
+
+    def move_fence(self):
+        """An event after every block move this (mover) backend queued; pass it to the stage's `wait_for`."""
+        return self.record_event(self.stream)
+
+    def wait_for(self, event, owner: "CudaBackend") -> None:
+        """Order this backend's later work after `event` (cuStreamWaitEvent, no host wait); owner's pool gets
+        the event back."""
+        self.device.ensure_current()
+        check(driver.cuStreamWaitEvent(self.stream, event, 0), "cuStreamWaitEvent")
+        owner.release_event(event)
+        self._is_idle = False
 
     def record_event(self, stream=None):
         """An event marking the work queued so far on stream (default: the compute stream)."""
@@ -318,5 +385,6 @@ class CudaBackend(CudaOps):
     def close(self) -> None:
         """Stop the waiter thread and free graphs (the device and its arena stay for other stages)."""
         self.waiter.close()
+        self._host_outputs.close()
         if self.graphs is not None:
             self.graphs.clear()

@@ -1,18 +1,24 @@
 """The KV pool on the device, its pinned host tier, and the block copies between them.
 
-Device pool: one float32 allocation [layers, 2 (K, V), KVH, num_slots, hd] (docs/CUDA_KERNELS.md); a block
-is block_size consecutive slots, i.e. one contiguous run of block_elems = block_size * hd floats in each of
-the planes = layers * 2 * KVH planes. Host pool: pinned memory, block-major [num_blocks, planes, block_elems],
+Device pool: one allocation [layers, 2 (K, V), KVH, num_slots, row] (docs/CUDA_KERNELS.md), a row being one
+token's K or V of one head in the --kv-type (f32, f16, or int8 + its float32 scale: engine/kv_quant.py). The
+block moves see rows as 32-bit words (row_words = row bytes / 4): a block is block_size consecutive slots,
+one contiguous run of block_elems = block_size * row_words words in each of the planes = layers * 2 * KVH
+planes, whatever the type. Host pool: pinned memory, block-major [num_blocks, planes, block_elems],
 so a parked block is one contiguous piece and a run of host slots one copy:
 
     park:    pool --gather_kv_blocks--> device staging [n, planes, block_elems] --DtoH per run--> host
     restore: host --HtoD per run--> device staging --scatter_kv_blocks--> pool
 
-These run on the backend's copy stream, ordered after the compute stream's work and before its next step.
+These run on the backend's copy stream, ordered after the compute stream's work, and nothing waits for them on
+the host: the backend's compute stream waits on the copy stream (cuStreamWaitEvent) when a transfer ends, and
+ModelRunner makes each stage's compute stream wait on the mover's `move_fence()` event, so the next step runs
+after the moves in device order. Only a CPU access to host slots (the disk tier) synchronises first.
 """
 from __future__ import annotations
 
 import bisect
+from dataclasses import replace
 
 import numpy as np
 
@@ -26,18 +32,27 @@ def planes_of(layout: KVLayout) -> int:
     return layout.n_layers * 2 * layout.n_kv_heads
 
 
+def row_words(layout: KVLayout) -> int:
+    """32-bit words of one pool row (the block-move kernels' `hd`)."""
+    row_bytes = layout.type.row_bytes(layout.head_dim)
+    assert row_bytes % 4 == 0, f"--kv-type {layout.kv_type} rows of head_dim {layout.head_dim} are not whole words"
+    return row_bytes // 4
+
+
 def block_bytes(layout: KVLayout) -> int:
-    return planes_of(layout) * layout.block_size * layout.head_dim * 4
+    """One block of every plane: the layout's own figure (engine/kv.py owns it), in whole words."""
+    assert planes_of(layout) * layout.block_size * row_words(layout) * 4 == layout.bytes_per_block
+    return layout.bytes_per_block
 
 
 class CudaKVPool:
     """The device pool of one stage. `layer_k(l)` / `layer_v(l)` are the pool_layer_k/v kernel arguments."""
 
     def __init__(self, backend, layout: KVLayout):
-        assert layout.dtype == "float32", f"the CUDA KV pool is float32, not {layout.dtype}"
         self.layout = layout
         self.planes = planes_of(layout)
-        self.block_elems = layout.block_size * layout.head_dim
+        self.row_words = row_words(layout)
+        self.block_elems = layout.block_size * self.row_words  # words, as the block-move kernels count
         self.storage = backend.upload_zeros(layout.total_bytes, f"KV pool of {layout.num_blocks} blocks")
         self.ptr = self.storage.ptr
 
@@ -45,13 +60,14 @@ class CudaKVPool:
     def nbytes(self) -> int:
         return self.layout.total_bytes
 
+    def _plane_bytes(self) -> int:
+        return self.layout.num_slots * self.row_words * 4
+
     def layer_k(self, layer: int) -> int:
-        lay = self.layout
-        return self.ptr + (layer * 2) * lay.n_kv_heads * lay.num_slots * lay.head_dim * 4
+        return self.ptr + (layer * 2) * self.layout.n_kv_heads * self._plane_bytes()
 
     def layer_v(self, layer: int) -> int:
-        lay = self.layout
-        return self.ptr + (layer * 2 + 1) * lay.n_kv_heads * lay.num_slots * lay.head_dim * 4
+        return self.ptr + (layer * 2 + 1) * self.layout.n_kv_heads * self._plane_bytes()
 
 
 class CudaHostPool:
@@ -81,7 +97,7 @@ class CudaHostPool:
         self._starts.append(self._num_blocks)
         self._num_blocks = num_blocks
         lay = self.layout
-        self.layout = KVLayout(num_blocks, lay.block_size, lay.n_layers, lay.n_kv_heads, lay.head_dim, lay.dtype)
+        self.layout = replace(lay, num_blocks=num_blocks)
 
     def _segment(self, slot: int) -> int:
         assert 0 <= slot < self._num_blocks, f"host slot {slot} is not committed ({self._num_blocks} are)"
@@ -97,10 +113,10 @@ class CudaHostPool:
         return self._starts[s + 1] if s + 1 < len(self._starts) else self._num_blocks
 
     def block(self, slot: int) -> np.ndarray:
-        """View [layers, 2, KVH, B, hd] of one host slot."""
+        """View [layers, 2, KVH, B, row] of one host slot, in the layout's storage dtype."""
         lay, s = self.layout, self._segment(slot)
-        shape = (lay.n_layers, 2, lay.n_kv_heads, lay.block_size, lay.head_dim)
-        return self._buffers[s].view(np.float32, shape, (slot - self._starts[s]) * self.block_bytes)
+        shape = (lay.n_layers, 2, lay.n_kv_heads, lay.block_size, lay.row_elems)
+        return self._buffers[s].view(np.dtype(lay.dtype), shape, (slot - self._starts[s]) * self.block_bytes)
 
 
 def runs(indices: list[int]) -> list[tuple[int, int, int]]:
@@ -156,8 +172,7 @@ class KVTransfers:
             dst = b.index_array(np.array([d for _, d in part], dtype=np.int32))
             b.launch("copy_kv_blocks_f32", pool=pool.ptr, src_blocks=src, dst_blocks=dst, n_pairs=len(part),
                      planes=pool.planes, num_slots=pool.layout.num_slots, block_elems=pool.block_elems,
-                     hd=pool.layout.head_dim)
-        b.synchronize()
+                     hd=pool.row_words)
 
     def _park(self, pool: CudaKVPool, host: CudaHostPool, pairs: list[tuple[int, int]]) -> None:
         """(device block, host slot) pairs: gather on the device, then one DtoH copy per run of host slots."""
@@ -169,7 +184,8 @@ class KVTransfers:
             for first, slot, count in host_runs(host, [h for _, h in part]):
                 self.device.dtoh(host.address(slot), staging.ptr + first * nbytes, count * nbytes,
                                  b.current_stream)
-            b.synchronize()  # the staging buffer is reused by the next chunk, and the caller reads host now
+        # No wait: the next chunk's gather into staging is stream-ordered after these copies, and a CPU read
+        # of the host slots (read_block, write_block) first waits for the copy stream.
 
     def _restore(self, host: CudaHostPool, pool: CudaKVPool, pairs: list[tuple[int, int]]) -> None:
         """(host slot, device block) pairs: one HtoD copy per run of host slots, then scatter on the device."""
@@ -181,30 +197,36 @@ class KVTransfers:
                                  b.current_stream)
             blocks = b.index_array(np.array([d for _, d in part], dtype=np.int32))
             self._kernel("scatter_kv_blocks_f32", staging, pool, blocks, len(part))
-            b.synchronize()
 
     def read_block(self, pool, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """(K, V) [layers, KVH, block_size, hd] host copies of one block of the device or host pool."""
+        """(K, V) [layers, KVH, block_size, row] host copies of one block of the device or host pool (stored
+        rows: int8 rows end in their scales)."""
         if isinstance(pool, CudaHostPool):
+            self._wait_for_copies()
             data = pool.block(block)
         else:
             b, lay = self.backend, pool.layout
             staging = b.empty((pool.planes * pool.block_elems,))
             self._kernel("gather_kv_blocks_f32", staging, pool, b.index_array(np.array([block], np.int32)), 1)
-            data = b.to_host(staging).reshape(lay.n_layers, 2, lay.n_kv_heads, lay.block_size, lay.head_dim)
+            data = b.to_host(staging).view(lay.dtype).reshape(lay.n_layers, 2, lay.n_kv_heads, lay.block_size,
+                                                              lay.row_elems)
         return data[:, 0].copy(), data[:, 1].copy()
 
     def write_block(self, pool, block: int, k: np.ndarray, v: np.ndarray) -> None:
-        packed = np.ascontiguousarray(np.stack([k, v], axis=1), dtype=np.float32)  # [layers, 2, KVH, B, hd]
+        packed = np.ascontiguousarray(np.stack([k, v], axis=1), dtype=pool.layout.dtype)  # [layers, 2, KVH, B, row]
         if isinstance(pool, CudaHostPool):
+            self._wait_for_copies()
             pool.block(block)[...] = packed
             return
         b = self.backend
-        staging = b.upload_activation(packed.reshape(-1))
+        staging = b.upload_activation(packed.reshape(-1).view(np.float32))  # the words the kernels move
         self._kernel("scatter_kv_blocks_f32", staging, pool, b.index_array(np.array([block], np.int32)), 1)
-        b.synchronize()
+
+    def _wait_for_copies(self) -> None:
+        """The CPU is about to touch host slots that parks or restores queued on the copy stream may use:
+        a host synchronisation, on the disk tier's paths (and a park/restore swap) only."""
+        self.backend.synchronize_stream(self.backend.copy_stream)
 
     def _kernel(self, kernel: str, staging, pool: CudaKVPool, blocks, n: int) -> None:
         self.backend.launch(kernel, staging=staging, pool=pool.ptr, blocks=blocks, n=n, planes=pool.planes,
-                            num_slots=pool.layout.num_slots, block_elems=pool.block_elems,
-                            hd=pool.layout.head_dim)
+                            num_slots=pool.layout.num_slots, block_elems=pool.block_elems, hd=pool.row_words)

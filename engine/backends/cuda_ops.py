@@ -73,7 +73,7 @@ class CudaOps:
 
     def store_kv(self, pool, layer: int, k, v, batch: BatchMeta) -> None:
         T, KVH, hd = k.shape
-        self.launch("store_kv_f32", pool_layer_k=pool.layer_k(layer), pool_layer_v=pool.layer_v(layer), k=k, v=v,
+        self.launch(f"store_kv_{pool.layout.kv_type}", pool_layer_k=pool.layer_k(layer), pool_layer_v=pool.layer_v(layer), k=k, v=v,
                     slots=self._index(batch.slot_mapping, np.int64), T=T, KVH=KVH, hd=hd,
                     num_slots=pool.layout.num_slots)
 
@@ -89,15 +89,16 @@ class CudaOps:
         # Chunks over the widest key range the step can read (the table, or the window): the kernel's own
         # rule, since its grid has that many; a chunk past a query's own position is empty.
         n_chunks = attention_geometry.num_chunks(max_blocks, lay.block_size, CHUNK_KEYS, window)
-        if n_chunks > 1 and T <= SPLIT_MAX_T and self.kernels.has("paged_attention_split_f32"):
+        kv_type = lay.kv_type  # the kernel pair that reads this pool's rows (f32, f16, int8 + scales)
+        if n_chunks > 1 and T <= SPLIT_MAX_T and self.kernels.has(f"paged_attention_split_{kv_type}"):
             part_out = self.empty((T, H, n_chunks, hd))
             part_max, part_sum = self.empty((T, H, n_chunks)), self.empty((T, H, n_chunks))
-            self.launch("paged_attention_split_f32", **args, part_out=part_out, part_max=part_max,
+            self.launch(f"paged_attention_split_{kv_type}", **args, part_out=part_out, part_max=part_max,
                         part_sum=part_sum, chunk_keys=CHUNK_KEYS)
             self.launch("attention_combine_f32", out=out, part_out=part_out, part_max=part_max, part_sum=part_sum,
                         T=T, H=H, hd=hd, n_chunks=n_chunks)
         else:
-            self.launch("paged_attention_f32", **args)
+            self.launch(f"paged_attention_{kv_type}", **args)
         return out  # [T, H * hd]
 
     def gated_activation(self, gate_up, kind: str):

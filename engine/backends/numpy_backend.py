@@ -20,6 +20,7 @@ from engine.backends.numpy_host import NumpyHostPool
 from engine.backends.page_release import release_pages
 from engine.batch import BatchMeta, SeqSlice
 from engine.kv import KVLayout
+from engine.kv_quant import encode_rows, split_rows
 
 _F32 = np.float32
 _GELU_C = _F32(math.sqrt(2.0 / math.pi))
@@ -27,11 +28,14 @@ _FEW_ROWS = 16  # up to this many rows a linear runs as W @ x.T (see the module 
 
 
 class NumpyKVPool:
-    """K and V for all layers: k[layer] is [KVH, num_slots, hd] so a run of blocks is one view per head."""
+    """K and V for all layers: k[layer] is [KVH, num_slots, row] so a run of blocks is one view per head.
+
+    A row is one token's stored K (or V) of one head in the layout's --kv-type (engine/kv_quant.py):
+    hd float32 or float16 values, or hd int8 values followed by their float32 scale."""
 
     def __init__(self, layout: KVLayout):
         self.layout = layout
-        shape = (layout.n_layers, layout.n_kv_heads, layout.num_slots, layout.head_dim)
+        shape = (layout.n_layers, layout.n_kv_heads, layout.num_slots, layout.row_elems)
         self.k = np.zeros(shape, dtype=layout.dtype)
         self.v = np.zeros(shape, dtype=layout.dtype)
 
@@ -50,6 +54,7 @@ class NumpyBackend:
     """Backend protocol on numpy arrays (see engine/backends/base.py)."""
 
     name = "numpy"
+    kv_types = ("f32", "f16", "int8")  # --kv-type auto: the first (exact, and the cheapest here: docs/BENCHMARKS.md)
 
     def upload(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=_F32)
@@ -132,9 +137,10 @@ class NumpyBackend:
         return np.concatenate((rotated, x[..., rope_dims:]), axis=-1)
 
     def store_kv(self, pool: NumpyKVPool, layer: int, k: np.ndarray, v: np.ndarray, batch: BatchMeta) -> None:
-        # k, v: [T, KVH, hd] -> pool[layer][:, slot, :]
-        pool.k[layer][:, batch.slot_mapping, :] = k.transpose(1, 0, 2)
-        pool.v[layer][:, batch.slot_mapping, :] = v.transpose(1, 0, 2)
+        # k, v: [T, KVH, hd] -> rows [T, KVH, row] (quantised for int8) -> pool[layer][:, slot, :]
+        kv_type = pool.layout.kv_type
+        pool.k[layer][:, batch.slot_mapping, :] = encode_rows(k, kv_type).transpose(1, 0, 2)
+        pool.v[layer][:, batch.slot_mapping, :] = encode_rows(v, kv_type).transpose(1, 0, 2)
 
     def attention(self, q, pool: NumpyKVPool, layer: int, batch: BatchMeta, scale: float, window: int):
         out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=_F32)
@@ -203,9 +209,11 @@ def _attend_one(q, k_layer, v_layer, seq: SeqSlice, block_size: int, scale, wind
     runs = seq.key_runs(block_size, first_key)
     m = l = acc = None
     for key_start, key_len, slot in runs:
-        keys = k_layer[:, slot : slot + key_len, :]  # [KVH, L, hd] view
-        values = v_layer[:, slot : slot + key_len, :]
-        scores = qh @ keys.transpose(0, 2, 1)  # [KVH, group * n, L]
+        keys, k_scale = split_rows(k_layer[:, slot : slot + key_len, :], head_dim)  # [KVH, L, hd] view, [KVH, L]
+        values, v_scale = split_rows(v_layer[:, slot : slot + key_len, :], head_dim)
+        scores = qh @ _as_f32(keys).transpose(0, 2, 1)  # [KVH, group * n, L]
+        if k_scale is not None:  # int8: q . (k * s) = (q . k) * s, one multiply per score, not per element
+            scores *= k_scale[:, None, :]
         _mask_in_place(scores, q_pos, key_start, key_len, window, group)
         run_max = scores.max(axis=-1, keepdims=True)
         if m is None:
@@ -214,15 +222,22 @@ def _attend_one(q, k_layer, v_layer, seq: SeqSlice, block_size: int, scale, wind
             m_new = np.maximum(m, run_max)
         m_safe = np.where(np.isneginf(m_new), _F32(0.0), m_new)
         probs = np.exp(scores - m_safe, out=scores)
+        run_sum = probs.sum(axis=-1, keepdims=True)
+        weighted = probs if v_scale is None else probs * v_scale[:, None, :]  # int8: p . (v * s) = (p * s) . v
         if m is None:
-            l, acc = probs.sum(axis=-1, keepdims=True), probs @ values
+            l, acc = run_sum, weighted @ _as_f32(values)
         else:
             correction = np.exp(m - m_safe)
-            l = l * correction + probs.sum(axis=-1, keepdims=True)
-            acc = acc * correction + probs @ values
+            l = l * correction + run_sum
+            acc = acc * correction + weighted @ _as_f32(values)
         m = m_new
     out = acc / l  # [KVH, group * n, hd]
     return out.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
+
+
+def _as_f32(x: np.ndarray) -> np.ndarray:
+    """A run of stored values as float32: the f32 pool's view itself, a converted copy of f16 / int8."""
+    return x if x.dtype == _F32 else x.astype(_F32)
 
 
 def _mask_in_place(scores, q_pos, key_start: int, key_len: int, window: int, group: int) -> None:
