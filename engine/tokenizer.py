@@ -52,6 +52,7 @@ _EOG_TEXTS = {
     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
 }
+_HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # gpt-oss (see the EOG set below)
 # FIM pad / repo / file-separator tokens are EOG too; llama.cpp finds them by key or by text.
 _FIM_TEXTS = {
     "fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
@@ -120,7 +121,12 @@ class Tokenizer:
         for i in found - {None}:
             types[i] = CONTROL
         keyed = {sid(k, None) for k in ("eot_token_id", "eom_token_id", *_FIM_TEXTS)} | {self._eos}
-        self._eog = frozenset((keyed | found) - {None})
+        eog = (keyed | found) - {None}
+        if all(t in self._ids for t in _HARMONY_ENDS):
+            # llama.cpp's o200k_harmony workaround: with <|return|> and <|call|> there, <|end|> ends one
+            # channel message (analysis, then final) and generation goes on, so it is not end-of-generation.
+            eog.discard(self._ids["<|end|>"])
+        self._eog = frozenset(eog)
         self._types = types
 
         # Specials grouped by their first 8 characters: encode() looks for a group's members only when

@@ -58,3 +58,25 @@ def test_a_second_turn_computes_only_what_is_new(tiny_moe):
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     assert len(prompt) - not_shared >= len(first_prompt)  # turn 1's whole prompt is shared at least
     assert not_shared <= computed <= not_shared + 1, (computed, not_shared, len(prompt))
+
+
+def test_gpt_oss_harmony_reply_comes_back_as_reasoning_and_a_tool_call(tmp_path):
+    """A forced call on a tiny random gpt-oss: the harmony grammar keeps its output in channel form, and the
+    parser turns it into message.tool_calls (and reasoning_content for an analysis message, if any)."""
+    write_tiny_moe_gguf(tmp_path / "h.gguf", "gpt-oss", seed=4, harmony=True, n_ctx=2048)
+    loaded = open_model(str(tmp_path / "h.gguf"), fetch=False, max_positions=2048)
+    tool = {"type": "function", "function": {"name": "ping", "description": "d",
+                                             "parameters": {"type": "object", "properties": {},
+                                                            "additionalProperties": False}}}
+    body = {"model": "moe", "messages": [{"role": "user", "content": "ping the server"}], "temperature": 0,
+            "max_tokens": 1500, "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "ping"}}}
+    with running_server(loaded, batch=1, ctx_size=2048, served_model_name="moe") as (url, state):
+        assert state.protocol.tool_format.name == "harmony"
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", reply
+    calls = choice["message"]["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("ping", "{}")]
+    # seed 4's greedy path writes an analysis message before the forced call: it arrives as reasoning
+    assert choice["message"]["reasoning_content"] and choice["message"]["content"] is None
+    assert "<|" not in choice["message"]["reasoning_content"]

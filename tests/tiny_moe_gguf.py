@@ -31,6 +31,25 @@ from gguf.quants import quantize
 from tests.tiny_gguf import CHATML_TEMPLATE, tiny_vocab
 
 MOE_ARCHS = ("qwen3moe", "gpt-oss")
+# gpt-oss's harmony control tokens (o200k_harmony), appended to the tiny vocabulary with harmony=True.
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+# A reduced harmony template (the real one adds dates, reasoning effort and TypeScript tool signatures):
+# messages as <|start|>role<|message|>..<|end|>, the tools in a developer message, tool calls and results
+# in the commentary channel, generation opened with <|start|>assistant.
+HARMONY_TEMPLATE = (
+    "{%- if tools -%}<|start|>developer<|message|># Tools\n{{ tools | tojson }}<|end|>{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and m.tool_calls -%}{%- for tc in m.tool_calls -%}"
+    "<|start|>assistant<|channel|>commentary to=functions.{{ tc.function.name }} <|constrain|>json<|message|>"
+    "{{ tc.function.arguments if tc.function.arguments is string else tc.function.arguments | tojson }}<|call|>"
+    "{%- endfor -%}"
+    "{%- elif m.role == 'assistant' -%}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'tool' -%}<|start|>functions.{{ m.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content }}<|end|>"
+    "{%- else -%}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
 EXPERT_QUANTS = ("F32", "F16", "Q8_0", "MXFP4")
 
 _DEFAULTS = {
@@ -59,7 +78,8 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     enough that routing is decisive), ``weight_scale`` (0.2), ``expert_scale`` (= weight_scale; gpt-oss
     tests use 0.6 so its SwiGLU clamp at 7.0 is reached), ``embd_scale`` (0.1), ``norm_scale`` (0.1),
     gpt-oss only: ``sliding_window`` (8), ``yarn_factor`` (4.0), ``yarn_orig_ctx`` (64), ``sink_scale``
-    (1.0); ``chat_template`` (ChatML), ``extra_metadata`` ({key: value}, int -> uint32, float -> float32,
+    (1.0), ``harmony`` (False: add HARMONY_TOKENS as control tokens, <|return|> as EOS and
+    HARMONY_TEMPLATE); ``chat_template`` (ChatML, or HARMONY_TEMPLATE), ``extra_metadata`` ({key: value}, int -> uint32, float -> float32,
     bool, str; keys written verbatim, for tests of unsupported variants).
     """
     if arch not in MOE_ARCHS:
@@ -81,7 +101,8 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     yarn_factor = float(o.pop("yarn_factor", 4.0)) if is_oss else None
     yarn_orig_ctx = int(o.pop("yarn_orig_ctx", 64)) if is_oss else None
     sink_scale = o.pop("sink_scale", 1.0) if is_oss else None
-    chat_template = o.pop("chat_template", CHATML_TEMPLATE)
+    harmony = bool(o.pop("harmony", False))
+    chat_template = o.pop("chat_template", HARMONY_TEMPLATE if harmony else CHATML_TEMPLATE)
     extra = o.pop("extra_metadata", {})
     if o:
         raise TypeError(f"unknown overrides: {sorted(o)}")
@@ -91,6 +112,9 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
         raise ValueError("gpt-oss always has an output.weight (llama.cpp requires it)")
 
     tokens, types, merges = tiny_vocab()
+    if harmony:
+        tokens, types = tokens + HARMONY_TOKENS, types + [3] * len(HARMONY_TOKENS)
+    eos_id = tokens.index("<|return|>") if harmony else 2
     rng = np.random.default_rng(seed)
 
     def mat(*shape, scale=wscale) -> np.ndarray:
@@ -162,7 +186,7 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     w.add_token_types(types)
     w.add_token_merges(merges)
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(eos_id)
     w.add_unk_token_id(0)
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
