@@ -25,7 +25,7 @@ BACKENDS = ("auto", "numpy", "cuda")
 # How the numpy backend holds weights (engine/loader.CPU_WEIGHTS): the file's blocks or float32.
 CPU_WEIGHTS = ("quantized", "f32")
 # auto: picked from the chat template (api/tool_calls.detect_format); the names of api/tool_calls' registry.
-TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "generic")
+TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "generic", "harmony")
 # Where thinking text goes: vLLM's older field, its newer one, or left in content unparsed.
 REASONING_FORMATS = ("reasoning_content", "reasoning", "none")
 MIN_CTX_SIZE = 16
