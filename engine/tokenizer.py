@@ -31,6 +31,11 @@ _TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+# o200k (gpt-oss, Llama 4): llama.cpp's adapted form (upper/lower case classes as "a letter but not a-z/A-Z").
+_UPPER, _LOWER = r"((?=[\p{L}])([^a-z]))", r"((?=[\p{L}])([^A-Z]))"
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?" + _UPPER + "*" + _LOWER + "+" + _CONTRACTIONS + "?"
+          + r"|[^\r\n\p{L}\p{N}]?" + _UPPER + "+" + _LOWER + "*" + _CONTRACTIONS + "?"
+          + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # pre name -> (regexes, ignore_merges, clean_spaces, default add_bos), as set in llama_vocab::impl::load.
 # "gpt2" is not a llama.cpp name; it is accepted as an alias of "gpt-2".
@@ -43,6 +48,7 @@ for _names, _spec in (
     (("llama-bpe", "llama3", "llama-v3", "falcon3"), ([_LLAMA3], True, True, True)),
     (("qwen2", "deepseek-r1-qwen"), ([_QWEN2], False, False, False)),
     (("stablelm2", "megrez"), ([_QWEN2], False, True, False)),
+    (("gpt-4o", "llama4"), ([_GPT4O], False, False, False)),
 ):
     _PRE.update(dict.fromkeys(_names, _spec))
 

@@ -120,3 +120,16 @@ def test_lazy_grammar_continues_the_trigger_with_a_call():
     grammar = fmt.grammar(TOOLS, required=False, forced_name=None, allow_parallel=False, special_token_ids=SPECIALS)
     assert fmt.lazy_trigger in CALL
     assert _accepts(grammar, CALL[CALL.index(fmt.lazy_trigger) + len(fmt.lazy_trigger):])
+
+
+def test_gpt_oss_pre_tokenizer_splits_as_o200k(tmp_path):
+    """tokenizer.ggml.pre = gpt-4o (every gpt-oss GGUF): llama.cpp's o200k split, words with their case runs."""
+    from engine.gguf_file import GGUFFile
+
+    write_tiny_moe_gguf(tmp_path / "h.gguf", "gpt-oss", harmony=True)
+    fields = dict(GGUFFile(tmp_path / "h.gguf").fields, **{"tokenizer.ggml.pre": "gpt-4o"})
+    tokenizer = Tokenizer(fields)
+    pieces = [p for p, _ in tokenizer._hf.pre_tokenizer.pre_tokenize_str("Hello World's HTTPServer 12345")]
+    assert pieces == ["Hello", "\u0120World's", "\u0120HTTPServer", "\u0120", "123", "45"]
+    text = "Hi <|channel|>final<|message|>x"
+    assert tokenizer.decode(tokenizer.encode(text, add_special=False)) == text
