@@ -191,6 +191,11 @@ extern "C" __global__ void moe_matvec_q6_k(float* y, const unsigned char* W, con
         int out, int in, int ld_y) {
     moe_matvec<BlockQ6_K>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
+extern "C" __global__ void moe_matvec_mxfp4(float* y, const unsigned char* W, const float* x, const float* bias,
+        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
+        int out, int in, int ld_y) {
+    moe_matvec<BlockMXFP4>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
 
 // gpt-oss: out = (clamp(u, -7, 7) + 1) * g' * sigmoid(1.702 g'), g' = min(g, 7); gate_up = [g | u] per row.
 extern "C" __global__ void gated_swiglu_oai_f32(float* out, const float* gate_up, int T, int F) {

@@ -53,7 +53,7 @@ MOE_MATVEC_SIGNATURE = ("float* y, const unsigned char* W, const float* x, const
 # matvec_<q> / gemm_<q>: the table's signature plus `int ld_y` after `in` (the paragraph under that table).
 QUANT_SIGNATURE = ("float* y, const unsigned char* W, const float* x, const float* bias, int T, int out, int in, "
                    "int ld_y")
-QUANT_SUFFIXES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k")
+QUANT_SUFFIXES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "mxfp4")
 
 
 def signature(kernel: str) -> str:
