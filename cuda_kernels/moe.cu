@@ -91,7 +91,9 @@ __device__ __forceinline__ void moe_matvec(float* y, const unsigned char* W, con
     const int row0 = (blockIdx.x * MOE_WARPS_PER_CTA + (threadIdx.x >> 5)) * MOE_ROWS_PER_WARP;
     if (row0 >= out) return;
     const int n_rows = min(MOE_ROWS_PER_WARP, out - row0);
-    const int expert = group_expert[g], start = group_start[g], T = group_len[g];
+    const int T = group_len[g];
+    if (T == 0) return;  // a spare group of moe_plan's fixed-size grid (graph-capturable launches)
+    const int expert = group_expert[g], start = group_start[g];
     const size_t row_bytes = (size_t)(in / Block::QK) * Block::BYTES;
     const unsigned char* w_rows = W + ((size_t)expert * out + row0) * row_bytes;
     const int n_chunks = in / 8;
@@ -195,6 +197,54 @@ extern "C" __global__ void moe_matvec_mxfp4(float* y, const unsigned char* W, co
         const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
         int out, int in, int ld_y) {
     moe_matvec<BlockMXFP4>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+
+// The host plan (cuda_kernels/moe.plan_groups) on the device, so a decode step needs no copy back of the ids:
+// one CTA, thread e owns expert e. It counts its pairs, thread 0 scans the counts (E <= 256: serial is cheap),
+// then thread e walks the pairs in order, placing its own at offset[e] + rank (stable: the same order as the
+// host's stable argsort) and writing its groups of at most MOE_GROUP_ROWS. Groups past the used ones, up to
+// max_groups (what moe_matvec's grid was sized for), get length 0.
+extern "C" __global__ void moe_plan(int* pair_rows, int* pair_of, int* group_expert, int* group_start,
+                                    int* group_len, const int* ids, int n_pairs, int k, int E, int max_groups) {
+    __shared__ int count[256], offset[256], group_base[257];
+    const int e = threadIdx.x;
+    if (e < E) {
+        int c = 0;
+        for (int p = 0; p < n_pairs; ++p) c += ids[p] == e;
+        count[e] = c;
+    }
+    __syncthreads();
+    if (e == 0) {
+        int pos = 0, groups = 0;
+        for (int x = 0; x < E; ++x) {
+            offset[x] = pos;
+            group_base[x] = groups;
+            pos += count[x];
+            groups += (count[x] + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS;
+        }
+        group_base[E] = groups;
+    }
+    __syncthreads();
+    if (e < E) {
+        int rank = 0;
+        for (int p = 0; p < n_pairs; ++p) {
+            if (ids[p] != e) continue;
+            pair_rows[offset[e] + rank] = p / k;
+            pair_of[p] = offset[e] + rank;
+            ++rank;
+        }
+        for (int j = 0; j * MOE_GROUP_ROWS < count[e]; ++j) {
+            const int g = group_base[e] + j;
+            group_expert[g] = e;
+            group_start[g] = offset[e] + j * MOE_GROUP_ROWS;
+            group_len[g] = min(MOE_GROUP_ROWS, count[e] - j * MOE_GROUP_ROWS);
+        }
+    }
+    for (int g = group_base[E] + e; g < max_groups; g += blockDim.x) {
+        group_expert[g] = 0;
+        group_start[g] = 0;
+        group_len[g] = 0;
+    }
 }
 
 // gpt-oss: out = (clamp(u, -7, 7) + 1) * g' * sigmoid(1.702 g'), g' = min(g, 7); gate_up = [g | u] per row.

@@ -1,6 +1,6 @@
 """Launch geometry of moe.cu, and the host side of the grouped expert matvec: pairs sorted into groups.
 
-moe_route_f32: one warp per token row, 4 rows a CTA. moe_matvec_<q>: matvec_<q>'s CTA (4 warps of 4 output
+moe_route_f32: one warp per token row, 4 rows a CTA. moe_plan: one CTA of 256 threads (thread e: expert e). moe_matvec_<q>: matvec_<q>'s CTA (4 warps of 4 output
 rows) on grid (ceil(out / 16), n_groups). gated_swiglu_oai_f32, moe_combine_f32: one thread per output element.
 """
 from __future__ import annotations
@@ -29,11 +29,21 @@ def geometry(kernel: str, **ints: int):
         if ints["out"] <= 0 or in_dim <= 0 or ints["ld_y"] < ints["out"]:
             raise ValueError(f"{kernel}: need out > 0, in > 0 and ld_y >= out, got {ints}")
         return (cdiv(ints["out"], MOE_ROWS_PER_CTA), max(1, ints["n_groups"]), 1), (128, 1, 1), 0
+    if kernel == "moe_plan":
+        if not 1 <= ints["E"] <= MOE_MAX_EXPERTS or ints["max_groups"] < max_groups(ints["n_pairs"], ints["E"]):
+            raise ValueError(f"moe_plan needs 1 <= E <= {MOE_MAX_EXPERTS} and max_groups >= "
+                             f"max_groups(n_pairs, E), got {ints}")
+        return (1, 1, 1), (MOE_MAX_EXPERTS, 1, 1), 0
     if kernel == "gated_swiglu_oai_f32":
         return flat_geometry(ints["T"] * ints["F"])
     if kernel == "moe_combine_f32":
         return flat_geometry(ints["T"] * ints["d"])
     raise unknown_kernel("moe.cu", kernel)
+
+
+def max_groups(n_pairs: int, n_experts: int) -> int:
+    """The most groups n_pairs pairs can form: every expert may leave one partial group."""
+    return min(n_pairs, cdiv(n_pairs, MOE_GROUP_ROWS) + n_experts)
 
 
 def plan_groups(ids: np.ndarray, group_rows: int = MOE_GROUP_ROWS) -> dict[str, np.ndarray]:

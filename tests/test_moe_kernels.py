@@ -128,3 +128,35 @@ def test_the_kernel_chain_equals_the_numpy_expert_ffn(kernel_runner, activation)
     want_ids, want_weights = numpy_moe.route_experts(logits, k, gating, True)
     want = numpy_moe.expert_ffn(NumpyBackend(), h, moe, want_ids, want_weights, activation)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T, k, E", [(1, 2, 8), (13, 3, 5), (64, 8, 128), (40, 4, 256)])
+def test_device_plan_equals_the_host_plan_and_zeroes_spare_groups(kernel_runner, T, k, E):
+    from cuda_kernels.moe import max_groups
+
+    rng = np.random.default_rng(T * k)
+    ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
+    ids[: T // 2, 0] = 0  # a popular expert: several groups of 8
+    n, spare = T * k, max_groups(T * k, E)
+    got = {name: np.full(size, -7, dtype=np.int32) for name, size in (
+        ("pair_rows", n), ("pair_of", n), ("group_expert", spare), ("group_start", spare), ("group_len", spare))}
+    kernel_runner("moe").launch("moe_plan", ids=ids, n_pairs=n, k=k, E=E, max_groups=spare, **got)
+    want = plan_groups(ids)
+    used = len(want["group_len"])
+    for name in ("pair_rows", "pair_of"):
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for name in ("group_expert", "group_start", "group_len"):
+        np.testing.assert_array_equal(got[name][:used], want[name], err_msg=name)
+    assert (got["group_len"][used:] == 0).all()
+
+
+def test_grouped_matvec_skips_empty_groups(kernel_runner):
+    rng = np.random.default_rng(5)
+    raw, dense = _stacked("Q8_0", 3, 16, 64, rng)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    y = np.full((2, 16), np.nan, dtype=np.float32)
+    kernel_runner("moe").launch("moe_matvec_q8_0", y=y, W=raw.reshape(-1), x=x, bias=None,
+                                group_expert=np.array([2, 0], np.int32), group_start=np.array([0, 0], np.int32),
+                                group_len=np.array([2, 0], np.int32), pair_rows=np.array([1, 0], np.int32),
+                                n_groups=2, out=16, ld_y=16, **{"in": 64})
+    np.testing.assert_allclose(y, x[[1, 0]].astype(np.float64) @ dense[2].T, rtol=1e-4, atol=1e-4)

@@ -40,6 +40,8 @@ SIGNATURES: dict[str, str] = {
     "gather_kv_blocks_f32": _KV_BLOCKS,
     "scatter_kv_blocks_f32": _KV_BLOCKS,
     "moe_route_f32": "int* ids, float* weights, const float* logits, int T, int E, int k, int gating, int normalize",
+    "moe_plan": ("int* pair_rows, int* pair_of, int* group_expert, int* group_start, int* group_len, const int* ids, "
+                 "int n_pairs, int k, int E, int max_groups"),
     "gated_swiglu_oai_f32": _GATED,
     "moe_combine_f32": "float* out, const float* y, const int* pair_of, const float* weights, int T, int k, int d",
     "sample_f32": ("int* out_ids, const float* logits, int rows, int vocab, const float* temperature, "
