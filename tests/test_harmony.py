@@ -23,6 +23,8 @@ CASES = [  # (name, model output after "<|start|>assistant", content, reasoning,
     ("recipient_before_channel",
      f"<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{ARGS}<|call|>", "", "",
      [("get_weather", ARGS)]),
+    ("recipient_right_after_the_prompts_role",
+     f" to=functions.get_weather<|channel|>commentary json<|message|>{ARGS}<|call|>", "", "", [("get_weather", ARGS)]),
     ("preamble_then_call",
      "<|channel|>commentary<|message|>Checking the forecast now.<|end|><|start|>assistant<|channel|>commentary "
      f"to=functions.get_weather <|constrain|>json<|message|>{ARGS}<|call|>", "Checking the forecast now.", "",

@@ -29,7 +29,7 @@ from api.tool_calls.stream_base import find_first_marker, partial_marker_length
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 TERMINATORS = (END, CALL, RETURN, START)  # a missing <|end|> before the next <|start|> still ends the body
-_HEADER_OPENERS = (START, CHANNEL, " to=")
+_HEADER_OPENERS = (START, CHANNEL, "to=")  # after leading whitespace: " to=" right after the prompt's role
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 _WHITESPACE = " \t\n\r"
