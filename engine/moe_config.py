@@ -51,6 +51,7 @@ def moe_overrides(arch: str, fields: dict[str, Any], n_layers: int) -> dict:
         expert_ffn_dim=int(need("expert_feed_forward_length")),
         expert_weights_scale=float(fields.get(key("expert_weights_scale"), 1.0) or 1.0),
         expert_gating=_GATING_BY_ARCH[arch][1],
+        **_yarn(arch, fields),  # gpt-oss always; Qwen3 long-context GGUFs may set it too
     )
     if arch == "qwen3moe":
         # llama.cpp always renormalises for qwen3moe; transformers' GGUF loader sets norm_topk_prob=True.
@@ -70,7 +71,6 @@ def moe_overrides(arch: str, fields: dict[str, Any], n_layers: int) -> dict:
         sliding_window=window,
         layer_is_sliding=tuple(i % pattern < pattern - 1 for i in range(n_layers)),
         rope_base_local=float(fields.get(key("rope.freq_base_swa"), base)),
-        **_yarn(arch, fields),
     )
     return out
 
@@ -80,7 +80,7 @@ def _yarn(arch: str, fields: dict[str, Any]) -> dict:
     if scaling in ("none", None):
         return {}
     if scaling != "yarn":
-        raise ValueError(f"{arch}.rope.scaling.type = {scaling!r} is not supported for {arch} (only yarn)")
+        raise ValueError(f"{arch}.rope.scaling.type = {scaling!r} is not supported for {arch} (only yarn or none)")
     attn_factor = float(fields.get(f"{arch}.rope.scaling.yarn_attn_factor", 1.0))
     if attn_factor != 1.0:
         raise ValueError(f"{arch}.rope.scaling.yarn_attn_factor = {attn_factor} is not supported (only 1.0)")

@@ -32,6 +32,13 @@ def test_gpt_oss_reads_sinks_biases_alternating_windows_and_yarn(tmp_path):
     assert (c.rope_yarn_factor, c.rope_yarn_orig_ctx, c.rope_yarn_beta_fast, c.rope_yarn_beta_slow) == (8.0, 32, 32.0, 1.0)
 
 
+def test_qwen3moe_with_yarn_metadata_gets_yarn_tables_not_a_silent_plain_rope(tmp_path):
+    c = _config(tmp_path, "qwen3moe", extra_metadata={"qwen3moe.rope.scaling.type": "yarn",
+                                                      "qwen3moe.rope.scaling.factor": 4.0,
+                                                      "qwen3moe.rope.scaling.original_context_length": 64})
+    assert (c.rope_yarn_factor, c.rope_yarn_orig_ctx, c.rope_linear_scale) == (4.0, 64, 1.0)
+
+
 @pytest.mark.parametrize("arch, key, value, message", [
     ("qwen3moe", "qwen3moe.expert_shared_count", 2, "qwen3moe.expert_shared_count = 2: shared experts"),
     ("qwen3moe", "qwen3moe.expert_group_count", 4, "qwen3moe.expert_group_count = 4"),
@@ -39,6 +46,7 @@ def test_gpt_oss_reads_sinks_biases_alternating_windows_and_yarn(tmp_path):
     ("qwen3moe", "qwen3moe.expert_gating_func", 2, "qwen3moe.expert_gating_func = 2 is not supported"),
     ("gpt-oss", "gpt-oss.expert_gating_func", 1, "gpt-oss.expert_gating_func = 1 is not supported"),
     ("gpt-oss", "gpt-oss.rope.scaling.yarn_attn_factor", 0.5, "gpt-oss.rope.scaling.yarn_attn_factor"),
+    ("qwen3moe", "qwen3moe.rope.scaling.type", "longrope", "qwen3moe.rope.scaling.type = 'longrope'"),
 ])
 def test_an_unsupported_variant_fails_at_load_naming_the_key(tmp_path, arch, key, value, message):
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
