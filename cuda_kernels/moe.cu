@@ -80,7 +80,8 @@ extern "C" __global__ void moe_route_f32(int* ids, float* weights, const float* 
 
 // y[p, r] = dot(dequant(W[e][r]), x[pair_rows[p]]) + bias[e * out + r] for the pairs p of group g (expert
 // e = group_expert[g]). W holds the E experts' [out, in] matrices back to back in their GGUF blocks (the
-// stacked GGUF tensor as stored). Grid (ceil(out / 16), n_groups); the structure of matvec_<q>, with the
+// stacked GGUF tensor as stored). A null pair_rows reads x row p for pair p (the down projection, whose
+// input rows are already in pair order). Grid (ceil(out / 16), n_groups); the structure of matvec_<q>, with the
 // token rows of x gathered through pair_rows, so an expert's weight is read once for all its pairs.
 template <class Block>
 __device__ __forceinline__ void moe_matvec(float* y, const unsigned char* W, const float* x, const float* bias,
@@ -100,7 +101,10 @@ __device__ __forceinline__ void moe_matvec(float* y, const unsigned char* W, con
 
     const float* xs[MOE_GROUP_ROWS];
 #pragma unroll
-    for (int t = 0; t < MOE_GROUP_ROWS; ++t) xs[t] = x + (size_t)pair_rows[start + (t < T ? t : 0)] * in;
+    for (int t = 0; t < MOE_GROUP_ROWS; ++t) {  // pair_rows null: x rows are the sorted pairs themselves
+        const int p = start + (t < T ? t : 0);
+        xs[t] = x + (size_t)(pair_rows ? pair_rows[p] : p) * in;
+    }
     float acc[MOE_ROWS_PER_WARP][MOE_GROUP_ROWS];
 #pragma unroll
     for (int i = 0; i < MOE_ROWS_PER_WARP * MOE_GROUP_ROWS; ++i) (&acc[0][0])[i] = 0.0f;

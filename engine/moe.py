@@ -15,6 +15,7 @@ runs at most min(E, B k) small products per projection.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from engine.backends.base import Array, Backend
@@ -34,14 +35,16 @@ class ExpertWeights:
     down: list  # E linears [d, F]
     gate_up_bias: Array | None  # [E, 2F] (gpt-oss)
     down_bias: Array | None  # [E, d] (gpt-oss)
+    device: object | None = None  # a backend's own stacked form (cuda: cuda_moe.CudaExperts); lists empty then
 
     @property
     def n_experts(self) -> int:
-        return len(self.gate_up)
+        return len(self.gate_up) or self.device.n_experts
 
     @property
     def nbytes(self) -> int:
-        parts = [self.router, self.router_bias, self.gate_up_bias, self.down_bias, *self.gate_up, *self.down]
+        parts = [self.router, self.router_bias, self.gate_up_bias, self.down_bias, self.device, *self.gate_up,
+                 *self.down]
         return sum(getattr(p, "nbytes", 0) for p in parts if p is not None)
 
 
@@ -55,9 +58,14 @@ def moe_ffn(b: Backend, h: Array, moe: ExpertWeights, config) -> Array:
     return b.expert_ffn(h, moe, ids, weights, c.expert_activation)  # [T, d]
 
 
-def require_moe_backend(backend, arch: str) -> None:
-    """A backend without the MoE ops (cuda, for now) cannot load a MoE model: say so at load."""
+def require_moe_backend(backend, config) -> None:
+    """Refuse at load what a backend cannot compute: the MoE ops, and gpt-oss's attention sinks and biased
+    experts (cuda has the expert kernels but no sinks in its attention and no expert biases yet)."""
+    arch = config.arch
     missing = [op for op in ("route_experts", "expert_ffn") if not hasattr(backend, op)]
     if missing:
         raise ValueError(f"{arch} is a mixture-of-experts model and the {backend.name} backend has no "
                          f"{'/'.join(missing)} yet; run it with --backend numpy")
+    if config.has_attn_sinks and "sinks" not in inspect.signature(backend.attention).parameters:
+        raise ValueError(f"{arch} needs attention sinks and biased experts, which the {backend.name} backend "
+                         "does not compute yet; run it with --backend numpy")

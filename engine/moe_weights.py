@@ -35,7 +35,11 @@ def load_moe_layer(gguf: GGUFFile, prefix: str, backend, linear) -> ExpertWeight
     gate_up_names = ([prefix + "ffn_gate_up_exps.weight"] if fused
                      else [prefix + "ffn_gate_exps.weight", prefix + "ffn_up_exps.weight"])
     down_name = prefix + "ffn_down_exps.weight"
-    if hasattr(backend, "upload_linear_quantized"):
+    device = None
+    if hasattr(backend, "upload_experts"):  # cuda: one stacked buffer per projection
+        gate_up, down = [], []
+        device = backend.upload_experts(*_stacked_parts(gguf, gate_up_names, down_name), gguf.tensor_shape(down_name)[0])
+    elif hasattr(backend, "upload_linear_quantized"):
         gate_up_parts = [_expert_parts(gguf, n, backend) for n in gate_up_names]
         down_parts = _expert_parts(gguf, down_name, backend)
         gate_up = [backend.upload_linear_quantized([p[e] for p in gate_up_parts]) for e in range(len(down_parts))]
@@ -52,7 +56,26 @@ def load_moe_layer(gguf: GGUFFile, prefix: str, backend, linear) -> ExpertWeight
         down=down,
         gate_up_bias=_gate_up_bias(gguf, prefix, fused, backend),
         down_bias=opt(prefix + "ffn_down_exps.bias"),
+        device=device,
     )
+
+
+def _stacked_parts(gguf: GGUFFile, gate_up_names: list[str], down_name: str) -> list[LinearPart]:
+    """(gate, up, down) as LinearParts of all E experts' rows ([E * R, row_bytes], views where possible);
+    a fused ffn_gate_up_exps is split into its gate and up halves (one copy at load)."""
+    def whole(name: str) -> LinearPart:
+        n_experts, n_rows, n_cols = gguf.tensor_shape(name)
+        tensor_type, raw = gguf.tensor_raw(name)
+        return LinearPart(tensor_type, raw.reshape(n_experts * n_rows, -1), n_experts * n_rows, n_cols, name)
+
+    if len(gate_up_names) == 2:
+        return [whole(gate_up_names[0]), whole(gate_up_names[1]), whole(down_name)]
+    fused = whole(gate_up_names[0])
+    n_experts = gguf.tensor_shape(gate_up_names[0])[0]
+    halves = fused.rows.reshape(n_experts, 2, -1, fused.rows.shape[1])  # [E, gate|up, F, row_bytes]
+    gate, up = (np.ascontiguousarray(halves[:, i]).reshape(fused.out_dim // 2, -1) for i in (0, 1))
+    return [fused._replace(rows=gate, out_dim=fused.out_dim // 2), fused._replace(rows=up, out_dim=fused.out_dim // 2),
+            whole(down_name)]
 
 
 def _gate_up_bias(gguf: GGUFFile, prefix: str, fused: bool, backend):

@@ -93,7 +93,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
 
     qk_heads = [c.n_heads, c.n_kv_heads, 0] if c.permuted_qk else None
     if c.n_experts:
-        require_moe_backend(backend, c.arch)
+        require_moe_backend(backend, c)
     ffn_norm_name = FFN_NORM_TENSOR.get(c.arch, "ffn_norm.weight")
     layers = []
     for i in range(c.n_layers):

@@ -160,3 +160,16 @@ def test_grouped_matvec_skips_empty_groups(kernel_runner):
                                 group_len=np.array([2, 0], np.int32), pair_rows=np.array([1, 0], np.int32),
                                 n_groups=2, out=16, ld_y=16, **{"in": 64})
     np.testing.assert_allclose(y, x[[1, 0]].astype(np.float64) @ dense[2].T, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_matvec_without_pair_rows_reads_x_in_pair_order(kernel_runner):
+    rng = np.random.default_rng(6)
+    raw, dense = _stacked("F32", 2, 8, 32, rng)
+    x = rng.standard_normal((3, 32)).astype(np.float32)
+    y = np.full((3, 8), np.nan, dtype=np.float32)
+    kernel_runner("moe").launch("moe_matvec_f32", y=y, W=raw.reshape(-1), x=x, bias=None,
+                                group_expert=np.array([1, 0], np.int32), group_start=np.array([0, 2], np.int32),
+                                group_len=np.array([2, 1], np.int32), pair_rows=None, n_groups=2, out=8, ld_y=8,
+                                **{"in": 32})
+    want = np.concatenate([x[:2].astype(np.float64) @ dense[1].T, x[2:].astype(np.float64) @ dense[0].T])
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)

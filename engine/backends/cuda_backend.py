@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from engine.backends import cuda_linear
+from engine.backends import cuda_linear, cuda_moe
 from engine.backends.cuda_arena import GrowingPool, round_up
 from engine.backends.cuda_array import DeviceArray, blocks_needed_by, pack_layout, registry_keys, step_arrays
 from engine.backends.cuda_device import PinnedBuffer, check, driver, get_device
@@ -161,6 +161,18 @@ class CudaBackend(CudaOps):
 
     def supports_quant_type(self, tensor_type) -> bool:
         return cuda_linear.supports(tensor_type)
+
+    # -- mixture of experts (engine/backends/cuda_moe.py) --
+    def upload_experts(self, gate, up, down, n_experts: int) -> cuda_moe.CudaExperts:
+        """Stacked expert tensors (LinearParts of E * rows) as one device buffer each."""
+        return cuda_moe.CudaExperts(*(cuda_moe.upload_stacked(self, p, n_experts) for p in (gate, up, down)),
+                                    n_experts)
+
+    def route_experts(self, logits, k: int, gating: str, normalize: bool):
+        return cuda_moe.route_experts(self, logits, k, gating, normalize)
+
+    def expert_ffn(self, h, moe, ids, weights, activation: str):
+        return cuda_moe.expert_ffn(self, h, moe.device, ids, weights, activation)
 
     def create_kv_pool(self, layout: KVLayout) -> CudaKVPool:
         return CudaKVPool(self, layout)
