@@ -103,15 +103,15 @@ def open_model(
 
 
 def _numpy_if_moe(path) -> str:
-    """auto -> numpy for a mixture-of-experts model: cuda's expert path (qwen3moe only) has run on the kernel
-    emulator but never on a GPU, so it is opt-in with --backend cuda."""
+    """auto -> numpy for a mixture-of-experts model: cuda's expert path has run on the kernel emulator but
+    never on a GPU, so it is opt-in with --backend cuda."""
     from engine.gguf_file import GGUFFile
     from engine.moe_config import MOE_ARCHITECTURES
 
     arch = GGUFFile(path).architecture
     if arch in MOE_ARCHITECTURES:
-        log.info("backend auto -> numpy: %s is a mixture-of-experts model; the cuda expert path is untested on "
-                 "a GPU (qwen3moe: --backend cuda to try it; gpt-oss: numpy only)", arch)
+        log.info("backend auto -> numpy: %s is a mixture-of-experts model and the cuda expert path has not run "
+                 "on a GPU yet (--backend cuda to try it)", arch)
         return "numpy"
     return "auto"
 

@@ -59,13 +59,12 @@ def moe_ffn(b: Backend, h: Array, moe: ExpertWeights, config) -> Array:
 
 
 def require_moe_backend(backend, config) -> None:
-    """Refuse at load what a backend cannot compute: the MoE ops, and gpt-oss's attention sinks and biased
-    experts (cuda has the expert kernels but no sinks in its attention and no expert biases yet)."""
+    """Refuse at load what a backend cannot compute: the MoE ops, and gpt-oss's attention sinks."""
     arch = config.arch
     missing = [op for op in ("route_experts", "expert_ffn") if not hasattr(backend, op)]
     if missing:
         raise ValueError(f"{arch} is a mixture-of-experts model and the {backend.name} backend has no "
                          f"{'/'.join(missing)} yet; run it with --backend numpy")
     if config.has_attn_sinks and "sinks" not in inspect.signature(backend.attention).parameters:
-        raise ValueError(f"{arch} needs attention sinks and biased experts, which the {backend.name} backend "
-                         "does not compute yet; run it with --backend numpy")
+        raise ValueError(f"{arch} needs attention sinks, which the {backend.name} backend does not compute yet; "
+                         "run it with --backend numpy")

@@ -36,9 +36,11 @@ def load_moe_layer(gguf: GGUFFile, prefix: str, backend, linear) -> ExpertWeight
                      else [prefix + "ffn_gate_exps.weight", prefix + "ffn_up_exps.weight"])
     down_name = prefix + "ffn_down_exps.weight"
     device = None
-    if hasattr(backend, "upload_experts"):  # cuda: one stacked buffer per projection
+    if hasattr(backend, "upload_experts"):  # cuda: one stacked buffer per projection, biases with them
         gate_up, down = [], []
-        device = backend.upload_experts(*_stacked_parts(gguf, gate_up_names, down_name), gguf.tensor_shape(down_name)[0])
+        biases = _split_gate_up_bias(gguf, prefix, fused) + (_host_opt(gguf, prefix + "ffn_down_exps.bias"),)
+        device = backend.upload_experts(*_stacked_parts(gguf, gate_up_names, down_name),
+                                        gguf.tensor_shape(down_name)[0], biases)
     elif hasattr(backend, "upload_linear_quantized"):
         gate_up_parts = [_expert_parts(gguf, n, backend) for n in gate_up_names]
         down_parts = _expert_parts(gguf, down_name, backend)
@@ -54,10 +56,22 @@ def load_moe_layer(gguf: GGUFFile, prefix: str, backend, linear) -> ExpertWeight
         router_bias=opt(prefix + "ffn_gate_inp.bias"),
         gate_up=gate_up,
         down=down,
-        gate_up_bias=_gate_up_bias(gguf, prefix, fused, backend),
-        down_bias=opt(prefix + "ffn_down_exps.bias"),
+        gate_up_bias=None if device is not None else _gate_up_bias(gguf, prefix, fused, backend),
+        down_bias=None if device is not None else opt(prefix + "ffn_down_exps.bias"),
         device=device,
     )
+
+
+def _host_opt(gguf: GGUFFile, name: str):
+    return gguf.tensor(name) if gguf.has_tensor(name) else None
+
+
+def _split_gate_up_bias(gguf: GGUFFile, prefix: str, fused: bool) -> tuple:
+    """(gate [E, F], up [E, F]) bias arrays, or (None, None)."""
+    if fused:
+        both = _host_opt(gguf, prefix + "ffn_gate_up_exps.bias")  # [E, 2F]
+        return (None, None) if both is None else tuple(np.ascontiguousarray(h) for h in np.split(both, 2, axis=1))
+    return _host_opt(gguf, prefix + "ffn_gate_exps.bias"), _host_opt(gguf, prefix + "ffn_up_exps.bias")
 
 
 def _stacked_parts(gguf: GGUFFile, gate_up_names: list[str], down_name: str) -> list[LinearPart]:

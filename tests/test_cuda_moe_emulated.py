@@ -1,7 +1,7 @@
 """qwen3moe on the CUDA backend with the real kernel sources run on the CPU (tests/fake_cuda_emulated.py):
 the device MoE path (moe_route_f32 -> moe_plan -> moe_matvec gate/up -> activation -> moe_matvec down ->
-moe_combine_f32, engine/backends/cuda_moe.py) gives the numpy backend's tokens and logits; gpt-oss is refused
-at load (no attention sinks or expert biases on cuda yet)."""
+moe_combine_f32, engine/backends/cuda_moe.py) gives the numpy backend's tokens and logits, for qwen3moe and
+for gpt-oss (attention sinks, biased experts, MXFP4)."""
 import numpy as np
 import pytest
 
@@ -27,11 +27,36 @@ def test_qwen3moe_greedy_tokens_on_the_device_moe_path_equal_numpy(emu, tmp_path
     assert MOE_KERNELS | {f"moe_matvec_{expert_quant.lower()}", "gated_silu_f32"} <= set(emu.test_driver.launches)
 
 
-def test_gpt_oss_is_refused_on_cuda_naming_what_is_missing(emu, tmp_path):
+@pytest.mark.parametrize("expert_quant", ["F32", "MXFP4"])
+def test_gpt_oss_greedy_tokens_on_cuda_equal_numpy(emu, tmp_path, expert_quant):
+    """Sinks (split attention + attention_combine_sinks_f32), alternating windows, YaRN tables, Q/K/V/O and
+    router biases, biased experts with the clamped SwiGLU, MXFP4 expert blocks."""
+    write_tiny_moe_gguf(tmp_path / "m.gguf", "gpt-oss", seed=2, n_layer=2, sliding_window=5, weight_scale=0.1,
+                        router_scale=0.3, expert_quant=expert_quant)
+    expected, expected_first = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=6)
+    tokens, first = _greedy(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15), steps=6)
+    _close(first, expected_first, GEMM)
+    assert tokens == expected
+    launched = set(emu.test_driver.launches)
+    assert {"attention_combine_sinks_f32", "gated_swiglu_oai_f32", f"moe_matvec_{expert_quant.lower()}"} <= launched
+
+
+def test_a_backend_without_sinks_refuses_gpt_oss(tmp_path):
+    from engine.moe import require_moe_backend
+
+    class NoSinks:
+        name = "other"
+
+        def route_experts(self): ...
+
+        def expert_ffn(self): ...
+
+        def attention(self, q, pool, layer, batch, scale, window): ...
+
     write_tiny_moe_gguf(tmp_path / "m.gguf", "gpt-oss")
-    with pytest.raises(ValueError, match="gpt-oss needs attention sinks and biased experts, which the cuda "
-                                         "backend does not compute yet; run it with --backend numpy"):
-        load_model(tmp_path / "m.gguf", emu)
+    config = load_model(tmp_path / "m.gguf", NumpyBackend())[0].config
+    with pytest.raises(ValueError, match="gpt-oss needs attention sinks, which the other backend does not"):
+        require_moe_backend(NoSinks(), config)
 
 
 def test_qwen3moe_decode_replays_a_cuda_graph_with_the_same_tokens(emulator_dir, monkeypatch, tmp_path):

@@ -32,6 +32,8 @@ SIGNATURES: dict[str, str] = {
     "paged_attention_split_f32": _ATTENTION + ", float* part_out, float* part_max, float* part_sum, int chunk_keys",
     "attention_combine_f32": ("float* out, const float* part_out, const float* part_max, const float* part_sum, "
                               "int T, int H, int hd, int n_chunks"),
+    "attention_combine_sinks_f32": ("float* out, const float* part_out, const float* part_max, const float* part_sum, "
+                                    "const float* sinks, int T, int H, int hd, int n_chunks"),
     "gated_silu_f32": _GATED,
     "gated_gelu_tanh_f32": _GATED,
     "gather_rows_f32": "float* out, const float* x, const long long* rows, int n_rows, int d",

@@ -163,10 +163,12 @@ class CudaBackend(CudaOps):
         return cuda_linear.supports(tensor_type)
 
     # -- mixture of experts (engine/backends/cuda_moe.py) --
-    def upload_experts(self, gate, up, down, n_experts: int) -> cuda_moe.CudaExperts:
-        """Stacked expert tensors (LinearParts of E * rows) as one device buffer each."""
+    def upload_experts(self, gate, up, down, n_experts: int, biases=(None, None, None)) -> cuda_moe.CudaExperts:
+        """Stacked expert tensors (LinearParts of E * rows) as one device buffer each; biases (gate [E, F],
+        up [E, F], down [E, d] float32, or None) as given."""
+        bias = [None if b is None else self.upload(b) for b in biases]
         return cuda_moe.CudaExperts(*(cuda_moe.upload_stacked(self, p, n_experts) for p in (gate, up, down)),
-                                    n_experts)
+                                    n_experts, *bias)
 
     def route_experts(self, logits, k: int, gating: str, normalize: bool):
         return cuda_moe.route_experts(self, logits, k, gating, normalize)

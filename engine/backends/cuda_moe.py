@@ -47,10 +47,14 @@ class CudaExperts:
     up: StackedWeight  # [E, F, d]
     down: StackedWeight  # [E, d, F]
     n_experts: int
+    gate_bias: object = None  # DeviceArray [E, F] (gpt-oss), row e at e * F: what moe_matvec indexes
+    up_bias: object = None
+    down_bias: object = None  # [E, d]
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        biases = [b for b in (self.gate_bias, self.up_bias, self.down_bias) if b is not None]
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes + sum(b.nbytes for b in biases)
 
 
 def upload_stacked(backend, part: LinearPart, n_experts: int) -> StackedWeight:
@@ -77,7 +81,7 @@ def route_experts(backend, logits, k: int, gating: str, normalize: bool):
 
 
 def expert_ffn(backend, h, experts: CudaExperts, ids, weights, activation: str):
-    """sum_j weights[t, j] * expert_{ids[t, j]}(h[t]) -> [T, d] (biases: not yet, see require_moe_backend)."""
+    """sum_j weights[t, j] * expert_{ids[t, j]}(h[t]) -> [T, d], biases included where the experts have them."""
     T, k = ids.shape
     n_pairs, E = T * k, experts.n_experts
     n_groups = max_groups(n_pairs, E)
@@ -89,14 +93,14 @@ def expert_ffn(backend, h, experts: CudaExperts, ids, weights, activation: str):
                   n_groups=n_groups)
     ff = experts.gate.out
     gate_up = backend.empty((n_pairs, 2 * ff))  # [pairs, gate | up]
-    for column, stacked in ((0, experts.gate), (ff, experts.up)):
-        backend.launch(f"moe_matvec_{stacked.suffix}", y=gate_up.ptr + 4 * column, W=stacked.weight, x=h, bias=None,
+    for column, stacked, bias in ((0, experts.gate, experts.gate_bias), (ff, experts.up, experts.up_bias)):
+        backend.launch(f"moe_matvec_{stacked.suffix}", y=gate_up.ptr + 4 * column, W=stacked.weight, x=h, bias=bias,
                        pair_rows=plan["pair_rows"], out=ff, in_=stacked.in_dim, ld_y=2 * ff, **groups)
     act = backend.empty((n_pairs, ff))
     backend.launch(_ACTIVATIONS[activation], out=act, gate_up=gate_up, T=n_pairs, F=ff)
     d = experts.down.out
     down = backend.empty((n_pairs, d))
-    backend.launch(f"moe_matvec_{experts.down.suffix}", y=down, W=experts.down.weight, x=act, bias=None,
+    backend.launch(f"moe_matvec_{experts.down.suffix}", y=down, W=experts.down.weight, x=act, bias=experts.down_bias,
                    pair_rows=None, out=d, in_=ff, ld_y=d, **groups)
     out = backend.empty((T, d))
     backend.launch("moe_combine_f32", out=out, y=down, pair_of=plan["pair_of"], weights=weights, T=T, k=k, d=d)

@@ -15,7 +15,7 @@ from engine.batch import BatchMeta
 
 CHUNK_KEYS = 512  # keys per flash-decoding chunk of paged_attention_split_f32
 SPLIT_MAX_T = 64  # more query rows than this fill the GPU without splitting the keys
-_ACTIVATIONS = {"silu": "gated_silu_f32", "gelu_tanh": "gated_gelu_tanh_f32"}
+_ACTIVATIONS = {"silu": "gated_silu_f32", "gelu_tanh": "gated_gelu_tanh_f32"}  # swiglu_oai: cuda_moe.py
 
 
 class CudaOps:
@@ -77,7 +77,7 @@ class CudaOps:
                     slots=self._index(batch.slot_mapping, np.int64), T=T, KVH=KVH, hd=hd,
                     num_slots=pool.layout.num_slots)
 
-    def attention(self, q, pool, layer: int, batch: BatchMeta, scale: float, window: int):
+    def attention(self, q, pool, layer: int, batch: BatchMeta, scale: float, window: int, sinks=None):
         T, H, hd = q.shape
         lay = pool.layout
         token_seq, block_tables, max_blocks = self._seq_info(batch)
@@ -89,13 +89,18 @@ class CudaOps:
         # Chunks over the widest key range the step can read (the table, or the window): the kernel's own
         # rule, since its grid has that many; a chunk past a query's own position is empty.
         n_chunks = attention_geometry.num_chunks(max_blocks, lay.block_size, CHUNK_KEYS, window)
-        if n_chunks > 1 and T <= SPLIT_MAX_T and self.kernels.has("paged_attention_split_f32"):
+        # Sinks (gpt-oss) join the denominator in the combine, so such a layer always takes the split path.
+        if sinks is not None or (n_chunks > 1 and T <= SPLIT_MAX_T and self.kernels.has("paged_attention_split_f32")):
             part_out = self.empty((T, H, n_chunks, hd))
             part_max, part_sum = self.empty((T, H, n_chunks)), self.empty((T, H, n_chunks))
             self.launch("paged_attention_split_f32", **args, part_out=part_out, part_max=part_max,
                         part_sum=part_sum, chunk_keys=CHUNK_KEYS)
-            self.launch("attention_combine_f32", out=out, part_out=part_out, part_max=part_max, part_sum=part_sum,
-                        T=T, H=H, hd=hd, n_chunks=n_chunks)
+            parts = dict(out=out, part_out=part_out, part_max=part_max, part_sum=part_sum, T=T, H=H, hd=hd,
+                         n_chunks=n_chunks)
+            if sinks is None:
+                self.launch("attention_combine_f32", **parts)
+            else:
+                self.launch("attention_combine_sinks_f32", **parts, sinks=sinks)
         else:
             self.launch("paged_attention_f32", **args)
         return out  # [T, H * hd]
