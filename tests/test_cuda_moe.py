@@ -72,6 +72,14 @@ def test_gpt_oss_greedy_tokens_on_cuda_equal_numpy(emu, tmp_path, expert_quant):
                                 f"moe_matvec_{expert_quant.lower()}"} <= launched
 
 
+def test_a_fused_gate_up_tensor_is_split_for_the_device(emu, tmp_path):
+    write_tiny_moe_gguf(tmp_path / "m.gguf", "gpt-oss", seed=2, n_layer=2, weight_scale=0.1, router_scale=0.3,
+                        fused_gate_up=True, expert_quant="Q8_0")
+    expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=4)
+    tokens, _ = _greedy(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15), steps=4)
+    assert tokens == expected
+
+
 def test_a_backend_without_sinks_refuses_gpt_oss(tmp_path):
     from engine.moe import require_moe_backend
 

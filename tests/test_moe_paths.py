@@ -6,6 +6,8 @@ import pytest
 
 from engine.backends.numpy_backend import NumpyBackend
 from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
+from engine.batch import build_batch
+from engine.kv import layout_for
 from engine.model import load_model
 from engine.sequence import ModelRunner
 from tests.reference_helpers import chunked_step_logits
@@ -46,3 +48,21 @@ def test_a_split_moe_model_computes_bit_identical_logits(tiny, split):
     whole = chunked_step_logits(ModelRunner(model, 32, 4), prompts)
     parts = chunked_step_logits(ModelRunner(model, 32, 4, layer_split=split), prompts)
     assert all(np.array_equal(a, b) for a, b in zip(whole, parts))
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("weights", ["f32", "quantized"])
+def test_a_fused_gate_up_expert_tensor_gives_the_split_tensors_logits(tmp_path, arch, weights):
+    """llama.cpp's newer converters may write ffn_gate_up_exps ([E, 2F, d], gate rows first) instead of
+    ffn_gate_exps + ffn_up_exps: the same weights must compute the same thing."""
+    backend = QuantizedNumpyBackend if weights == "quantized" else NumpyBackend
+    ids = np.random.default_rng(4).integers(3, 250, size=17).tolist()
+    logits = []
+    for fused in (False, True):
+        path = tmp_path / f"{arch}-{fused}.gguf"
+        write_tiny_moe_gguf(path, arch, seed=6, fused_gate_up=fused, expert_quant="Q8_0")
+        model, gguf, _ = load_model(path, backend())
+        assert gguf.has_tensor("blk.0.ffn_gate_up_exps.weight") == fused
+        pool = model.backend.create_kv_pool(layout_for(model.config, 16, 4))
+        logits.append(model.forward(build_batch([(ids, 0, np.arange(16))], 4, all_logits=True), pool))
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-6, atol=1e-6)

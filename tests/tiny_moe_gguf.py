@@ -78,7 +78,8 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     enough that routing is decisive), ``weight_scale`` (0.2), ``expert_scale`` (= weight_scale; gpt-oss
     tests use 0.6 so its SwiGLU clamp at 7.0 is reached), ``embd_scale`` (0.1), ``norm_scale`` (0.1),
     gpt-oss only: ``sliding_window`` (8), ``yarn_factor`` (4.0), ``yarn_orig_ctx`` (64), ``sink_scale``
-    (1.0), ``harmony`` (False: add HARMONY_TOKENS as control tokens, <|return|> as EOS and
+    (1.0), ``fused_gate_up`` (False: one ffn_gate_up_exps tensor instead of gate and up, same values),
+    ``harmony`` (False: add HARMONY_TOKENS as control tokens, <|return|> as EOS and
     HARMONY_TEMPLATE); ``chat_template`` (ChatML, or HARMONY_TEMPLATE), ``extra_metadata`` ({key: value}, int -> uint32, float -> float32,
     bool, str; keys written verbatim, for tests of unsupported variants).
     """
@@ -102,6 +103,7 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     yarn_orig_ctx = int(o.pop("yarn_orig_ctx", 64)) if is_oss else None
     sink_scale = o.pop("sink_scale", 1.0) if is_oss else None
     harmony = bool(o.pop("harmony", False))
+    fused_gate_up = bool(o.pop("fused_gate_up", False))
     chat_template = o.pop("chat_template", HARMONY_TEMPLATE if harmony else CHATML_TEMPLATE)
     extra = o.pop("extra_metadata", {})
     if o:
@@ -149,6 +151,13 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
             t[p + "ffn_gate_exps.bias"] = mat(n_expert, n_ff_exp, scale=0.1)
             t[p + "ffn_up_exps.bias"] = mat(n_expert, n_ff_exp, scale=0.1)
             t[p + "ffn_down_exps.bias"] = mat(n_expert, n_embd, scale=0.1)
+    if fused_gate_up:  # newer converters' --fuse-gate-up-exps: [E, 2F, d], gate rows first (bias [E, 2F])
+        for i in range(n_layer):
+            p = f"blk.{i}."
+            for suffix, axis in ((".weight", 1), (".bias", 1)):
+                gate, up = p + "ffn_gate_exps" + suffix, p + "ffn_up_exps" + suffix
+                if gate in t:
+                    t[p + "ffn_gate_up_exps" + suffix] = np.concatenate([t.pop(gate), t.pop(up)], axis=axis)
     t["output_norm.weight"] = norm(n_embd)
     if not tied:
         t["output.weight"] = mat(len(tokens), n_embd)
