@@ -3,7 +3,6 @@ marked `cuda`, on a GPU where there is one:
 the device MoE path (moe_route_f32 -> moe_plan -> moe_matvec gate/up -> activation -> moe_matvec down ->
 moe_combine_f32, engine/backends/cuda_moe.py) gives the numpy backend's tokens and logits, for qwen3moe and
 for gpt-oss (attention sinks, biased experts, MXFP4)."""
-import numpy as np
 import pytest
 
 from engine.backends.numpy_backend import NumpyBackend
