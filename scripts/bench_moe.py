@@ -1,10 +1,10 @@
 """numpy tok/s of a small random-weight MoE: prefill and batched decode, for several expert counts.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_moe.py [--arch qwen3moe] [--experts 16,64]
-        [--top-k 4] [--weights f32,quantized] [--repeats 3] [--threads 1]
+        [--top-k 4] [--weights f32,quantized] [--expert-quant Q8_0|MXFP4|F16] [--repeats 3] [--threads 1]
 
 The model is written by tests/tiny_moe_gguf.py into a temporary directory: d=256, 4 layers, 8/2 heads of
-32, experts of F=128 (Q8_0 blocks for --weights quantized, else F32). Decode at batch B runs B sequences
+32, experts of F=128 (--expert-quant blocks, Q8_0 elsewhere, for --weights quantized; else F32). Decode at batch B runs B sequences
 of 64 context tokens through one batched step per token. "experts/layer" is the mean number of distinct
 experts a decode step at that batch runs per layer (the grouped FFN runs one product pair per expert that
 got tokens). With the same top-k, a token's cost should not depend on the number of experts: compare
@@ -76,14 +76,16 @@ def bench_decode(runner: ModelRunner, batch: int, steps: int, repeats: int, cont
     return statistics.median(rates), statistics.mean(hits)
 
 
-def run(arch: str, n_experts: int, top_k: int, weights: str, repeats: int, directory: str) -> list[str]:
+def run(arch: str, n_experts: int, top_k: int, weights: str, repeats: int, directory: str,
+        expert_quant: str = "Q8_0") -> list[str]:
     path = os.path.join(directory, f"{arch}-{n_experts}-{weights}.gguf")
-    quant = {"quant": "Q8_0", "expert_quant": "Q8_0"} if weights == "quantized" else {}
+    quant = {"quant": "Q8_0", "expert_quant": expert_quant} if weights == "quantized" else {}
     write_tiny_moe_gguf(path, arch, seed=1, n_expert=n_experts, n_expert_used=top_k, **SHAPE, **quant)
     loaded = open_model(path, fetch=False, backend_name="numpy", cpu_weights=weights)
     runner = ModelRunner(loaded.model, num_blocks=256, block_size=16)
     bench_prefill(runner, 16, 1)  # warm-up (numba kernels, BLAS)
-    row = [arch, str(n_experts), str(top_k), weights, f"{bench_prefill(runner, 256, repeats):.0f}"]
+    label = f"quantized ({expert_quant} experts)" if weights == "quantized" else weights
+    row = [arch, str(n_experts), str(top_k), label, f"{bench_prefill(runner, 256, repeats):.0f}"]
     for batch in BATCHES:
         rate, hit = bench_decode(runner, batch, 16, repeats)
         row.append(f"{rate:.0f} ({hit:.1f})")
@@ -98,6 +100,8 @@ def main() -> int:
     parser.add_argument("--weights", default="f32,quantized")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--expert-quant", default="Q8_0", choices=("Q8_0", "MXFP4", "F16"),
+                        help="expert tensors' type with --weights quantized (attention and head: Q8_0)")
     args = parser.parse_args()
     limit_threads(args.threads)
     header = ["arch", "experts", "top-k", "weights", "prefill 256 tok/s"]
@@ -107,7 +111,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as directory:
         for n_experts in (int(e) for e in args.experts.split(",")):
             for weights in args.weights.split(","):
-                print("| " + " | ".join(run(args.arch, n_experts, args.top_k, weights, args.repeats, directory)) + " |",
+                print("| " + " | ".join(run(args.arch, n_experts, args.top_k, weights, args.repeats, directory,
+                                                 args.expert_quant)) + " |",
                       flush=True)
     print(f"\nthreads {args.threads}, load average {os.getloadavg()[0]:.2f}, shape {SHAPE}")
     return 0
