@@ -170,12 +170,6 @@ class CudaBackend(CudaOps):
         return cuda_moe.CudaExperts(*(cuda_moe.upload_stacked(self, p, n_experts) for p in (gate, up, down)),
                                     n_experts, *bias)
 
-    def route_experts(self, logits, k: int, gating: str, normalize: bool):
-        return cuda_moe.route_experts(self, logits, k, gating, normalize)
-
-    def expert_ffn(self, h, moe, ids, weights, activation: str):
-        return cuda_moe.expert_ffn(self, h, moe.device, ids, weights, activation)
-
     def create_kv_pool(self, layout: KVLayout) -> CudaKVPool:
         return CudaKVPool(self, layout)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels import attention as attention_geometry
-from engine.backends import cuda_linear
+from engine.backends import cuda_linear, cuda_moe
 from engine.batch import BatchMeta
 
 CHUNK_KEYS = 512  # keys per flash-decoding chunk of paged_attention_split_f32
@@ -112,6 +112,13 @@ class CudaOps:
         out = self.empty((T, two_f // 2))
         self.launch(_ACTIVATIONS[kind], out=out, gate_up=gate_up, T=T, F=two_f // 2)
         return out
+
+    # -- mixture of experts: engine/backends/cuda_moe.py --
+    def route_experts(self, logits, k: int, gating: str, normalize: bool):
+        return cuda_moe.route_experts(self, logits, k, gating, normalize)
+
+    def expert_ffn(self, h, moe, ids, weights, activation: str):
+        return cuda_moe.expert_ffn(self, h, moe.device, ids, weights, activation)
 
     def gather_rows(self, x, rows: np.ndarray):
         if len(rows) == x.shape[0]:
