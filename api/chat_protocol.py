@@ -48,7 +48,8 @@ def create_chat_protocol(template: ChatTemplate, tokenizer: Tokenizer, tool_call
     else:
         fmt, how = get_format(tool_call_format), "set by --tool-call-format"
     reasoning = detect_reasoning(template.template) if reasoning_format != "none" else None
-    field_name = reasoning_format if reasoning is not None else None
+    owns_reasoning = fmt.owns_reasoning and reasoning_format != "none"  # harmony's analysis channel
+    field_name = reasoning_format if reasoning is not None or owns_reasoning else None
     if fmt.renders_in_template and "tools" not in template.template:
         log.warning("tool calls: format %s (%s), but the chat template (%s) never renders tools: tool definitions "
                     "will not reach the model; use --tool-call-format generic or a --chat-template that renders "
@@ -63,6 +64,9 @@ def create_chat_protocol(template: ChatTemplate, tokenizer: Tokenizer, tool_call
                  extra={"fields": {"tool_call_format": fmt.name}})
     if reasoning is not None:
         log.info("reasoning: %s...%s text goes to message.%s", reasoning.start, reasoning.end, field_name,
+                 extra={"fields": {"reasoning_field": field_name}})
+    elif owns_reasoning:
+        log.info("reasoning: the %s format's reasoning goes to message.%s", fmt.name, field_name,
                  extra={"fields": {"reasoning_field": field_name}})
     # llguidance matches a control token only by id (<[id]>), never by its text: markers such as Mistral's
     # [TOOL_CALLS] must be written that way in the format's grammar.

@@ -54,7 +54,8 @@ class PreparedTurn:
     custom_tool_names: frozenset[str] = frozenset()
 
     def create_parser(self) -> OutputParser:
-        fmt = self.protocol.tool_format if self.parses_tools else None
+        owns_reasoning = self.protocol.tool_format.owns_reasoning  # harmony: every reply is channel markup
+        fmt = self.protocol.tool_format if self.parses_tools or owns_reasoning else None
         return create_output_parser(fmt, self.tools if self.parses_tools else None,
                                     reasoning=self.protocol.reasoning if self.protocol.reasoning_field else None,
                                     starts_in_reasoning=self.starts_in_reasoning)

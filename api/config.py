@@ -27,7 +27,7 @@ CPU_WEIGHTS = ("quantized", "f32")
 # How K/V rows are stored (engine/kv.KV_TYPES); auto: the backend's default (numpy f32, cuda its first type).
 KV_TYPE_CHOICES = ("auto", "f32", "f16", "int8")
 # auto: picked from the chat template (api/tool_calls.detect_format); the names of api/tool_calls' registry.
-TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "generic")
+TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "generic", "harmony")
 # Where thinking text goes: vLLM's older field, its newer one, or left in content unparsed.
 REASONING_FORMATS = ("reasoning_content", "reasoning", "none")
 MIN_CTX_SIZE = 16

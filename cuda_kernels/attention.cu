@@ -236,22 +236,37 @@ paged_attention_split_int8(float* out, const float* q, const signed char* pool_k
 
 
 // Flash-decoding pass 2: out[t, h] = sum_c w_c part_out[c] / sum_c w_c part_sum[c], w_c = exp(max_c - max).
-// Grid (T * H), block >= 32 threads, dynamic shared memory n_chunks floats.
-extern "C" __global__ void attention_combine_f32(float* out, const float* part_out, const float* part_max,
-                                                 const float* part_sum, int T, int H, int hd, int n_chunks) {
+// Grid (T * H), block >= 32 threads, dynamic shared memory n_chunks floats. `sink` (gpt-oss: a learned logit
+// of head h with no value) joins the denominator only; -inf for none.
+__device__ __forceinline__ void combine_parts(float* out, const float* part_out, const float* part_max,
+                                              const float* part_sum, float sink, long long row, int hd, int n_chunks) {
     extern __shared__ float weights[];  // [n_chunks]
-    const long long row = blockIdx.x;  // t * H + h
-    if (row >= (long long)T * H) return;
     const float* maxes = part_max + row * n_chunks;
-    float m_all = NEG_INF;
+    float m_all = sink;
     for (int c = 0; c < n_chunks; ++c) m_all = fmaxf(m_all, maxes[c]);
     for (int c = threadIdx.x; c < n_chunks; c += blockDim.x) weights[c] = part_weight(maxes[c], m_all);
     __syncthreads();
-    float denominator = 0.0f;
+    float denominator = part_weight(sink, m_all);
     for (int c = 0; c < n_chunks; ++c) denominator += weights[c] * part_sum[row * n_chunks + c];
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
         float numerator = 0.0f;
         for (int c = 0; c < n_chunks; ++c) numerator += weights[c] * part_out[(row * n_chunks + c) * hd + d];
         out[row * hd + d] = numerator / denominator;
     }
+}
+
+extern "C" __global__ void attention_combine_f32(float* out, const float* part_out, const float* part_max,
+                                                 const float* part_sum, int T, int H, int hd, int n_chunks) {
+    const long long row = blockIdx.x;  // t * H + h
+    if (row >= (long long)T * H) return;
+    combine_parts(out, part_out, part_max, part_sum, NEG_INF, row, hd, n_chunks);
+}
+
+// attention_combine_f32 with one sink logit per head, sinks [H] (gpt-oss; the split pass runs as usual).
+extern "C" __global__ void attention_combine_sinks_f32(float* out, const float* part_out, const float* part_max,
+                                                       const float* part_sum, const float* sinks, int T, int H,
+                                                       int hd, int n_chunks) {
+    const long long row = blockIdx.x;  // t * H + h
+    if (row >= (long long)T * H) return;
+    combine_parts(out, part_out, part_max, part_sum, sinks[row % H], row, hd, n_chunks);
 }

@@ -41,7 +41,7 @@ def geometry(kernel: str, **ints: int):
         if chunks * ints["chunk_keys"] < min(ints["max_blocks"] * ints["block_size"], ints.get("window") or 2**62):
             raise ValueError(f"chunk_keys {ints['chunk_keys']} too small: more than {MAX_CHUNKS} chunks")
         return (grid_rows, chunks, 1), (ATTENTION_THREADS, 1, 1), 0
-    if kernel == "attention_combine_f32":
+    if kernel in ("attention_combine_f32", "attention_combine_sinks_f32"):
         threads = min(MAX_HEAD_DIM, 32 * cdiv(ints["hd"], 32))
         shared_bytes = 4 * ints["n_chunks"]
         if shared_bytes > DEFAULT_DYNAMIC_SHARED_LIMIT:

@@ -171,3 +171,7 @@ extern "C" __global__ void gemm_q6_k(float* y, const unsigned char* W, const flo
                                           int T, int out, int in, int ld_y) {
     gemm<BlockQ6_K>(y, W, x, bias, T, out, in, ld_y);
 }
+extern "C" __global__ void gemm_mxfp4(float* y, const unsigned char* W, const float* x, const float* bias,
+                                      int T, int out, int in, int ld_y) {
+    gemm<BlockMXFP4>(y, W, x, bias, T, out, in, ld_y);
+}

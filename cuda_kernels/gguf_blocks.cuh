@@ -172,3 +172,24 @@ struct BlockQ6_K {
         }
     }
 };
+
+// MXFP4 (gpt-oss's experts): {u8 e; u8 qs[16]}: 32 elements, e2m1 values (doubled, as gguf's kvalues
+// 0 1 2 3 4 6 8 12 and their negatives) scaled by the halved e8m0 exponent 2^(e - 128) (gguf's
+// e8m0_to_fp32_half). Element i < 16 is the low nibble of qs[i], element 16 + i its high nibble.
+// 17-byte blocks have no alignment at all: byte loads only.
+struct BlockMXFP4 {
+    static constexpr int QK = 32, BYTES = 17;
+    static __device__ __forceinline__ float e2m1_doubled(unsigned nibble) {
+        const unsigned m = nibble & 7u;
+        const float magnitude = m < 4u ? (float)m : (float)((2u + (m & 1u)) << ((m >> 1) - 1u));
+        return nibble & 8u ? -magnitude : magnitude;
+    }
+    static __device__ __forceinline__ void decode8(const unsigned char* b, int chunk, float* w) {
+        const unsigned e = b[0];
+        const float d = __uint_as_float(e < 2u ? 0x00200000u << e : (e - 1u) << 23);
+        const unsigned char* qs = b + 1 + 8 * (chunk & 1);
+        const int shift = 4 * (chunk >> 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) w[i] = d * e2m1_doubled((qs[i] >> shift) & 0xFu);
+    }
+};

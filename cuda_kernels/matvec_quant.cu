@@ -115,3 +115,7 @@ extern "C" __global__ void matvec_q6_k(float* y, const unsigned char* W, const f
                                        int T, int out, int in, int ld_y) {
     matvec<BlockQ6_K>(y, W, x, bias, T, out, in, ld_y);
 }
+extern "C" __global__ void matvec_mxfp4(float* y, const unsigned char* W, const float* x, const float* bias,
+                                        int T, int out, int in, int ld_y) {
+    matvec<BlockMXFP4>(y, W, x, bias, T, out, in, ld_y);
+}

@@ -33,6 +33,7 @@ QUANT_TYPES: dict[str, QuantType] = {
         QuantType("Q8_0", 32, 34, "q8_0"),
         QuantType("Q4_K", 256, 144, "q4_k"),
         QuantType("Q6_K", 256, 210, "q6_k"),
+        QuantType("MXFP4", 32, 17, "mxfp4"),
     )
 }
 

@@ -6,10 +6,12 @@ One config shape covers every supported architecture; per-architecture differenc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+from engine.moe_config import MOE_ARCHITECTURES, moe_overrides
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3") + MOE_ARCHITECTURES
 
 # llama.cpp marks every 6th gemma3 layer global and the rest sliding-window (set_swa_pattern(6)).
 GEMMA3_SWA_PATTERN = 6
@@ -43,6 +45,22 @@ class ModelConfig:
     has_qk_norm: bool
     has_post_norms: bool  # gemma3: norms on the attention and MLP outputs before the residual add
     permuted_qk: bool  # llama.cpp's converter interleaved the Q/K rows of this arch for its RoPE
+
+    # -- mixture of experts (qwen3moe, gpt-oss; engine/moe_config.py reads them). 0 experts = dense FFN --
+    n_experts: int = 0
+    n_experts_used: int = 0  # top-k experts per token
+    expert_ffn_dim: int = 0  # F of one expert (gate and up are [F, d], down [d, F])
+    expert_gating: str = "softmax"  # "softmax": softmax over all, then top-k; "softmax_topk": top-k, then softmax
+    expert_weights_norm: bool = False  # renormalise the k selected weights to sum to 1 (norm_topk_prob)
+    expert_weights_scale: float = 1.0
+    expert_activation: str = "silu"  # "silu" (SwiGLU) or "swiglu_oai" (gpt-oss: clamped, (up + 1))
+    # -- gpt-oss attention extras and YaRN RoPE (rope_yarn_factor 0 = no YaRN) --
+    has_attn_out_bias: bool = False
+    has_attn_sinks: bool = False  # one learned logit per head joins every softmax's denominator
+    rope_yarn_factor: float = 0.0
+    rope_yarn_orig_ctx: int = 0
+    rope_yarn_beta_fast: float = 32.0
+    rope_yarn_beta_slow: float = 1.0
 
     @property
     def q_dim(self) -> int:
@@ -86,9 +104,11 @@ def config_from_gguf(fields: dict[str, Any], vocab_size: int) -> ModelConfig:
     )
     scaling_type = fields.get(f"{arch}.rope.scaling.type", "none")
     rope_linear_scale = float(fields.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    if scaling_type not in ("none", "linear") and rope_linear_scale != 1.0:
+    if scaling_type == "yarn" and arch in MOE_ARCHITECTURES:
+        rope_linear_scale = 1.0  # YaRN is read by moe_overrides
+    elif scaling_type not in ("none", "linear") and rope_linear_scale != 1.0:
         raise ValueError(f"unsupported rope scaling type {scaling_type!r}")
-    return ModelConfig(
+    config = ModelConfig(
         arch=arch,
         n_layers=n_layers,
         d_model=d_model,
@@ -113,6 +133,9 @@ def config_from_gguf(fields: dict[str, Any], vocab_size: int) -> ModelConfig:
         has_post_norms=is_gemma3,
         permuted_qk=arch == "llama",
     )
+    if arch in MOE_ARCHITECTURES:
+        config = replace(config, **moe_overrides(arch, fields, n_layers))
+    return config
 
 
 def _first_int(value: Any) -> int:

@@ -93,11 +93,27 @@ def open_model(
     """Resolve (fetching if needed), load and wrap a model on `backend` (default: create_backend(backend_name,
     cpu_weights=cpu_weights)). Raises ValueError on unsupported files."""
     path = resolve_model(name_or_path, fetch=fetch)
+    if backend is None and backend_name == "auto":
+        backend_name = _numpy_if_moe(path)
     backend = backend or create_backend(backend_name, cpu_weights=cpu_weights)
     model, gguf, info = load_model(path, backend, max_positions)
     tokenizer = Tokenizer.from_gguf_fields(gguf.fields)
     template = ChatTemplate.from_gguf_fields(gguf.fields, model.config.arch, chat_template_path)
     return LoadedModel(model, tokenizer, template, info)
+
+
+def _numpy_if_moe(path) -> str:
+    """auto -> numpy for a mixture-of-experts model: cuda's expert path has run on the kernel emulator but
+    never on a GPU, so it is opt-in with --backend cuda."""
+    from engine.gguf_file import GGUFFile
+    from engine.moe_config import MOE_ARCHITECTURES
+
+    arch = GGUFFile(path).architecture
+    if arch in MOE_ARCHITECTURES:
+        log.info("backend auto -> numpy: %s is a mixture-of-experts model and the cuda expert path has not run "
+                 "on a GPU yet (--backend cuda to try it)", arch)
+        return "numpy"
+    return "auto"
 
 
 def encode_chat_prompt(tokenizer: Tokenizer, rendered: str) -> list[int]:

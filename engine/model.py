@@ -17,6 +17,7 @@ from engine.backends.base import Backend
 from engine.batch import BatchMeta
 from engine.config import ModelConfig, config_from_gguf
 from engine.gguf_file import GGUFFile
+from engine.moe import moe_ffn
 from engine.weights import ModelWeights, load_weights
 
 log = logging.getLogger("strata.model")
@@ -64,7 +65,10 @@ class Model:
             if lw.post_attn_norm is not None:
                 attn = b.rms_norm(attn, lw.post_attn_norm, c.rms_eps)
             x, h = b.add_rms_norm(x, attn, lw.ffn_norm, c.rms_eps)
-            mlp = b.linear(b.gated_activation(b.linear(h, lw.w_gate_up), c.activation), lw.w_down)
+            if lw.moe is not None:
+                mlp = moe_ffn(b, h, lw.moe, c)  # [T, d]
+            else:
+                mlp = b.linear(b.gated_activation(b.linear(h, lw.w_gate_up), c.activation), lw.w_down)
             if lw.post_ffn_norm is not None:
                 mlp = b.rms_norm(mlp, lw.post_ffn_norm, c.rms_eps)
             next_norm = w.layers[i + 1].attn_norm if i + 1 < c.n_layers else None
@@ -93,8 +97,9 @@ class Model:
         k = b.rope(k, batch.positions, cos_sin, c.rope_dims)
         b.store_kv(kv_pool, pool_layer, k, v, batch)
         window = c.sliding_window if sliding else 0
-        out = b.attention(q, kv_pool, pool_layer, batch, c.attn_scale, window)  # [T, H hd]
-        return b.linear(out, lw.wo)
+        sinks = {} if lw.attn_sinks is None else {"sinks": lw.attn_sinks}  # gpt-oss only
+        out = b.attention(q, kv_pool, pool_layer, batch, c.attn_scale, window, **sinks)  # [T, H hd]
+        return b.linear(out, lw.wo, lw.bo)
 
 
 @dataclass(frozen=True)

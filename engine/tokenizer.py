@@ -31,6 +31,11 @@ _TAIL = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}" + _TAIL
 _QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}" + _TAIL
 _DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+# o200k (gpt-oss, Llama 4): llama.cpp's adapted form (upper/lower case classes as "a letter but not a-z/A-Z").
+_UPPER, _LOWER = r"((?=[\p{L}])([^a-z]))", r"((?=[\p{L}])([^A-Z]))"
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?" + _UPPER + "*" + _LOWER + "+" + _CONTRACTIONS + "?"
+          + r"|[^\r\n\p{L}\p{N}]?" + _UPPER + "+" + _LOWER + "*" + _CONTRACTIONS + "?"
+          + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # pre name -> (regexes, ignore_merges, clean_spaces, default add_bos), as set in llama_vocab::impl::load.
 # "gpt2" is not a llama.cpp name; it is accepted as an alias of "gpt-2".
@@ -43,6 +48,7 @@ for _names, _spec in (
     (("llama-bpe", "llama3", "llama-v3", "falcon3"), ([_LLAMA3], True, True, True)),
     (("qwen2", "deepseek-r1-qwen"), ([_QWEN2], False, False, False)),
     (("stablelm2", "megrez"), ([_QWEN2], False, True, False)),
+    (("gpt-4o", "llama4"), ([_GPT4O], False, False, False)),
 ):
     _PRE.update(dict.fromkeys(_names, _spec))
 
@@ -52,6 +58,7 @@ _EOG_TEXTS = {
     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
 }
+_HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")  # gpt-oss (see the EOG set below)
 # FIM pad / repo / file-separator tokens are EOG too; llama.cpp finds them by key or by text.
 _FIM_TEXTS = {
     "fim_pad_token_id": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
@@ -120,7 +127,12 @@ class Tokenizer:
         for i in found - {None}:
             types[i] = CONTROL
         keyed = {sid(k, None) for k in ("eot_token_id", "eom_token_id", *_FIM_TEXTS)} | {self._eos}
-        self._eog = frozenset((keyed | found) - {None})
+        eog = (keyed | found) - {None}
+        if all(t in self._ids for t in _HARMONY_ENDS):
+            # llama.cpp's o200k_harmony workaround: with <|return|> and <|call|> there, <|end|> ends one
+            # channel message (analysis, then final) and generation goes on, so it is not end-of-generation.
+            eog.discard(self._ids["<|end|>"])
+        self._eog = frozenset(eog)
         self._types = types
 
         # Specials grouped by their first 8 characters: encode() looks for a group's members only when

@@ -18,7 +18,10 @@ import numpy as np
 from engine.backends.base import Array, Backend
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile
+from engine.moe import ExpertWeights, require_moe_backend
+from engine.moe_weights import FFN_NORM_TENSOR, load_moe_layer
 from engine.quant_weights import QuantizedLinearLoader
+from engine.rope_yarn import yarn_rope_tables
 
 
 @dataclass
@@ -31,9 +34,13 @@ class LayerWeights:
     wo: Array
     post_attn_norm: Array | None
     ffn_norm: Array
-    w_gate_up: Array
-    w_down: Array
+    w_gate_up: Array | None  # None on MoE layers
+    w_down: Array | None
     post_ffn_norm: Array | None
+    # -- mixture of experts and gpt-oss attention (engine/moe.py); None on the dense archs --
+    moe: ExpertWeights | None = None
+    bo: Array | None = None  # attention output bias
+    attn_sinks: Array | None = None  # [H]
 
 
 @dataclass
@@ -85,6 +92,9 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
         return backend.upload_linear(mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0))
 
     qk_heads = [c.n_heads, c.n_kv_heads, 0] if c.permuted_qk else None
+    if c.n_experts:
+        require_moe_backend(backend, c)
+    ffn_norm_name = FFN_NORM_TENSOR.get(c.arch, "ffn_norm.weight")
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
@@ -100,10 +110,13 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
                 k_norm=backend.upload(t(p + "attn_k_norm.weight")) if c.has_qk_norm else None,
                 wo=linear([p + "attn_output.weight"]),
                 post_attn_norm=backend.upload(t(p + "post_attention_norm.weight")) if c.has_post_norms else None,
-                ffn_norm=backend.upload(t(p + "ffn_norm.weight")),
-                w_gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
-                w_down=linear([p + "ffn_down.weight"]),
+                ffn_norm=backend.upload(t(p + ffn_norm_name)),
+                w_gate_up=None if c.n_experts else linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                w_down=None if c.n_experts else linear([p + "ffn_down.weight"]),
                 post_ffn_norm=backend.upload(t(p + "post_ffw_norm.weight")) if c.has_post_norms else None,
+                moe=load_moe_layer(gguf, p, backend, linear) if c.n_experts else None,
+                bo=backend.upload(t(p + "attn_output.bias")) if c.has_attn_out_bias else None,
+                attn_sinks=backend.upload(t(p + "attn_sinks.weight")) if c.has_attn_sinks else None,
             )
         )
     output_name = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"  # tied
@@ -121,6 +134,8 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
     rope_local = rope_global
     if c.sliding_window:
         rope_local = rope_tables(c.rope_base_local, c.rope_dims, max_positions, 1.0)
+    if c.rope_yarn_factor:  # gpt-oss: YaRN on every layer, sliding or not (llama.cpp, transformers)
+        rope_global = rope_local = yarn_rope_tables(c, max_positions)
     return ModelWeights(
         embedding=embedding,
         layers=layers,

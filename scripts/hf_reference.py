@@ -14,6 +14,12 @@ llama.cpp for small/unusual shapes, so ``hf_config_overrides`` patches them:
 * gemma3: ``query_pre_attn_scalar`` is not stored in GGUF and defaults to 256,
   while llama.cpp scales attention by ``1/sqrt(key_length)`` (all sizes but
   27B). Fixed by passing ``query_pre_attn_scalar=key_length``.
+* qwen3moe: ``{arch}.expert_feed_forward_length`` is not mapped to
+  ``moe_intermediate_size`` (the Qwen3MoeConfig default 768 is used, which
+  happens to be Qwen3-30B-A3B's). Fixed by passing it.
+
+(gpt-oss is not loadable through this path in transformers 5.24; see
+``scripts/make_moe_reference.py``.)
 
 Both are no-ops for real checkpoints whose head_dim is 128 (qwen3) / 256
 (gemma3 1B-12B), so the overrides are always applied.
@@ -35,7 +41,8 @@ def _gguf_meta(gguf_path: str) -> dict:
     r = GGUFReader(gguf_path)
     arch = r.fields["general.architecture"].contents()
     out = {"arch": arch}
-    for key in ("attention.key_length", "attention.head_count", "embedding_length"):
+    for key in ("attention.key_length", "attention.head_count", "embedding_length",
+                "expert_feed_forward_length"):
         f = r.fields.get(f"{arch}.{key}")
         if f is not None:
             out[key] = f.contents()
@@ -54,6 +61,8 @@ def hf_config_overrides(gguf_path: str) -> dict:
         over["head_dim"] = int(kl)
     if arch == "gemma3" and kl is not None:
         over["query_pre_attn_scalar"] = int(kl)
+    if arch == "qwen3moe" and meta.get("expert_feed_forward_length") is not None:
+        over["moe_intermediate_size"] = int(meta["expert_feed_forward_length"])
     return over
 
 
@@ -104,9 +113,14 @@ def hf_greedy(gguf_path, ids: list[int], n: int) -> list[int]:
     an EOS that is the argmax is emitted and decoding continues), using the
     model's KV cache. Returns only the new token ids.
     """
+    return greedy_from_model(load_hf_model(gguf_path), ids, n)
+
+
+def greedy_from_model(model, ids: list[int], n: int) -> list[int]:
+    """``hf_greedy`` on an already built transformers model (e.g. one whose
+    weights were placed by hand, see scripts/make_moe_reference.py)."""
     import torch
 
-    model = load_hf_model(gguf_path)
     # transformers >= 5.2x renamed past_key_values -> cache (input and output)
     ckey = "cache" if "cache" in inspect.signature(model.forward).parameters \
         else "past_key_values"

@@ -15,7 +15,7 @@ from engine.backends.cpu_quant_kernels import kernel_threads, set_kernel_threads
 from engine.backends.cpu_quant_linear import KERNEL_KINDS, QuantLinear
 from engine.quant_weights import LinearPart
 
-QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16]
+QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16, Q.MXFP4]
 # Byte offsets of the float16 scales inside a block, for types gguf cannot quantize.
 RANDOM_BLOCK_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 ALL_TYPES = QUANTIZABLE + list(RANDOM_BLOCK_SCALES) + [Q.F16, Q.F32]

@@ -33,6 +33,17 @@ def test_tiny_model_logits_match_transformers(tmp_path, arch):
     np.testing.assert_allclose(_engine_logits(model, ids), hf_logits(path, ids), atol=2e-4, rtol=1e-4)
 
 
+def test_tiny_qwen3moe_logits_match_transformers(tmp_path):
+    """gpt-oss is not here: transformers 5.24's GGUF loader cannot read it (scripts/make_moe_reference.py)."""
+    from tests.tiny_moe_gguf import write_tiny_moe_gguf
+
+    path = tmp_path / "qwen3moe.gguf"
+    write_tiny_moe_gguf(path, "qwen3moe", seed=5)
+    model, _, _ = load_model(path, NumpyBackend())
+    ids = np.random.default_rng(2).integers(3, 250, size=40).tolist()
+    np.testing.assert_allclose(_engine_logits(model, ids), hf_logits(path, ids), atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_default_model_greedy_matches_transformers(smollm2, smollm2_path):
     text = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"

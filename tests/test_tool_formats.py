@@ -119,7 +119,7 @@ def test_qwen3_coder_streams_string_values() -> None:
 
 
 def test_get_format_and_unknown_name() -> None:
-    assert sorted(FORMATS) == sorted(FORMAT_NAMES)
+    assert sorted(FORMATS) == sorted(FORMAT_NAMES + ["harmony"])  # harmony: tests/test_harmony.py
     for name in FORMAT_NAMES:
         fmt = get_format(name)
         assert fmt.name == name and fmt.renders_in_template == (name != "generic")

@@ -115,12 +115,15 @@ class ToolFormat:
     the text right after it. None means constrained from the first token (generic).
     ``trigger_only_at_start``: the trigger counts only at the start of the reply (after whitespace), as for
     Llama 3's bare-JSON calls, where the same text mid-reply is ordinary content.
+    ``owns_reasoning``: the format's own markup carries the reasoning (harmony's analysis channel), so its
+    parser runs on every reply, tools or not, and no reasoning-tag splitter wraps it.
     """
 
     name: str = ""
     renders_in_template: bool = True
     lazy_trigger: str | None = None
     trigger_only_at_start: bool = False
+    owns_reasoning: bool = False  # the parser splits reasoning itself and parses replies without tools too
 
     def create_parser(self, tools: list[dict]) -> OutputParser:
         """A fresh streaming parser for one reply; ``tools`` are OpenAI-shape tool definitions."""

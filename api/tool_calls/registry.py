@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from api.tool_calls.base import OutputParser, PlainContentParser, ToolFormat, function_specs
 from api.tool_calls.generic import GenericFormat
+from api.tool_calls.harmony import CHANNEL as HARMONY_CHANNEL
+from api.tool_calls.harmony import HarmonyFormat
 from api.tool_calls.hermes import HermesFormat
 from api.tool_calls.llama3_json import Llama3JsonFormat
 from api.tool_calls.mistral import MistralFormat
@@ -11,7 +13,8 @@ from api.tool_calls.reasoning import ReasoningSplitter, ReasoningTags
 
 FORMATS: dict[str, ToolFormat] = {
     fmt.name: fmt
-    for fmt in (HermesFormat(), Qwen3CoderFormat(), Llama3JsonFormat(), MistralFormat(), GenericFormat())
+    for fmt in (HermesFormat(), Qwen3CoderFormat(), Llama3JsonFormat(), MistralFormat(), GenericFormat(),
+                HarmonyFormat())
 }
 
 _LLAMA3_MARKERS = ("<|python_tag|>", "<|start_header_id|>")
@@ -33,8 +36,12 @@ def detect_format(template_source: str) -> ToolFormat:
     format itself). Otherwise, by the markup the template teaches, checked in this order: ``<function=``
     -> qwen3_coder (its template also has ``<tool_call>``), ``<tool_call>`` -> hermes, ``[TOOL_CALLS]`` ->
     mistral, ``<|python_tag|>`` or Llama 3 header tokens -> llama3_json. A template that renders tools but
-    matches none of these falls back to hermes, the format most open models are fine-tuned on.
+    matches none of these falls back to hermes, the format most open models are fine-tuned on. A template
+    that writes harmony channels (``<|channel|>``, gpt-oss) is harmony whether or not it renders tools: its
+    replies are channel messages even without them.
     """
+    if HARMONY_CHANNEL in template_source:
+        return FORMATS["harmony"]
     if "tools" not in template_source:
         return FORMATS["generic"]
     if "<function=" in template_source:
@@ -52,8 +59,11 @@ def create_output_parser(fmt: ToolFormat | None, tools: list[dict] | None, *, re
                          starts_in_reasoning: bool) -> OutputParser:
     """The parser for one reply: reasoning split off first, then ``fmt``'s tool calls in what remains.
 
-    Without a format or without function tools the reply is plain content (after the reasoning split).
+    Without a format or without function tools the reply is plain content (after the reasoning split). A
+    format that ``owns_reasoning`` (harmony) parses every reply itself and is never wrapped.
     """
+    if fmt is not None and fmt.owns_reasoning:
+        return fmt.create_parser(list(tools or []))
     inner: OutputParser
     if fmt is not None and function_specs(tools):
         inner = fmt.create_parser(list(tools or []))

@@ -18,6 +18,8 @@ Block layouts (bytes; d, m = float16 scale and offset):
     q4_k 144: d | dmin | scales[12] | qs[128]            8 sub-blocks of 32, 6-bit scale and min each
     q5_k 176: d | dmin | scales[12] | qh[32] | qs[128]   q4_k plus a fifth bit per weight
     q6_k 210: ql[128] | qh[64] | scales[16] (int8) | d   16 sub-blocks of 16
+    mxfp4 17: e (e8m0) | qs[16]          w = 2^(e - 128) * kvalue[nibble]    (gpt-oss experts; kvalues are
+                                         OCP's e2m1 doubled, so the scale is halved: gguf's e8m0_to_fp32_half)
 """
 from __future__ import annotations
 
@@ -26,7 +28,11 @@ from numba import njit
 
 _F32 = np.float32
 # Integer ids of the types the kernels decode (a jitted function dispatches on an int, not an enum).
-F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = range(11)
+F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 = range(12)
+# MXFP4: e2m1 values doubled (gguf.quants.MXFP4.kvalues) and the halved e8m0 scale of every exponent byte
+# (2^(e - 128), exact in float32 down to the subnormal 2^-128); numba keeps global arrays as constants.
+_MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
+_E8M0_HALF = np.ldexp(1.0, np.arange(256) - 128).astype(np.float32)
 
 
 def f16_table() -> np.ndarray:
@@ -146,6 +152,17 @@ def _q6_k(row, w, table, lanes):
 
 
 @njit(inline="always", cache=True)
+def _mxfp4(row, w, lanes):
+    for b in range(w.size // 32):
+        o, base = b * 17, b * 32
+        d = _E8M0_HALF[np.int32(row[o])]
+        for j in range(lanes):
+            q = np.int32(row[o + 1 + j])
+            w[base + j] = d * _MXFP4_VALUES[q & 0xF]
+            w[base + j + 16] = d * _MXFP4_VALUES[q >> 4]
+
+
+@njit(inline="always", cache=True)
 def decode_row(kind, row, w, table, w_bits, lanes):
     """Decode one row of type `kind` (raw uint8 bytes) into w (float32 [in_dim]); w_bits is w's uint32 view."""
     if kind == Q4_0:
@@ -164,6 +181,8 @@ def decode_row(kind, row, w, table, w_bits, lanes):
         _qk45(row, w, table, True, lanes)
     elif kind == Q6_K:
         _q6_k(row, w, table, lanes)
+    elif kind == MXFP4:
+        _mxfp4(row, w, lanes)
     elif kind == BF16:  # the float32 with the same top 16 bits
         for i in range(w.size):
             w_bits[i] = (np.uint32(row[2 * i]) << 16) | (np.uint32(row[2 * i + 1]) << 24)

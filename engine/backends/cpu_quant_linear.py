@@ -24,7 +24,7 @@ from engine.quant_weights import LinearPart
 # GGUF type -> kernel type id; the types the CPU kernels compute on directly.
 KERNEL_KINDS = {Q.F32: decode.F32, Q.F16: decode.F16, Q.BF16: decode.BF16, Q.Q4_0: decode.Q4_0,
                 Q.Q4_1: decode.Q4_1, Q.Q5_0: decode.Q5_0, Q.Q5_1: decode.Q5_1, Q.Q8_0: decode.Q8_0,
-                Q.Q4_K: decode.Q4_K, Q.Q5_K: decode.Q5_K, Q.Q6_K: decode.Q6_K}
+                Q.Q4_K: decode.Q4_K, Q.Q5_K: decode.Q5_K, Q.Q6_K: decode.Q6_K, Q.MXFP4: decode.MXFP4}
 KERNEL_MAX_ROWS = 8  # up to this many rows the kernel beats dequantise + BLAS (docs/BENCHMARKS.md)
 # One thread dequantises a tile, then BLAS uses them all: with both pools busy-waiting on shared cores a
 # parallel dequantisation made 512-token prefill 15-30% slower than float32; serial, it is level (measured,

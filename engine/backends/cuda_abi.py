@@ -47,6 +47,8 @@ SIGNATURES: dict[str, str] = {
     "paged_attention_split_int8": _ATTENTION_INT8 + _SPLIT,
     "attention_combine_f32": ("float* out, const float* part_out, const float* part_max, const float* part_sum, "
                               "int T, int H, int hd, int n_chunks"),
+    "attention_combine_sinks_f32": ("float* out, const float* part_out, const float* part_max, const float* part_sum, "
+                                    "const float* sinks, int T, int H, int hd, int n_chunks"),
     "gated_silu_f32": _GATED,
     "gated_gelu_tanh_f32": _GATED,
     "gather_rows_f32": "float* out, const float* x, const long long* rows, int n_rows, int d",
@@ -54,19 +56,30 @@ SIGNATURES: dict[str, str] = {
                            "int num_slots, int block_elems, int hd"),
     "gather_kv_blocks_f32": _KV_BLOCKS,
     "scatter_kv_blocks_f32": _KV_BLOCKS,
+    "moe_route_f32": "int* ids, float* weights, const float* logits, int T, int E, int k, int gating, int normalize",
+    "moe_plan": ("int* pair_rows, int* pair_of, int* group_expert, int* group_start, int* group_len, const int* ids, "
+                 "int n_pairs, int k, int E, int max_groups"),
+    "gated_swiglu_oai_f32": _GATED,
+    "moe_combine_f32": "float* out, const float* y, const int* pair_of, const float* weights, int T, int k, int d",
     "sample_f32": ("int* out_ids, const float* logits, int rows, int vocab, const float* temperature, "
                    "const int* top_k, const float* top_p, const float* min_p, const unsigned long long* seeds, "
                    "const int* counters, const int* allowed_mask, int mask_words, const int* mask_rows"),
 }
+# moe_matvec_<q> (moe.cu): one signature for every type, as in the doc's table.
+MOE_MATVEC_SIGNATURE = ("float* y, const unsigned char* W, const float* x, const float* bias, const int* group_expert, "
+                        "const int* group_start, const int* group_len, const int* pair_rows, int n_groups, int out, "
+                        "int in, int ld_y")
 # matvec_<q> / gemm_<q>: the table's signature plus `int ld_y` after `in` (the paragraph under that table).
 QUANT_SIGNATURE = ("float* y, const unsigned char* W, const float* x, const float* bias, int T, int out, int in, "
                    "int ld_y")
-QUANT_SUFFIXES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k")
+QUANT_SUFFIXES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "mxfp4")
 
 
 def signature(kernel: str) -> str:
     if kernel in SIGNATURES:
         return SIGNATURES[kernel]
+    if kernel.startswith("moe_matvec_"):
+        return MOE_MATVEC_SIGNATURE
     prefix, _, suffix = kernel.partition("_")
     if prefix in ("matvec", "gemm") and suffix:
         return QUANT_SIGNATURE

@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from engine.backends import cuda_linear
+from engine.backends import cuda_linear, cuda_moe
 from engine.backends.cuda_arena import GrowingPool, round_up
 from engine.backends.cuda_array import DeviceArray, blocks_needed_by, pack_layout, registry_keys, step_arrays
 from engine.backends.cuda_device import PinnedBuffer, check, driver, get_device
@@ -186,6 +186,14 @@ class CudaBackend(CudaOps):
 
     def supports_quant_type(self, tensor_type) -> bool:
         return cuda_linear.supports(tensor_type)
+
+    # -- mixture of experts (engine/backends/cuda_moe.py) --
+    def upload_experts(self, gate, up, down, n_experts: int, biases=(None, None, None)) -> cuda_moe.CudaExperts:
+        """Stacked expert tensors (LinearParts of E * rows) as one device buffer each; biases (gate [E, F],
+        up [E, F], down [E, d] float32, or None) as given."""
+        bias = [None if b is None else self.upload(b) for b in biases]
+        return cuda_moe.CudaExperts(*(cuda_moe.upload_stacked(self, p, n_experts) for p in (gate, up, down)),
+                                    n_experts, *bias)
 
     def create_kv_pool(self, layout: KVLayout) -> CudaKVPool:
         return CudaKVPool(self, layout)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels import attention as attention_geometry
-from engine.backends import cuda_linear
+from engine.backends import cuda_linear, cuda_moe
 from engine.batch import BatchMeta
 
 CHUNK_KEYS = 512  # keys per flash-decoding chunk of paged_attention_split_f32
 SPLIT_MAX_T = 64  # more query rows than this fill the GPU without splitting the keys
-_ACTIVATIONS = {"silu": "gated_silu_f32", "gelu_tanh": "gated_gelu_tanh_f32"}
+_ACTIVATIONS = {"silu": "gated_silu_f32", "gelu_tanh": "gated_gelu_tanh_f32"}  # swiglu_oai: cuda_moe.py
 
 
 class CudaOps:
@@ -77,7 +77,7 @@ class CudaOps:
                     slots=self._index(batch.slot_mapping, np.int64), T=T, KVH=KVH, hd=hd,
                     num_slots=pool.layout.num_slots)
 
-    def attention(self, q, pool, layer: int, batch: BatchMeta, scale: float, window: int):
+    def attention(self, q, pool, layer: int, batch: BatchMeta, scale: float, window: int, sinks=None):
         T, H, hd = q.shape
         lay = pool.layout
         token_seq, block_tables, max_blocks = self._seq_info(batch)
@@ -90,13 +90,19 @@ class CudaOps:
         # rule, since its grid has that many; a chunk past a query's own position is empty.
         n_chunks = attention_geometry.num_chunks(max_blocks, lay.block_size, CHUNK_KEYS, window)
         kv_type = lay.kv_type  # the kernel pair that reads this pool's rows (f32, f16, int8 + scales)
-        if n_chunks > 1 and T <= SPLIT_MAX_T and self.kernels.has(f"paged_attention_split_{kv_type}"):
+        # Sinks (gpt-oss) join the denominator in the combine, so such a layer always takes the split path.
+        split = f"paged_attention_split_{kv_type}"
+        if sinks is not None or (n_chunks > 1 and T <= SPLIT_MAX_T and self.kernels.has(split)):
             part_out = self.empty((T, H, n_chunks, hd))
             part_max, part_sum = self.empty((T, H, n_chunks)), self.empty((T, H, n_chunks))
             self.launch(f"paged_attention_split_{kv_type}", **args, part_out=part_out, part_max=part_max,
                         part_sum=part_sum, chunk_keys=CHUNK_KEYS)
-            self.launch("attention_combine_f32", out=out, part_out=part_out, part_max=part_max, part_sum=part_sum,
-                        T=T, H=H, hd=hd, n_chunks=n_chunks)
+            parts = dict(out=out, part_out=part_out, part_max=part_max, part_sum=part_sum, T=T, H=H, hd=hd,
+                         n_chunks=n_chunks)
+            if sinks is None:
+                self.launch("attention_combine_f32", **parts)
+            else:
+                self.launch("attention_combine_sinks_f32", **parts, sinks=sinks)
         else:
             self.launch(f"paged_attention_{kv_type}", **args)
         return out  # [T, H * hd]
@@ -108,6 +114,13 @@ class CudaOps:
         out = self.empty((T, two_f // 2))
         self.launch(_ACTIVATIONS[kind], out=out, gate_up=gate_up, T=T, F=two_f // 2)
         return out
+
+    # -- mixture of experts: engine/backends/cuda_moe.py --
+    def route_experts(self, logits, k: int, gating: str, normalize: bool):
+        return cuda_moe.route_experts(self, logits, k, gating, normalize)
+
+    def expert_ffn(self, h, moe, ids, weights, activation: str):
+        return cuda_moe.expert_ffn(self, h, moe.device, ids, weights, activation)
 
     def gather_rows(self, x, rows: np.ndarray):
         if len(rows) == x.shape[0]:

@@ -16,15 +16,18 @@ import math
 
 import numpy as np
 
+from engine.backends import numpy_moe
 from engine.backends.numpy_host import NumpyHostPool
 from engine.backends.page_release import release_pages
 from engine.batch import BatchMeta, SeqSlice
 from engine.kv import KVLayout
 from engine.kv_quant import encode_rows, split_rows
+from engine.moe_config import OAI_SWIGLU_ALPHA, OAI_SWIGLU_LIMIT
 
 _F32 = np.float32
 _GELU_C = _F32(math.sqrt(2.0 / math.pi))
 _FEW_ROWS = 16  # up to this many rows a linear runs as W @ x.T (see the module docstring)
+_OAI_ALPHA, _OAI_LIMIT = _F32(OAI_SWIGLU_ALPHA), _F32(OAI_SWIGLU_LIMIT)
 
 
 class NumpyKVPool:
@@ -142,12 +145,13 @@ class NumpyBackend:
         pool.k[layer][:, batch.slot_mapping, :] = encode_rows(k, kv_type).transpose(1, 0, 2)
         pool.v[layer][:, batch.slot_mapping, :] = encode_rows(v, kv_type).transpose(1, 0, 2)
 
-    def attention(self, q, pool: NumpyKVPool, layer: int, batch: BatchMeta, scale: float, window: int):
+    def attention(self, q, pool: NumpyKVPool, layer: int, batch: BatchMeta, scale: float, window: int,
+                  sinks: np.ndarray | None = None):
         out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=_F32)
         k_layer, v_layer = pool.k[layer], pool.v[layer]
         for seq in batch.seqs:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = _attend_one(q[rows], k_layer, v_layer, seq, batch.block_size, _F32(scale), window)
+            out[rows] = _attend_one(q[rows], k_layer, v_layer, seq, batch.block_size, _F32(scale), window, sinks)
         return out
 
     def gated_activation(self, gate_up: np.ndarray, kind: str) -> np.ndarray:
@@ -157,7 +161,17 @@ class NumpyBackend:
             return gate / (1.0 + np.exp(-gate)) * up
         if kind == "gelu_tanh":
             return 0.5 * gate * (1.0 + np.tanh(_GELU_C * (gate + _F32(0.044715) * gate * gate * gate))) * up
+        if kind == "swiglu_oai":  # gpt-oss: gate clamped above, up clamped both ways, (up + 1)
+            gate, up = np.minimum(gate, _OAI_LIMIT), np.clip(up, -_OAI_LIMIT, _OAI_LIMIT)
+            return gate / (1.0 + np.exp(-_OAI_ALPHA * gate)) * (up + _F32(1.0))
         raise ValueError(f"unknown activation {kind!r}")
+
+    # -- mixture of experts (engine/moe.py; the math is in numpy_moe.py) --
+    def route_experts(self, logits: np.ndarray, k: int, gating: str, normalize: bool):
+        return numpy_moe.route_experts(logits, k, gating, normalize)
+
+    def expert_ffn(self, h: np.ndarray, moe, ids: np.ndarray, weights: np.ndarray, activation: str) -> np.ndarray:
+        return numpy_moe.expert_ffn(self, h, moe, ids, weights, activation)
 
     def gather_rows(self, x: np.ndarray, rows: np.ndarray) -> np.ndarray:
         if len(rows) == x.shape[0]:
@@ -197,8 +211,10 @@ def _copy_between(src_pool: NumpyKVPool, dst_pool: NumpyKVPool, pairs: list[tupl
             d_arr[:, :, dst * B : (dst + 1) * B, :] = s_arr[:, :, src * B : (src + 1) * B, :]
 
 
-def _attend_one(q, k_layer, v_layer, seq: SeqSlice, block_size: int, scale, window: int) -> np.ndarray:
-    """Attention for one sequence's new tokens q [n, H, hd] -> [n, H * hd], online softmax over key runs."""
+def _attend_one(q, k_layer, v_layer, seq: SeqSlice, block_size: int, scale, window: int, sinks=None) -> np.ndarray:
+    """Attention for one sequence's new tokens q [n, H, hd] -> [n, H * hd], online softmax over key runs.
+
+    sinks [H] (gpt-oss): one more logit per head in each softmax's denominator, with no value."""
     n, n_heads, head_dim = q.shape
     n_kv = k_layer.shape[0]
     group = n_heads // n_kv
@@ -231,6 +247,11 @@ def _attend_one(q, k_layer, v_layer, seq: SeqSlice, block_size: int, scale, wind
             l = l * correction + run_sum
             acc = acc * correction + weighted @ _as_f32(values)
         m = m_new
+    if sinks is not None:  # the sink joins as a last "run" of one key whose value is zero
+        sink = np.repeat(np.asarray(sinks, dtype=_F32).reshape(n_kv, group, 1), n, axis=1).reshape(n_kv, group * n, 1)
+        m_new = np.maximum(m, sink)
+        correction = np.exp(m - m_new)
+        l, acc = l * correction + np.exp(sink - m_new), acc * correction
     out = acc / l  # [KVH, group * n, hd]
     return out.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
 
