@@ -20,7 +20,9 @@ if [[ ! -x $bin ]]; then
   avx512=OFF; grep -q avx512f /proc/cpuinfo && avx512=ON
   cmake -B build -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
     -DGGML_AVX512=$avx512 -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
-  cmake --build build -j"${JOBS:-2}" --target llama-server llama-bench >/dev/null
+    -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$PEER/build.log" 2>&1
+  # Compiler warnings fill tens of thousands of lines: they go to the log, which is printed on failure.
+  cmake --build build -j"${JOBS:-2}" --target llama-server llama-bench >>"$PEER/build.log" 2>&1 ||
+    { tail -40 "$PEER/build.log" >&2; exit 1; }
 fi
 echo "$bin"
