@@ -35,8 +35,9 @@ from tests.server_harness import running_server  # noqa: E402
 TOPICS = ["the sea", "a city at night", "mountains", "an old library", "the desert", "a forest", "winter", "trains"]
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, topic: str, max_tokens: int) -> tuple[float, float, float, int]:
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
+async def one_stream(client: httpx.AsyncClient, url: str, topic: str, max_tokens: int,
+                     model: str = "smollm2") -> tuple[float, float, float, int]:
+    body = {"model": model, "messages": [{"role": "user", "content": f"Write a long story about {topic}."}],
             "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     sent = time.perf_counter()
     first = None
@@ -52,9 +53,9 @@ async def one_stream(client: httpx.AsyncClient, url: str, topic: str, max_tokens
     return sent, first, time.perf_counter(), tokens
 
 
-async def run_level(url: str, n: int, max_tokens: int) -> dict:
+async def run_level(url: str, n: int, max_tokens: int, model: str = "smollm2") -> dict:
     async with httpx.AsyncClient(timeout=600) as client:
-        results = await asyncio.gather(*[one_stream(client, url, TOPICS[i], max_tokens) for i in range(n)])
+        results = await asyncio.gather(*[one_stream(client, url, TOPICS[i], max_tokens, model) for i in range(n)])
     ttft = statistics.median(first - sent for sent, first, _, _ in results)
     decode_tokens = sum(tokens - 1 for *_, tokens in results)
     span = max(end for _, _, end, _ in results) - min(first for _, first, _, _ in results)

@@ -170,3 +170,38 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
     with running_server(smollm2, batch=1, ctx_size=512) as (url, state):
         fixed = httpx.post(url + "/cache/device-pool", json={"max_blocks": 4})
         assert fixed.status_code == 400 and "--kv-cache-max-mib" in fixed.json()["error"]["message"]
+
+
+def test_blocks_moved_down_by_a_shrink_keep_their_bytes(load_tiny):
+    """Two identical prompts at once leave a run of free ids in the middle (the second copy is deduplicated
+    at release); a third conversation above it is moved down into that run by a shrink, and its next turn
+    reuses it and produces the tokens of a server without a cache."""
+    model, tokenizer = load_tiny("llama", seed=3, n_ctx=512)
+    twin = [(5 * i) % 190 + 20 for i in range(20)]  # 5 blocks of 4
+    third = [(3 * i) % 170 + 25 for i in range(24)]  # 6 blocks
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run(cache_on):
+        runner = ModelRunner(model, 32, 4, host_blocks=16)
+        loop = EngineLoop(runner, tokenizer, num_slots=2, prefill_chunk=64, max_queue=4, prefix_cache=cache_on,
+                          integrity_checks=True, device_min_blocks=8 if cache_on else None)
+        loop.start()
+
+        async def serve(rid, prompt):
+            out = [d async for d in loop.submit(Request(rid, prompt, params))]
+            return [t for d in out for t in d.token_ids], out[-1].usage.cached_tokens
+
+        await asyncio.gather(serve("x", twin), serve("x2", twin))
+        reply, _ = await serve("z", third)
+        relocated = 0
+        if cache_on:
+            plan = loop.cache.plan_shrink(10)
+            relocated = len(plan.relocations)
+            assert loop.resize_device_pool(10)["device_blocks"] == 10
+        reply2, cached = await serve("z2", third + reply + [9, 8, 7])
+        await loop.shutdown(1)
+        return reply2, cached, relocated, len(third) + len(reply)
+
+    reply2, cached, relocated, first_turn = asyncio.run(run(True))
+    assert relocated >= 4 and cached == first_turn - 1
+    assert reply2 == asyncio.run(run(False))[0]

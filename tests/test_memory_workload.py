@@ -32,16 +32,17 @@ def _refuse_some(loop, seed, rate):
     admission.grant = flaky
 
 
-def _serve(tiny, turns, cache_on, num_blocks, host_blocks, refuse_rate=0.0, slots=4):
+def _serve(tiny, turns, cache_on, num_blocks, host_blocks, refuse_rate=0.0, slots=4, elastic_min=None):
     model, tokenizer = tiny
 
     async def main():
         runner = ModelRunner(model, num_blocks, 4, host_blocks=host_blocks)
         loop = EngineLoop(runner, tokenizer, num_slots=slots, prefill_chunk=16, max_queue=64,
-                          prefix_cache=cache_on, integrity_checks=True)
+                          prefix_cache=cache_on, integrity_checks=True, device_min_blocks=elastic_min)
         if refuse_rate:
             _refuse_some(loop, 5, refuse_rate)
         loop.start()
+        shaker = asyncio.create_task(_shake_pool(loop, elastic_min, num_blocks)) if elastic_min else None
         history, replies = {}, []
         for start in range(0, len(turns), slots):
             streams = []
@@ -53,10 +54,21 @@ def _serve(tiny, turns, cache_on, num_blocks, host_blocks, refuse_rate=0.0, slot
                 tokens = [t async for d in stream for t in d.token_ids]
                 replies.append(tokens)
                 history[conv] = prompt + tokens
+        if shaker is not None:
+            shaker.cancel()
         await loop.shutdown(1)
         return replies, loop
 
     return asyncio.run(main())
+
+
+async def _shake_pool(loop, min_blocks, reserved, seed=11):
+    """An operator (or the expert cache) moving the elastic pool's ceiling at random, mid-step included."""
+    rng = np.random.default_rng(seed)
+    while True:
+        await asyncio.sleep(float(rng.uniform(0.0, 0.02)))
+        loop.resize_device_pool(int(rng.integers(min_blocks, reserved + 1)))
+        loop.shakes = getattr(loop, "shakes", 0) + 1
 
 
 def _long_replies(seed):
@@ -72,6 +84,17 @@ def test_preemption_under_a_small_pool_keeps_every_token_and_recomputes_nothing(
     assert loop.num_steps > 1000 and loop.num_preemptions > 0 and loop.cache.admission.refusals > 0, stats
     assert loop.recomputed_tokens == 0 and loop.cache.stats["dropped_blocks"] == 0
     assert loop.cache.stats["parks"] > 0 and loop.cache.stats["restores"] > 0
+
+
+def test_an_elastic_pool_that_grows_and_shrinks_under_load_keeps_every_token(tiny):
+    turns = _long_replies(5)
+    on, loop = _serve(tiny, turns, cache_on=True, num_blocks=160, host_blocks=4000, refuse_rate=0.03,
+                      elastic_min=60)
+    off, _ = _serve(tiny, turns, cache_on=False, num_blocks=160, host_blocks=0)
+    stats = loop.cache.stats
+    assert on == off and loop.num_steps > 500, (loop.num_steps, stats)
+    assert stats["device_grows"] > 0 and stats["device_shrinks"] > 0 and loop.shakes > 10, stats
+    assert loop.recomputed_tokens == 0 and stats["dropped_blocks"] == 0  # a shrink parks, never drops
 
 
 def test_batch_larger_than_worst_case_reservations_runs_every_request_at_once(tiny):
