@@ -13,6 +13,7 @@ import numpy as np
 from engine.batch import BatchMeta, build_batch
 from engine.kv import BLOCK_SIZE, BlockAllocator, blocks_needed, layout_for
 from engine.model import Model
+from engine.recurrent_state import RecurrentStates
 from engine.stages import Stage, split_layers
 
 
@@ -23,6 +24,7 @@ class Sequence:
     token_ids: list[int]
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    state_slot: int = -1  # hybrid models: its row of the runner's recurrent-state pools (-1: none yet)
 
     @property
     def num_pending(self) -> int:
@@ -46,6 +48,7 @@ class ModelRunner:
         self.stages = [self._make_stage(i, layers, num_blocks, host_blocks)
                        for i, layers in enumerate(split_layers(model.config.n_layers, layer_split))]
         self.allocator = BlockAllocator(num_blocks)
+        self.states = RecurrentStates(model.config, self.stages)  # hybrid models only; else holds nothing
 
     def _make_stage(self, index: int, layers: range, num_blocks: int, host_blocks: int) -> Stage:
         backend = self.model.backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own
@@ -136,28 +139,30 @@ class ModelRunner:
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        self.states.release(seq)
 
     def prepare(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> BatchMeta:
         """The batch that computes the next n pending tokens of each (sequence, n); blocks must already be
         reserved with ensure_blocks."""
         items = []
+        slots = [self.states.slot_of(seq) for seq, _ in work] if self.states.enabled else None
         for seq, n in work:
             assert 0 < n <= seq.num_pending, f"asked for {n} tokens of a sequence with {seq.num_pending} pending"
             start = seq.num_computed
             items.append((seq.token_ids[start : start + n], start, np.asarray(seq.block_table, dtype=np.int32)))
-        return build_batch(items, self.block_size, all_logits=all_logits)
+        return build_batch(items, self.block_size, all_logits=all_logits, state_slots=slots)
 
     def run_stage(self, stage: Stage, batch: BatchMeta, hidden):
         """One stage's share of a forward: embeds on the first stage, applies the head on the last (then
         returns host logits), otherwise returns the hidden state for the next stage."""
         model, backend, last = self.model, stage.backend, stage.layers.stop == self.model.config.n_layers
-        if stage.is_first and last:
+        if stage.is_first and last and stage.state_pool is None:
             return backend.run_forward(model, batch, stage.kv_pool)  # cuda: graph replay of decode steps
         if stage.is_first:
             hidden = model.embed(batch, backend)
         else:  # cuda: into this stage's own workspace, on its stream
             hidden = backend.receive_hidden(hidden, batch)
-        hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers, backend)
+        hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers, backend, stage.state_pool)
         if last:
             return model.head(hidden, backend)
         # The hand-off buffer: a stage's workspace is reused by its next job while the next stage still

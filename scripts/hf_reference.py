@@ -15,7 +15,10 @@ llama.cpp for small/unusual shapes, so ``hf_config_overrides`` patches them:
   while llama.cpp scales attention by ``1/sqrt(key_length)`` (all sizes but
   27B). Fixed by passing ``query_pre_attn_scalar=key_length``.
 
-Both are no-ops for real checkpoints whose head_dim is 128 (qwen3) / 256
+* lfm2: the RMS epsilon is mapped to ``rms_norm_eps`` while Lfm2Config reads
+  ``norm_eps`` (default 1e-5). Fixed by passing ``norm_eps``.
+
+The first two are no-ops for real checkpoints whose head_dim is 128 (qwen3) / 256
 (gemma3 1B-12B), so the overrides are always applied.
 """
 
@@ -35,7 +38,8 @@ def _gguf_meta(gguf_path: str) -> dict:
     r = GGUFReader(gguf_path)
     arch = r.fields["general.architecture"].contents()
     out = {"arch": arch}
-    for key in ("attention.key_length", "attention.head_count", "embedding_length"):
+    for key in ("attention.key_length", "attention.head_count", "embedding_length",
+                "attention.layer_norm_rms_epsilon"):
         f = r.fields.get(f"{arch}.{key}")
         if f is not None:
             out[key] = f.contents()
@@ -54,6 +58,9 @@ def hf_config_overrides(gguf_path: str) -> dict:
         over["head_dim"] = int(kl)
     if arch == "gemma3" and kl is not None:
         over["query_pre_attn_scalar"] = int(kl)
+    eps = meta.get("attention.layer_norm_rms_epsilon")
+    if arch == "lfm2" and eps is not None:  # mapped to rms_norm_eps, but Lfm2Config reads norm_eps
+        over["norm_eps"] = float(eps)
     return over
 
 
