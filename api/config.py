@@ -68,6 +68,9 @@ class ServerConfig:
     conversation_cache_dir: str | None = _opt(None, "folder for the disk tier; the cache then survives "
                                                     "restarts (unset: no disk tier)", metavar="DIR")
     conversation_cache_disk_mib: int = _opt(32768, "disk space the disk tier may use")
+    state_checkpoint_every: int = _opt(8, "hybrid models (lfm2): keep the recurrent state every N KV blocks of "
+                                          "a long prompt, besides its end and each reply's end (0: only those)",
+                                       metavar="N")
     max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication); several "
                                      "comma-separated keys are tenants whose cached KV is never shared",
@@ -283,6 +286,8 @@ def _validate(cfg: ServerConfig) -> None:
     need(cfg.ctx_size >= MIN_CTX_SIZE, f"--ctx-size must be >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
     need(cfg.kv_cache_mib >= 0,
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
+    need(cfg.state_checkpoint_every >= 0,
+         f"--state-checkpoint-every must be >= 0 blocks (got {cfg.state_checkpoint_every})")
     for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib"):
         need(getattr(cfg, name) >= 0, f"{flag_name(name)} must be >= 0 (got {getattr(cfg, name)})")
     for name in ("max_body_mib", "progress_interval_s"):

@@ -64,7 +64,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     disk = _disk_tier(config, loaded, runner) if config.conversation_cache_dir else None
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
                         max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,
-                        disk=disk, batch_groups=groups, admission=admission)
+                        disk=disk, batch_groups=groups, admission=admission,
+                        state_checkpoint_every=config.state_checkpoint_every)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens", num_blocks, BLOCK_SIZE,

@@ -44,6 +44,11 @@ class Plan:
     allocation: "Allocation | None" = None  # extend / release: the request's allocation
     token_ids: list[int] = field(default_factory=list)  # release: what the request computed
     num_computed: int = 0
+    # hybrid models (scheduler/checkpoints.py)
+    reserve_checkpoints: int = 0  # checkpoints the request will take: a device slot each, held from now
+    checkpoint_state: object = None  # allocate: the matched checkpoint's state, read when planned
+    checkpoint_loads: dict[int, dict] = field(default_factory=dict)  # id(disk block) -> {k: state}
+    final_state: object = None  # release: the state after num_computed tokens (None: take no checkpoint)
 
     @property
     def points(self) -> set[str]:
@@ -55,16 +60,18 @@ class Plan:
 
 
 def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[int]) -> bool:
-    """Add to `plan` what frees `count` device blocks (beyond the free ones); False when it cannot."""
-    short = count - cache._dev_free.num_free
+    """Add to `plan` what frees `count` device blocks (beyond the free ones); False when it cannot.
+    A block that carries checkpoints frees (and needs in the host tier) their slots too."""
+    short = count - (cache._dev_free.num_free - cache.ckpt.units_on("device"))
     if short <= 0:
         return True
-    victims = _pick(_device_candidates(cache, exclude), short, _device_rank, _device_parent(cache, exclude))
+    weight = cache.ckpt.weight
+    victims = _pick(_device_candidates(cache, exclude), short, _device_rank, _device_parent(cache, exclude), weight)
     if victims is None:
         return False
     host = _HostRoom(cache, plan, exclude)
     for victim in victims:
-        (plan.parks if host.take_slot() else plan.device_drops).append(victim)
+        (plan.parks if host.take_slots(weight(victim)) else plan.device_drops).append(victim)
     return True
 
 
@@ -75,9 +82,16 @@ class _HostRoom:
         self.cache, self.plan, self.exclude = cache, plan, exclude  # exclude: the blocks being restored
         # Slots the plan's own restores give back count as free: a restore and a park may swap a slot
         # (the runner reads such a restore's bytes before the park overwrites them).
-        self.free = cache._host_free.num_free + sum(1 for b in plan.restores if b.on_host)
-        self.disk_room = cache.disk_blocks - len(cache._on_disk)
+        ckpt = self.weight = cache.ckpt.weight
+        self.free = cache._host_free.num_free - cache.ckpt.units_on("host") \
+            + sum(ckpt(b) for b in plan.restores if b.on_host)
+        self.disk_room = cache.disk_blocks - len(cache._on_disk) - cache.ckpt.units_on("disk")
         self.evicted: list[CachedBlock] | None = None
+
+    def take_slots(self, count: int) -> bool:
+        """`count` host slots (a block and its checkpoints); on False some may be spent: the plan then
+        uses fewer host slots than it could, never more than there are."""
+        return all(self.take_slot() for _ in range(count))
 
     def take_slot(self) -> bool:
         cache, plan = self.cache, self.plan
@@ -106,21 +120,25 @@ class _HostRoom:
         if not leaves:
             return False
         victim = min(leaves, key=_host_rank)
-        if self.disk_room == 0 and cache.disk_blocks:
+        need = self.weight(victim)
+        while self.disk_room < need and cache.disk_blocks:
             disk_leaves = [b for b in cache._on_disk.values()
                            if not b.children and tier(b) == "disk" and id(b) not in self.exclude]
-            if disk_leaves:
-                plan.disk_drops.append(min(disk_leaves, key=_host_rank))
-                self.disk_room += 1
+            if not disk_leaves:
+                break
+            dropped = min(disk_leaves, key=_host_rank)
+            plan.disk_drops.append(dropped)
+            where[id(dropped)] = "gone"
+            self.disk_room += self.weight(dropped)
         was_parked = victim in plan.parks
         if was_parked:
             plan.parks.remove(victim)
-        if self.disk_room > 0:
+        if self.disk_room >= need:
             plan.spills.append(victim)
-            self.disk_room -= 1
+            self.disk_room -= need
         else:
             plan.host_drops.append(victim)  # from the device when this plan had parked it: no wasted copy
-        self.free += 1
+        self.free += need
         return True
 
 
@@ -153,13 +171,15 @@ def _host_rank(block: CachedBlock) -> tuple:
     return (not is_superseded(block), block.last_used)
 
 
-def _pick(candidates: list[CachedBlock], count: int, rank, parent_of) -> list[CachedBlock] | None:
-    """The `count` best victims in rank order, as if each were removed before the next is chosen."""
+def _pick(candidates: list[CachedBlock], count: int, rank, parent_of, weight=lambda b: 1) -> list[CachedBlock] | None:
+    """The best victims in rank order, as if each were removed before the next is chosen, until they free
+    `count` slots (a block frees `weight(block)`: 1, plus its checkpoints' slots)."""
     gone: set[int] = set()
     heap = [(rank(b, gone), id(b), b) for b in candidates]
     heapq.heapify(heap)
     out: list[CachedBlock] = []
-    while heap and len(out) < count:
+    freed = 0
+    while heap and freed < count:
         key, ident, block = heapq.heappop(heap)
         if ident in gone:
             continue
@@ -168,8 +188,9 @@ def _pick(candidates: list[CachedBlock], count: int, rank, parent_of) -> list[Ca
             heapq.heappush(heap, (current, ident, block))
             continue
         out.append(block)
+        freed += weight(block)
         gone.add(ident)
         parent = parent_of(block)
         if parent is not None and id(parent) not in gone:
             heapq.heappush(heap, (rank(parent, gone), id(parent), parent))
-    return out if len(out) == count else None
+    return out if freed >= count else None

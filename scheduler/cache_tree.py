@@ -22,6 +22,7 @@ class CachedBlock:
     last_used: int = 0
     digest: bytes = b""  # chain digest of everything up to and including this block (names it on disk)
     on_disk: bool = False
+    checkpoints: set[int] = field(default_factory=set)  # hybrid models: k where the state after k tokens is kept
 
     @property
     def on_device(self) -> bool:
@@ -60,6 +61,9 @@ class PrefixMatch:
     cow_source: CachedBlock | None
     cow_tokens: int
     salt: str = ""
+    # hybrid models (scheduler/checkpoints.py): the checkpoint the match ends at, and the K/V match length
+    checkpoint: tuple[CachedBlock, int] | None = None
+    kv_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

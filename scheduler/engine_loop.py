@@ -25,6 +25,7 @@ from engine.sequence import ModelRunner, Sequence
 from engine.tokenizer import Tokenizer
 from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import flush_to_disk, load_disk_index
+from scheduler.hybrid_steps import HybridSteps, create_checkpoints, load_checkpoint_index
 from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
 from scheduler.memory_admission import MemoryAdmission, MemoryGrants
@@ -52,7 +53,8 @@ class EngineLoop:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
                  max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
-                 batch_groups: int = 1, admission: MemoryAdmission | None = None):
+                 batch_groups: int = 1, admission: MemoryAdmission | None = None,
+                 state_checkpoint_every: int = 8):
         self.runner = runner
         self.disk = disk
         # Without an admission the host tier is what the runner committed at start, fixed.
@@ -62,9 +64,11 @@ class EngineLoop:
                                  host_blocks=admission.host_budget_blocks,
                                  disk_blocks=disk.capacity_blocks if disk else 0,
                                  mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block,
-                                 admission=admission)
+                                 admission=admission, checkpoints=create_checkpoints(runner, disk, state_checkpoint_every))
         if disk is not None and prefix_cache:
             load_disk_index(self.cache, disk.scan())
+            load_checkpoint_index(self.cache)
+        self.hybrid = HybridSteps(runner, self.cache)  # recurrent states of a hybrid model; no-ops otherwise
         self.memory = MemoryGrants(self.cache)
         self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step
         self.num_slots = num_slots
@@ -208,6 +212,7 @@ class EngineLoop:
             kind = "prefill" if any(n > 1 for _, n in work) else "decode"
             self.metrics.step_seconds.labels(kind).observe(time.perf_counter() - started)
             self.num_steps += 1
+            self.hybrid.take_checkpoints(work)
             self._postprocess(results)
             if self.integrity_checks:
                 self.cache.check_integrity()
@@ -240,7 +245,7 @@ class EngineLoop:
                 continue
             match = self.cache.match(tokens, len(tokens) - 1, salt=request.cache_salt)
             first_step = min(len(tokens), match.num_tokens + self.prefill_chunk)
-            plan = self.cache.plan_allocate(match, first_step)
+            plan = self.cache.plan_allocate(match, first_step, checkpoints=self.hybrid.reserve_at_admission)
             allocation = self.memory.grant(plan)
             if allocation is None:
                 if plan is not None:
@@ -260,6 +265,7 @@ class EngineLoop:
                 request.admitted_s = time.perf_counter()
             request.allocation = allocation
             request.seq = Sequence(list(tokens), allocation.block_table, allocation.cached_tokens)
+            self.hybrid.admit(request)  # its state slot, loaded from the checkpoint the match ends at
             request.slot_id = self._slots.index(None)
             # The group with the fewest members, so the groups stay balanced and every stage has work.
             request.group = min(range(self.num_groups), key=lambda g: (len(self._members(g)), g))
@@ -275,7 +281,8 @@ class EngineLoop:
         blocks; when even that cannot make room, running requests are preempted, newest first. False: the
         request sits this step out (preempted, or its grant was refused)."""
         while request.slot_id is not None:
-            plan = self.cache.plan_extend(request.allocation, request.seq.num_computed + n)
+            plan = self.cache.plan_extend(request.allocation, request.seq.num_computed + n,
+                                          checkpoints=self.hybrid.checkpoints_after(request, n))
             if plan is not None:
                 if self.memory.grant(plan) is not None:
                     return True
@@ -292,8 +299,9 @@ class EngineLoop:
         """Give a running request's blocks back to the cache (its computed tokens join the tree, where value
         order parks them to host RAM under pressure) and put it at the head of the queue."""
         plan = self.cache.plan_release(request.seq.token_ids, request.seq.num_computed, request.allocation,
-                                       kind="preempt")
+                                       kind="preempt", final_state=self.hybrid.final_state(request))
         assert self.memory.grant(plan) is not None, "a release is never refused"
+        self.hybrid.release(request)
         self._slots[request.slot_id] = None
         request.slot_id, request.allocation = None, None
         request.preemptions += 1
@@ -314,7 +322,8 @@ class EngineLoop:
         work = [(r, 1) for r in running if not r.is_prefilling]
         prefilling = next((r for r in running if r.is_prefilling), None)
         if prefilling is not None:
-            work.append((prefilling, min(self.prefill_chunk, prefilling.seq.num_pending)))
+            chunk = min(self.prefill_chunk, prefilling.seq.num_pending)
+            work.append((prefilling, self.hybrid.align_chunk(prefilling, chunk)))  # ends at a checkpoint
         work = [(r, n) for r, n in work if self._reserve(r, n)]
         work = [(r, n) for r, n in work if r.slot_id is not None]  # a later reservation may have preempted it
         for request, n in work:
@@ -342,8 +351,11 @@ class EngineLoop:
         request.is_finished = True
         if request.slot_id is not None:
             self._slots[request.slot_id] = None
+            # After a failed step the state may be half updated: no checkpoint from it.
+            final = self.hybrid.final_state(request) if reason != "error" else None
             self.memory.grant(self.cache.plan_release(request.seq.token_ids, request.seq.num_computed,
-                                                      request.allocation))
+                                                      request.allocation, final_state=final))
+            self.hybrid.release(request)
         self._by_id.pop(request.request_id, None)
         self.output.finish(request, reason, error)
         if request.conversation_key:

@@ -27,6 +27,7 @@ from scheduler.cache_explain import explain_miss
 from scheduler.cache_integrity import check_cache
 from scheduler.cache_plan import Plan, plan_device_room
 from scheduler.cache_tree import CachedBlock, PrefixMatch, block_digest, conversation_id, longest_match, root_digest
+from scheduler.checkpoints import Checkpoints
 from scheduler.memory_admission import MemoryAdmission
 
 log = logging.getLogger("strata.cache")
@@ -38,7 +39,7 @@ class PrefixCache:
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool = True, host_blocks: int = 0,
                  disk_blocks: int = 0, mover: BlockMover | None = None, block_bytes: int = 0,
-                 admission: MemoryAdmission | None = None):
+                 admission: MemoryAdmission | None = None, checkpoints: Checkpoints | None = None):
         self.enabled = enabled  # off: nothing is ever matched or kept (the reference for tests)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -57,9 +58,10 @@ class PrefixCache:
         self.drops = DropLog(block_bytes)
         self._clock = itertools.count(1)
         self._num_owned = 0  # device blocks handed to running requests, not yet in the tree
+        self.ckpt = checkpoints or Checkpoints()  # hybrid models: recurrent-state checkpoints on the nodes
         self.stats = {"parks": 0, "restores": 0, "spills": 0, "disk_loads": 0, "dropped_blocks": 0,
                       "dropped_tokens": 0, "hits": 0, "misses": 0, "miss_diverged": 0, "miss_evicted": 0,
-                      "refused_plans": 0}
+                      "refused_plans": 0, "miss_no_checkpoint": 0}
 
     # -- queries -------------------------------------------------------------------------------------
     def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "") -> PrefixMatch:
@@ -68,13 +70,15 @@ class PrefixCache:
         limit = min(len(token_ids), len(token_ids) if max_tokens is None else max_tokens)
         match = longest_match(self._root(salt), token_ids, limit if self.enabled else 0, self.block_size)
         match.salt = salt
-        return match
+        return self.ckpt.trim(match)  # hybrid models: back to the last checkpoint (scheduler/checkpoints.py)
 
     def explain_miss(self, token_ids: list[int], match: PrefixMatch) -> dict | None:
         """Why a prompt reused no more than `match`, when the cache once held more of it: the position where
         it diverged from a cached sequence, or the eviction that took the rest. None for new content."""
         self.stats["hits" if match.num_tokens else "misses"] += 1
         miss = explain_miss(self._root(match.salt), token_ids, match, self.drops.dropped, self.block_size)
+        if match.kv_tokens > match.num_tokens:  # the K/V was there, a state checkpoint was not
+            miss = {"cause": "no_checkpoint", "position": match.num_tokens, "kv_tokens": match.kv_tokens}
         if miss is not None:
             self.stats["miss_" + miss["cause"]] += 1
         return miss
@@ -94,18 +98,23 @@ class PrefixCache:
                 "host_cached": len(self._on_host), "host_total": self.host_blocks,
                 **self.admission.snapshot(len(self._on_host)),
                 "disk_cached": len(self._on_disk), "disk_total": self.disk_blocks, **self.stats,
-                "moves": getattr(self.mover, "totals", {})}
+                "moves": getattr(self.mover, "totals", {}), **(self.ckpt.usage() if self.ckpt.enabled else {})}
 
     # -- plans (change nothing) ----------------------------------------------------------------------
-    def plan_allocate(self, match: PrefixMatch, num_tokens: int) -> Plan | None:
+    def plan_allocate(self, match: PrefixMatch, num_tokens: int, checkpoints: int = 0) -> Plan | None:
         """Pin the matched blocks (restoring parked ones) and fresh blocks up to num_tokens. None when the
-        device cannot make room without moving pinned blocks (then nothing was decided)."""
+        device cannot make room without moving pinned blocks (then nothing was decided). `checkpoints`:
+        how many the request will take (hybrid models), each a device slot reserved from now on."""
         match, payloads, unreadable = read_disk_blocks(self, match)
+        match, state = self.ckpt.read_matched(match)
         fresh = blocks_needed(num_tokens, self.block_size) - len(match.shared)
         plan = Plan("allocate", fresh=fresh, match=match, payloads=payloads, unreadable=unreadable,
-                    restores=[b for b in match.shared if not b.on_device])
+                    restores=[b for b in match.shared if not b.on_device], reserve_checkpoints=checkpoints,
+                    checkpoint_state=state)
+        plan.checkpoint_loads = {id(b): self.ckpt.read_disk(b) for b in plan.restores if not b.on_host and b.checkpoints}
         keep = {id(b) for b in match.shared} | ({id(match.cow_source)} if match.cow_source else set())
-        if plan_device_room(self, plan, fresh + len(plan.restores), keep):
+        room = fresh + sum(self.ckpt.weight(b) for b in plan.restores) + checkpoints * self.ckpt.units
+        if plan_device_room(self, plan, room, keep):
             return plan
         source = match.cow_source
         if source is None or not source.on_device:
@@ -113,21 +122,29 @@ class PrefixCache:
         # The copy source occupies a block this request needs: take it over when nobody else can want it
         # (unpinned leaf), else give up its few tokens rather than wait forever.
         plan = Plan("allocate", fresh=fresh - 1, match=match, payloads=payloads, unreadable=unreadable,
-                    restores=plan.restores, takeover=True)
+                    restores=plan.restores, takeover=True, reserve_checkpoints=checkpoints,
+                    checkpoint_state=state, checkpoint_loads=plan.checkpoint_loads)
         if source.ref_count == 0 and not source.children:
-            return plan if plan_device_room(self, plan, plan.fresh + len(plan.restores), keep) else None
-        return self.plan_allocate(PrefixMatch(match.shared, None, 0, match.salt), num_tokens)
+            room -= 1 + self.ckpt.units * len(source.checkpoints)  # its own checkpoints go with the takeover
+            return plan if plan_device_room(self, plan, room, keep) else None
+        return self.plan_allocate(self.ckpt.trim(PrefixMatch(match.shared, None, 0, match.salt)), num_tokens,
+                                  checkpoints)
 
-    def plan_extend(self, allocation: Allocation, num_tokens: int) -> Plan | None:
-        """Fresh blocks so a running request's table holds num_tokens (its next step). None: no room."""
+
+    def plan_extend(self, allocation: Allocation, num_tokens: int, checkpoints: int = 0) -> Plan | None:
+        """Fresh blocks so a running request's table holds num_tokens (its next step), and a device slot
+        for each checkpoint that step will take (hybrid models). None: no room."""
         plan = Plan("extend", fresh=max(0, blocks_needed(num_tokens, self.block_size) - len(allocation.block_table)),
-                    allocation=allocation)
-        return plan if plan_device_room(self, plan, plan.fresh, set()) else None
+                    allocation=allocation, reserve_checkpoints=checkpoints)
+        room = plan.fresh + checkpoints * self.ckpt.units
+        return plan if plan_device_room(self, plan, room, set()) else None
 
     def plan_release(self, token_ids: list[int], num_computed: int, allocation: Allocation,
-                     kind: str = "release") -> Plan:
-        """A request is done (or preempted): its computed tokens' blocks join the tree, unpinned."""
-        return Plan(kind, allocation=allocation, token_ids=list(token_ids), num_computed=num_computed)
+                     kind: str = "release", final_state=None) -> Plan:
+        """A request is done (or preempted): its computed tokens' blocks join the tree, unpinned, with the
+        checkpoints it took and (hybrid models) `final_state`, its state after num_computed tokens."""
+        return Plan(kind, allocation=allocation, token_ids=list(token_ids), num_computed=num_computed,
+                    final_state=final_state)
 
     # -- one call for callers without an admission of their own ----------------------------------------
     def allocate(self, match: PrefixMatch, total_tokens: int) -> Allocation | None:
@@ -155,6 +172,7 @@ class PrefixCache:
         sources = {}  # host slots of the blocks being restored, freed first: a park may take one over
         for block in plan.restores:
             if block.on_host:
+                self.ckpt.move(block, "host", "device")
                 sources[id(block)] = block.host_slot
                 self._host_free.free([block.host_slot])
                 del self._on_host[block.host_slot]
@@ -194,7 +212,11 @@ class PrefixCache:
 
     def _apply_allocation(self, plan: Plan, moves: BlockMoves, reuse: dict, sources: dict) -> Allocation:
         match, source = plan.match, plan.match.cow_source
-        alloc = Allocation([], len(match.shared), match.num_tokens, reused_by_tier=reuse, salt=match.salt)
+        alloc = Allocation([], len(match.shared), match.num_tokens, reused_by_tier=reuse, salt=match.salt,
+                           checkpoint_state=plan.checkpoint_state, checkpoints_reserved=plan.reserve_checkpoints)
+        self.ckpt.reserved += plan.reserve_checkpoints
+        if plan.checkpoint_state is not None:
+            self.ckpt.stats["restored"] += 1
         for block in match.shared:
             self._pin(block)
         for block in plan.restores:  # back to the device; the lower tier's copy is released
@@ -202,10 +224,12 @@ class PrefixCache:
             if id(block) in sources:
                 moves.restores.append((sources[id(block)], device_id))
             else:
-                self._load(block, device_id, plan.payloads, moves, keep_source=False)
+                self._load(block, device_id, plan.payloads, moves, keep_source=False,
+                           checkpoint_loads=plan.checkpoint_loads)
             block.device_id = device_id
             self._on_device[device_id] = block
         if plan.takeover:
+            self.ckpt.drop(source)  # the request writes into this block now; its states are for other tokens
             del source.parent.children[source.tokens]
             del self._on_device[source.device_id]
             own = [source.device_id] + self._dev_free.allocate(plan.fresh)
@@ -224,15 +248,19 @@ class PrefixCache:
         return alloc
 
     def _apply_extend(self, plan: Plan) -> Allocation:
+        self.ckpt.reserved += plan.reserve_checkpoints
+        plan.allocation.checkpoints_reserved += plan.reserve_checkpoints
         fresh = self._dev_free.allocate(plan.fresh)
         self._num_owned += plan.fresh
         plan.allocation.block_table.extend(fresh)
         return plan.allocation
 
-    def _load(self, block: CachedBlock, device_id: int, payloads: dict, moves: BlockMoves, keep_source: bool):
+    def _load(self, block: CachedBlock, device_id: int, payloads: dict, moves: BlockMoves, keep_source: bool,
+              checkpoint_loads: dict | None = None):
         if block.on_host:
             moves.restores.append((block.host_slot, device_id))
             if not keep_source:
+                self.ckpt.move(block, "host", "device")
                 self._host_free.free([block.host_slot])
                 del self._on_host[block.host_slot]
                 block.host_slot = -1
@@ -240,12 +268,14 @@ class PrefixCache:
         moves.writes.append((device_id, payloads[id(block)]))
         self.stats["disk_loads"] += 1
         if not keep_source:
+            self.ckpt.load(block, (checkpoint_loads or {}).get(id(block), {}))
             self.mover.delete_disk(block)
             del self._on_disk[block.digest]
             block.on_disk = False
 
     def _park(self, block: CachedBlock, moves: BlockMoves) -> None:
         slot = self._host_free.allocate(1)[0]
+        self.ckpt.move(block, "device", "host")
         moves.parks.append((block.device_id, slot))
         del self._on_device[block.device_id]
         self._dev_free.free([block.device_id])
@@ -255,6 +285,7 @@ class PrefixCache:
 
     def _spill(self, block: CachedBlock, moves: BlockMoves) -> None:
         """To the disk tier, from wherever it is now (a block this plan would have parked goes straight)."""
+        self.ckpt.spill(block, block.tier)
         if block.on_device:
             moves.saves.append((block, "device", block.device_id))
             del self._on_device[block.device_id]
@@ -271,19 +302,23 @@ class PrefixCache:
 
     def _release(self, plan: Plan) -> None:
         allocation, token_ids, num_computed = plan.allocation, plan.token_ids, plan.num_computed
-        node = self._root(allocation.salt)
+        node, path = self._root(allocation.salt), []
         for i, device_id in enumerate(allocation.block_table):
             start = i * self.block_size
             tokens = tuple(token_ids[start : min(start + self.block_size, num_computed)])
             if i < allocation.num_shared:
                 node = self._on_device[device_id]
                 self._unpin(node)
+                path.append(node)
                 continue
             self._num_owned -= 1
             if not tokens or not self.enabled:
                 self._dev_free.free([device_id])
                 continue
             node = self._insert(node, tokens, device_id)
+            path.append(node)
+        self.ckpt.attach_released(allocation, plan.final_state, num_computed, path if self.enabled else [],
+                                  self.block_size)
 
     def _drop(self, block: CachedBlock, tier: str, reason: str) -> None:
         """Remove a block and everything cached after it; log what was lost."""
@@ -292,6 +327,7 @@ class PrefixCache:
         conv, lost = conversation_id(block), block.subtree()
         del block.parent.children[block.tokens]
         for node in lost:
+            self.ckpt.drop(node)
             if node.on_device:
                 del self._on_device[node.device_id]
                 self._dev_free.free([node.device_id])
@@ -333,6 +369,7 @@ class PrefixCache:
             existing.last_used = next(self._clock)
             return existing
         if existing is not None:  # parked copy of the same content: the fresh device copy replaces it
+            self.ckpt.drop(existing)  # its states stay behind in the lower tier's budget: forget them
             if existing.on_host:
                 self._host_free.free([existing.host_slot])
                 del self._on_host[existing.host_slot]
