@@ -12,6 +12,7 @@ import sys
 
 import uvicorn
 
+from api.checkpoint_hints import find_message_start_id
 from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
@@ -72,7 +73,10 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
              runner.layout.total_bytes / 2**20, config.batch, config.ctx_size)
     protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
                                     config.reasoning_format)
-    return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol)
+    message_start = find_message_start_id(loaded.chat_template, loaded.tokenizer) \
+        if loaded.model.config.is_hybrid else None
+    return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol,
+                       message_start_id=message_start)
 
 
 def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:

@@ -14,6 +14,7 @@ from typing import AsyncIterator, Callable
 
 from starlette.requests import Request as HTTPRequest
 
+from api.checkpoint_hints import message_starts
 from api.chat_output import ReplyAssembler
 from api.chat_turn import ChatTurn, PreparedTurn, prepare_turn, render_turn
 from api.errors import APIError, bad_request, context_overflow, overloaded
@@ -76,7 +77,8 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
     request = Request(request_id, prepared.prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
                       describe_position=position_describer(state, turn), constraint=prepared.constraint,
                       num_tools=len(turn.specs.tools) if num_tools is None else num_tools,
-                      conversation_key=turn.conversation_key)
+                      conversation_key=turn.conversation_key,
+                      checkpoint_positions=message_starts(prepared.prompt_ids, state.message_start_id))
     stream = submit(state, request)
     return TurnRun(request, stream, prepared, ReplyAssembler(prepared.create_parser(), state.protocol.reasoning_field))
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from scheduler.cache_tree import CachedBlock, PrefixMatch
+from scheduler.cache_tree import CachedBlock, PrefixMatch, common_prefix_len
 from scheduler.checkpoint_store import CheckpointStore
 
 if TYPE_CHECKING:
@@ -56,17 +56,22 @@ class Checkpoints:
         """Slots a node frees when it leaves its tier: its block and its checkpoints."""
         return 1 + self.units * len(node.checkpoints)
 
-    def positions(self, prompt_len: int, block_size: int) -> list[int]:
-        """Where a request takes checkpoints while it computes its prompt (ascending)."""
+    def positions(self, prompt_len: int, block_size: int, hints: tuple[int, ...] = ()) -> list[int]:
+        """Where a request takes checkpoints while it computes its prompt (ascending): every N blocks, at
+        the hints (where its messages begin, api/checkpoint_hints.py) and at prompt_len - 1."""
         if not self.enabled or prompt_len < 2:
             return []
         step = self.every_blocks * block_size
-        out = list(range(step, prompt_len - 1, step)) if step else []
-        return out + [prompt_len - 1]
+        out = set(range(step, prompt_len - 1, step)) if step else set()
+        out.update(p for p in hints if 0 < p < prompt_len - 1)
+        return sorted(out) + [prompt_len - 1]
 
     # -- matching ------------------------------------------------------------------------------------
-    def trim(self, match: PrefixMatch) -> PrefixMatch:
-        """The longest prefix of `match` whose end carries a checkpoint (nothing when none does)."""
+    def trim(self, match: PrefixMatch, rest: list[int] | None = None, root: CachedBlock | None = None) -> PrefixMatch:
+        """The longest prefix of `match` whose end carries a checkpoint (nothing when none does). With `rest`
+        (the prompt's tokens after the shared blocks, up to the match limit) and the root, every child of
+        the last shared block that agrees with `rest` is a candidate, not only the copy source: siblings
+        that agree equally far (prompts that branched at the same token) may differ in their checkpoints."""
         if not self.enabled:
             return match
         best, pos = None, 0
@@ -76,9 +81,14 @@ class Checkpoints:
                     best = (pos + k, i, node, k)
             pos += len(node.tokens)
         source = match.cow_source
-        for k in source.checkpoints if source is not None else ():
-            if k <= match.cow_tokens and (best is None or pos + k > best[0]):
-                best = (pos + k, len(match.shared), source, k)
+        parent = match.shared[-1] if match.shared else root
+        candidates = [(source, match.cow_tokens)] if source is not None else []
+        if rest is not None and parent is not None:
+            candidates = [(c, common_prefix_len(c.tokens, rest)) for c in parent.children.values() if c.checkpoints]
+        for child, common in candidates:
+            for k in child.checkpoints:
+                if k <= common and (best is None or pos + k > best[0]):
+                    best = (pos + k, len(match.shared), child, k)
         kv_tokens = match.num_tokens
         if best is None:
             out = PrefixMatch([], None, 0, match.salt)

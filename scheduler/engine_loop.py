@@ -265,7 +265,7 @@ class EngineLoop:
                 request.admitted_s = time.perf_counter()
             request.allocation = allocation
             request.seq = Sequence(list(tokens), allocation.block_table, allocation.cached_tokens)
-            self.hybrid.admit(request)  # its state slot, loaded from the checkpoint the match ends at
+            self.hybrid.admit(request, match)  # its state slot, loaded from the checkpoint the match ends at
             request.slot_id = self._slots.index(None)
             # The group with the fewest members, so the groups stay balanced and every stage has work.
             request.group = min(range(self.num_groups), key=lambda g: (len(self._members(g)), g))

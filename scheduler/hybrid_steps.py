@@ -3,7 +3,8 @@
 For a model without recurrent layers every method here is a no-op (and `reserve_at_admission` is 0),
 so the loop calls them unconditionally. For a hybrid model, per request:
 
-    admit         its state slot; the state of the checkpoint its match ends at is written into it
+    admit         its state slot; the state of the checkpoint its match ends at is written into it; where
+                  its prompt leaves a cached sequence beyond that checkpoint, a checkpoint position
     align_chunk   a prefill chunk ends at the next checkpoint position (scheduler/checkpoints.py)
     reserve       the step that reaches such a position reserves a device slot for its checkpoint
     after a step  the state at that position is copied out (held by the allocation until release)
@@ -66,7 +67,9 @@ class HybridSteps:
         return 1 if self.keeps_checkpoints else 0  # the checkpoint taken at release
 
     def _positions(self, request) -> list[int]:
-        return self.cache.ckpt.positions(request.prompt_len, self.runner.block_size) if self.enabled else []
+        if not self.enabled:
+            return []
+        return self.cache.ckpt.positions(request.prompt_len, self.runner.block_size, request.checkpoint_positions)
 
     def align_chunk(self, request, n: int) -> int:
         """The chunk of n tokens cut short so it ends at the next checkpoint position."""
@@ -79,9 +82,13 @@ class HybridSteps:
             return 0
         return int(request.seq.num_computed + n in self._positions(request))
 
-    def admit(self, request) -> None:
+    def admit(self, request, match) -> None:
+        """Its state slot and state. Where its prompt left a cached sequence (the K/V match went further than
+        the last checkpoint), it will take a checkpoint too: that is where the next variant branches off."""
         if not self.enabled:
             return
+        if match.kv_tokens > match.num_tokens and request.seq.num_computed == match.num_tokens:
+            request.checkpoint_positions = tuple(sorted({*request.checkpoint_positions, match.kv_tokens}))
         seq, allocation = request.seq, request.allocation
         self.runner.states.slot_of(seq)  # on the loop's thread, before any step of it
         if allocation.checkpoint_state is not None:

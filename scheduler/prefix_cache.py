@@ -70,7 +70,8 @@ class PrefixCache:
         limit = min(len(token_ids), len(token_ids) if max_tokens is None else max_tokens)
         match = longest_match(self._root(salt), token_ids, limit if self.enabled else 0, self.block_size)
         match.salt = salt
-        return self.ckpt.trim(match)  # hybrid models: back to the last checkpoint (scheduler/checkpoints.py)
+        # Hybrid models: back to the last checkpoint (scheduler/checkpoints.py).
+        return self.ckpt.trim(match, token_ids[len(match.shared) * self.block_size : limit], self._root(salt))
 
     def explain_miss(self, token_ids: list[int], match: PrefixMatch) -> dict | None:
         """Why a prompt reused no more than `match`, when the cache once held more of it: the position where

@@ -74,6 +74,7 @@ class Request:
     num_tools: int = 0  # tool definitions the request carried, for the summary log line
     conversation_key: str | None = None  # the client's name for the conversation (prompt_cache_key, session id)
     preemptions: int = 0  # times its blocks were given back to the cache for a request that needed room
+    checkpoint_positions: tuple[int, ...] = ()  # hybrid models: where messages begin, worth a state checkpoint
 
     @property
     def prompt_len(self) -> int:

@@ -41,7 +41,7 @@ def _disk(root, runner, blocks):
 
 
 def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=None, disk_blocks=256, every=2,
-         concurrency=1, history=None, chunk=8):
+         concurrency=1, history=None, chunk=8, hints=None):
     """Turns [(conversation, new user tokens, reply length)] through one engine loop. Returns (replies,
     [(prompt_len, cached, ideal)], per step [(request id, tokens computed, logits row, block table)], the loop,
     the conversations' histories)."""
@@ -71,7 +71,9 @@ def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=No
                     past, user = user[1 : HEAD_LEN + 1] + past[HEAD_LEN:], user[HEAD_LEN + 1 :]
                 prompt = past + user
                 params = SamplingParams(temperature=0, max_tokens=reply_len, ignore_eos=True)
-                streams.append((conv, prompt, loop.submit(Request(f"t{start + i}", prompt, params))))
+                request = Request(f"t{start + i}", prompt, params,
+                                  checkpoint_positions=(hints or {}).get(start + i, ()))
+                streams.append((conv, prompt, loop.submit(request)))
             for conv, prompt, stream in streams:
                 tokens, last = [], None
                 async for delta in stream:
@@ -191,3 +193,37 @@ def test_a_miss_for_want_of_a_checkpoint_says_where_the_nearest_one_is(lfm2, cap
     assert lines == ["prompt matched 37 cached tokens, but the nearest state checkpoint is at token 32: "
                      "recomputing from there (a hybrid model's recurrent state cannot be cut from a later one; "
                      "--state-checkpoint-every keeps more)"]
+
+
+def test_where_a_prompt_leaves_a_cached_sequence_it_leaves_a_checkpoint(lfm2):
+    """The second prompt branches off the first at token 21, between checkpoints: it recomputes from the
+    start but keeps the state at 21, so a third one branching there reuses exactly 21 tokens."""
+    shared = list(range(40, 61))
+    turns = [(c, shared + [100 + 10 * c + i for i in range(9)], 2) for c in range(3)]
+    _, usage, _, loop, _ = _run(lfm2, turns, every=0)
+    assert [c for _, c, _ in usage] == [0, 0, 21]
+    assert loop.cache.stats["miss_no_checkpoint"] == 1
+
+
+def test_checkpoint_hints_of_a_request_are_kept(lfm2):
+    """A request's checkpoint_positions (the API passes where its messages begin) become checkpoints."""
+    first = list(range(40, 70))
+    turns = [(0, first, 2), (1, first[:13] + [5, 6, 7], 2)]
+    _, usage, _, _, _ = _run(lfm2, turns, every=0, hints={0: (11,)})
+    assert usage[1][1] == 11
+
+
+def test_the_message_start_token_of_a_chatml_template_marks_each_message(lfm2):
+    from api.checkpoint_hints import find_message_start_id, message_starts
+    from engine.chat_template import ChatTemplate
+    from tests.tiny_gguf import CHATML_TEMPLATE
+
+    tokenizer = lfm2[1]
+    template = ChatTemplate(CHATML_TEMPLATE, "tiny-lfm2")
+    start = find_message_start_id(template, tokenizer)
+    assert start == tokenizer.encode("<|im_start|>", add_special=False)[0]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = tokenizer.encode(template.render(messages), add_special=False)
+    assert message_starts(ids, start) == tuple(i for i, t in enumerate(ids) if t == start and i > 0)
+    assert len(message_starts(ids, start)) == 2  # the user message and the generation prompt
+    assert message_starts(ids, None) == ()

@@ -23,9 +23,10 @@ DEFAULT_PATTERN = "ccaca"
 def write_tiny_lfm2(path, seed: int = 0, pattern: str = DEFAULT_PATTERN, n_embd: int = 64, n_head: int = 4,
                     n_head_kv: int = 2, n_ff: int = 128, conv_l: int = 3, n_ctx: int = 512,
                     rope_base: float = 1_000_000.0, rms_eps: float = 1e-5, weight_scale: float = 0.2,
-                    embd_scale: float = 0.1, norm_scale: float = 0.1) -> dict:
+                    embd_scale: float = 0.1, norm_scale: float = 0.1, output_ids: list[int] | None = None) -> dict:
     """Write the GGUF; returns its config (arch, path, vocab_size, pattern, ..., eos_id) and `tensors`
-    ({name: float32 array as stored})."""
+    ({name: float32 array as stored}). `output_ids`: an untied head whose other rows are zero, so greedy
+    decoding only ever picks these tokens (benchmarks pick ones whose text re-encodes to the same ids)."""
     tokens, types, merges = tiny_vocab()
     vocab, head_dim = len(tokens), n_embd // n_head
     rng = np.random.default_rng(seed)
@@ -56,6 +57,10 @@ def write_tiny_lfm2(path, seed: int = 0, pattern: str = DEFAULT_PATTERN, n_embd:
         tensors[p + "ffn_up.weight"] = mat(n_ff, n_embd)
         tensors[p + "ffn_down.weight"] = mat(n_embd, n_ff)
     tensors["token_embd_norm.weight"] = norm(n_embd)
+    if output_ids is not None:
+        head = np.zeros((vocab, n_embd), np.float32)
+        head[output_ids] = mat(len(output_ids), n_embd, 1.0)
+        tensors["output.weight"] = head
 
     w = gguf.GGUFWriter(str(path), "lfm2")
     w.add_type("model")
