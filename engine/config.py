@@ -59,6 +59,15 @@ class ModelConfig:
         return tuple(i for i, r in enumerate(self.layer_is_recurrent) if r)
 
     @property
+    def n_kv_layers(self) -> int:
+        """Layers that keep K/V (every layer but the recurrent ones): a K/V pool holds only these."""
+        return self.n_layers - sum(self.layer_is_recurrent)
+
+    def kv_index(self, layer: int) -> int:
+        """K/V layers before `layer`: its index in a pool of every layer (layer == n_layers: their count)."""
+        return layer - sum(self.layer_is_recurrent[:layer])
+
+    @property
     def q_dim(self) -> int:
         return self.n_heads * self.head_dim
 
@@ -71,7 +80,7 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     def kv_bytes_per_token(self, itemsize: int = 4) -> int:
-        return 2 * self.n_layers * self.kv_dim * itemsize
+        return 2 * self.n_kv_layers * self.kv_dim * itemsize
 
 
 def config_from_gguf(fields: dict[str, Any], vocab_size: int) -> ModelConfig:

@@ -40,7 +40,8 @@ class KVLayout:
 
 
 def layout_for(config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE, dtype: str = "float32") -> KVLayout:
-    return KVLayout(num_blocks, block_size, config.n_layers, config.n_kv_heads, config.head_dim, dtype)
+    # Recurrent layers (hybrid models) keep no K/V: the pool has a layer for each attention layer only.
+    return KVLayout(num_blocks, block_size, config.n_kv_layers, config.n_kv_heads, config.head_dim, dtype)
 
 
 class BlockAllocator:

@@ -66,7 +66,7 @@ class Model:
             if lw.short_conv is not None:
                 attn = short_conv_block(b, lw.short_conv, h, batch, state_pool, i)  # [T, d]
             else:
-                attn = self._attention(b, i, h, batch, kv_pool, i - layers.start)  # [T, d]
+                attn = self._attention(b, i, h, batch, kv_pool, c.kv_index(i) - c.kv_index(layers.start))
             if lw.post_attn_norm is not None:
                 attn = b.rms_norm(attn, lw.post_attn_norm, c.rms_eps)
             x, h = b.add_rms_norm(x, attn, lw.ffn_norm, c.rms_eps)

@@ -52,7 +52,8 @@ class ModelRunner:
 
     def _make_stage(self, index: int, layers: range, num_blocks: int, host_blocks: int) -> Stage:
         backend = self.model.backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own
-        layout = replace(self.layout, n_layers=len(layers))
+        kv = _kv_layers(self.model.config, layers)
+        layout = replace(self.layout, n_layers=kv.stop - kv.start)
         # host_blocks are committed now; the host tier grows from there as the cache's admission grants.
         host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks))
         # Block moves run on the event loop while the stage's worker may be computing another group's step
@@ -77,7 +78,8 @@ class ModelRunner:
         assert layers == list(range(self.model.config.n_layers)), f"stage layers {layers}"
         for stage in self.stages:
             assert stage.layout.num_blocks == self.layout.num_blocks, f"{stage.describe()}: device pool size"
-            assert stage.layout.n_layers == len(stage.layers), f"{stage.describe()}: pool layers"
+            kv = _kv_layers(self.model.config, stage.layers)
+            assert stage.layout.n_layers == kv.stop - kv.start, f"{stage.describe()}: pool layers"
             assert stage.host_pool.num_blocks == self.host_layout.num_blocks, f"{stage.describe()}: host pool"
 
     def grow_host(self, num_blocks: int) -> None:
@@ -132,7 +134,7 @@ class ModelRunner:
 
     def write_block(self, device_id: int, k, v) -> None:
         for stage in self.stages:
-            layers = slice(stage.layers.start, stage.layers.stop)
+            layers = _kv_layers(self.model.config, stage.layers)
             stage.mover.write_block(stage.kv_pool, device_id, k[layers], v[layers])
 
     def release(self, seq: Sequence) -> None:
@@ -185,3 +187,8 @@ class ModelRunner:
             hidden = self.run_stage(stage, batch, hidden)
         self.commit(work)
         return hidden
+
+
+def _kv_layers(config, layers: range) -> slice:
+    """The K/V-pool layers of a stage's layer range (all of them, unless some are recurrent)."""
+    return slice(config.kv_index(layers.start), config.kv_index(layers.stop))

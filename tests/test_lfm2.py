@@ -60,6 +60,15 @@ def test_config_reads_the_layer_pattern_and_conv_length(reference_model):
     assert c.is_hybrid and c.recurrent_layers == tuple(i for i, k in enumerate(pattern) if k == "c")
 
 
+def test_the_kv_pool_holds_the_attention_layers_only(reference_model):
+    runner = ModelRunner(reference_model, num_blocks=8, block_size=BLOCK, layer_split=(2, 5))
+    pattern = REFERENCE["gguf_args"]["pattern"]
+    assert runner.layout.n_layers == pattern.count("a")
+    assert [s.layout.n_layers for s in runner.stages] == [p.count("a") for p in (pattern[:2], pattern[2:5], pattern[5:])]
+    assert [len(s.state_pool.layers) for s in runner.stages] == [p.count("c") for p in (pattern[:2], pattern[2:5], pattern[5:])]
+    runner.check_stages()
+
+
 def test_config_rejects_a_head_count_list_of_the_wrong_length():
     fields = {"general.architecture": "lfm2", "lfm2.block_count": 3, "lfm2.embedding_length": 8,
               "lfm2.attention.head_count": 2, "lfm2.attention.head_count_kv": [0, 2],
