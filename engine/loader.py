@@ -7,12 +7,14 @@ from pathlib import Path
 
 from engine.backends.base import Backend
 from engine.chat_template import ChatTemplate
+from engine.gguf_file import GGUFFile
 from engine.model import LoadInfo, Model, load_model
 from engine.model_store import resolve_model
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.loader")
 BACKEND_NAMES = ("auto", "numpy", "cuda")
+NUMPY_ONLY_ARCHS = ("lfm2",)  # hybrid models whose recurrent layers have no CUDA kernels yet
 # How the numpy backend holds linear weights: float32 (the reference) or the file's quantised blocks.
 CPU_WEIGHTS = ("f32", "quantized")
 
@@ -93,6 +95,11 @@ def open_model(
     """Resolve (fetching if needed), load and wrap a model on `backend` (default: create_backend(backend_name,
     cpu_weights=cpu_weights)). Raises ValueError on unsupported files."""
     path = resolve_model(name_or_path, fetch=fetch)
+    if backend is None and GGUFFile(path).fields.get("general.architecture") in NUMPY_ONLY_ARCHS:
+        if backend_name == "cuda":
+            raise ValueError(f"--backend cuda: {Path(path).name} is a hybrid model (short convolutions), which "
+                             "has no CUDA kernels yet; use --backend numpy or auto")
+        backend_name = "numpy"  # auto: its recurrent layers run on numpy only (logged by create_backend)
     backend = backend or create_backend(backend_name, cpu_weights=cpu_weights)
     model, gguf, info = load_model(path, backend, max_positions)
     tokenizer = Tokenizer.from_gguf_fields(gguf.fields)
