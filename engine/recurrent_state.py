@@ -61,12 +61,33 @@ class RecurrentStates:
         if self.enabled and seq.state_slot >= 0:
             assert seq.state_slot not in self._free, f"state slot {seq.state_slot} freed twice"
             self._free.append(seq.state_slot)
+            for stage in self.stages:  # a failed step may have left a capture behind
+                pool = stage.state_pool
+                pool.capture.pop(seq.state_slot, None)
+                for key in [k for k in pool.captured if k[0] == seq.state_slot]:
+                    del pool.captured[key]
         seq.state_slot = -1
 
     def read(self, seq) -> np.ndarray:
         """Copy of the sequence's state after its computed tokens: [recurrent layers, L-1, d]."""
         slot = self.slot_of(seq)
         return np.concatenate([stage.state_pool.read(slot) for stage in self.stages])
+
+    def capture(self, seq, positions: tuple[int, ...]) -> None:
+        """Have the sequence's next step copy out its state after each of `positions` (inside that step)."""
+        slot = self.slot_of(seq)
+        for stage in self.stages:
+            stage.state_pool.capture[slot] = tuple(positions)
+
+    def take_captured(self, seq) -> dict[int, np.ndarray]:
+        """The states its last step captured, position -> [recurrent layers, L-1, d]; clears the request."""
+        slot, out = seq.state_slot, {}
+        for position in self.stages[0].state_pool.capture.pop(slot, ()):
+            parts = [stage.state_pool.take_captured(slot, position) for stage in self.stages]
+            out[position] = np.concatenate(parts)
+        for stage in self.stages[1:]:
+            stage.state_pool.capture.pop(slot, None)
+        return out
 
     def write(self, seq, state: np.ndarray) -> None:
         """Load a checkpoint into the sequence's slot (the state after its num_computed tokens)."""

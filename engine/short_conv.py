@@ -10,7 +10,9 @@ A short-conv layer replaces attention in its block (llama.cpp `build_shortconv_b
     state <- w[-(L-1):]                   # the rolling state after the sequence's last new token
 
 So the only thing a sequence carries from one step to the next in such a layer is L-1 rows of `u`; a
-sequence at position 0 starts from zeros. Chunked prefill, decode and continuous batching all go through
+sequence at position 0 starts from zeros. The state after any position p inside a step is a window of the
+rows the step has anyway (w[p - start : p - start + L-1]), so checkpoints are captured inside a chunk
+(`ConvStatePool.capture`) instead of cutting the chunk there. Chunked prefill, decode and continuous batching all go through
 the same rule: each sequence in a batch reads and writes its own state row (`SeqSlice.state_slot`).
 """
 from __future__ import annotations
@@ -51,12 +53,16 @@ class ConvStatePool:
     """Rolling conv states of the short-conv layers a stage owns: conv[layer] is [slots, L-1, d].
 
     A row (state slot) belongs to one running sequence; it grows on demand. Bytes only, no policy.
+    `capture[slot]`: positions whose state the next step of that slot's sequence copies into
+    `captured[(slot, p)][layer]` (checkpoints inside a chunk).
     """
 
     def __init__(self, layers: tuple[int, ...], kernel: int, d_model: int, num_slots: int = 4):
         self.layers, self.rows, self.d_model = tuple(layers), kernel - 1, d_model
         self.conv = {i: np.zeros((num_slots, self.rows, d_model), dtype=_F32) for i in self.layers}
         self.num_slots = num_slots
+        self.capture: dict[int, tuple[int, ...]] = {}
+        self.captured: dict[tuple[int, int], dict[int, np.ndarray]] = {}
 
     @property
     def bytes_per_slot(self) -> int:
@@ -73,6 +79,12 @@ class ConvStatePool:
         for i, arr in self.conv.items():
             self.conv[i] = np.concatenate([arr, np.zeros((grown - self.num_slots, *arr.shape[1:]), _F32)])
         self.num_slots = grown
+
+    def take_captured(self, slot: int, position: int) -> np.ndarray:
+        """The captured state after `position` tokens, every layer of the pool: [layers, L-1, d] (removed)."""
+        found = self.captured.pop((slot, position), {})
+        assert set(found) == set(self.layers), f"state after {position} tokens was not captured"
+        return np.stack([found[i] for i in self.layers]) if self.layers else np.zeros((0, self.rows, self.d_model), _F32)
 
     def read(self, slot: int) -> np.ndarray:
         """Copy of one slot's state, every layer of the pool: [layers, L-1, d]."""
@@ -100,6 +112,10 @@ def numpy_short_conv(u: np.ndarray, kernel: np.ndarray, pool: ConvStatePool, lay
             acc += window[k : k + seq.query_len] * kernel[:, k]
         out[seq.query_start : seq.query_start + seq.query_len] = acc
         states[seq.state_slot] = window[-rows:]
+        for p in pool.capture.get(seq.state_slot, ()):
+            if seq.start_pos < p <= seq.context_len:  # the state after p tokens: u of positions p-L+1 .. p-1
+                offset = p - seq.start_pos
+                pool.captured.setdefault((seq.state_slot, p), {})[layer] = window[offset : offset + rows].copy()
     return out
 
 

@@ -322,10 +322,10 @@ class EngineLoop:
         work = [(r, 1) for r in running if not r.is_prefilling]
         prefilling = next((r for r in running if r.is_prefilling), None)
         if prefilling is not None:
-            chunk = min(self.prefill_chunk, prefilling.seq.num_pending)
-            work.append((prefilling, self.hybrid.align_chunk(prefilling, chunk)))  # ends at a checkpoint
+            work.append((prefilling, min(self.prefill_chunk, prefilling.seq.num_pending)))
         work = [(r, n) for r, n in work if self._reserve(r, n)]
         work = [(r, n) for r, n in work if r.slot_id is not None]  # a later reservation may have preempted it
+        self.hybrid.before_step(work)  # hybrid models: capture the states at checkpoint positions
         for request, n in work:
             if request.constraint is not None and n == request.seq.num_pending:  # this step samples its token
                 request.constraint.begin_mask()  # computed beside the forward pass; sample_step waits for it

@@ -5,12 +5,12 @@ so the loop calls them unconditionally. For a hybrid model, per request:
 
     admit         its state slot; the state of the checkpoint its match ends at is written into it; where
                   its prompt leaves a cached sequence beyond that checkpoint, a checkpoint position
-    align_chunk   a prefill chunk ends at the next checkpoint position (scheduler/checkpoints.py)
-    reserve       the step that reaches such a position reserves a device slot for its checkpoint
-    after a step  the state at that position is copied out (held by the allocation until release)
+    reserve       a step that passes checkpoint positions (scheduler/checkpoints.py) reserves a device
+                  slot for each, and asks the state pools to capture the state there (inside the chunk)
+    after a step  the captured states are held by the allocation until release
     release       the state after the last computed token goes with the blocks into the tree
 
-Chunks are aligned whether or not the cache is on, so cache on and off compute the same chunks.
+Chunks are never cut for a checkpoint, so cache on and off compute the same chunks.
 """
 from __future__ import annotations
 
@@ -71,16 +71,22 @@ class HybridSteps:
             return []
         return self.cache.ckpt.positions(request.prompt_len, self.runner.block_size, request.checkpoint_positions)
 
-    def align_chunk(self, request, n: int) -> int:
-        """The chunk of n tokens cut short so it ends at the next checkpoint position."""
+    def _passed(self, request, n: int) -> tuple[int, ...]:
         start = request.seq.num_computed
-        return next((p - start for p in self._positions(request) if start < p < start + n), n)
+        return tuple(p for p in self._positions(request) if start < p <= start + n)
 
     def checkpoints_after(self, request, n: int) -> int:
-        """Checkpoints the request's next step of n tokens takes (0 or 1)."""
+        """Checkpoints the request's next step of n tokens takes."""
+        return len(self._passed(request, n)) if self.keeps_checkpoints else 0
+
+    def before_step(self, work) -> None:
+        """Ask for the states at the checkpoint positions each scheduled step passes."""
         if not self.keeps_checkpoints:
-            return 0
-        return int(request.seq.num_computed + n in self._positions(request))
+            return
+        for request, n in work:
+            positions = self._passed(request, n)
+            if positions:
+                self.runner.states.capture(request.seq, positions)
 
     def admit(self, request, match) -> None:
         """Its state slot and state. Where its prompt left a cached sequence (the K/V match went further than
@@ -97,15 +103,14 @@ class HybridSteps:
         assert seq.num_computed == 0 or self.keeps_checkpoints, "a cached prefix without its state"
 
     def take_checkpoints(self, work) -> None:
-        """After a step: copy out the states at the checkpoint positions it reached."""
+        """After a step: the states it captured join the request's pending checkpoints."""
         if not self.keeps_checkpoints:
             return
         for request, _ in work:
-            allocation, seq = request.allocation, request.seq
-            if allocation is None or seq.num_computed not in self._positions(request):
-                continue
-            if len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved:
-                self.cache.ckpt.take(allocation, seq.num_computed, self.runner.states.read(seq))
+            allocation = request.allocation
+            for position, state in sorted(self.runner.states.take_captured(request.seq).items()):
+                if allocation is not None and len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved:
+                    self.cache.ckpt.take(allocation, position, state)
 
     def final_state(self, request):
         """The state after the request's computed tokens, for its release (None: nothing to keep)."""

@@ -227,3 +227,16 @@ def test_the_message_start_token_of_a_chatml_template_marks_each_message(lfm2):
     assert message_starts(ids, start) == tuple(i for i, t in enumerate(ids) if t == start and i > 0)
     assert len(message_starts(ids, start)) == 2  # the user message and the generation prompt
     assert message_starts(ids, None) == ()
+
+
+def test_the_same_prompt_again_computes_only_its_last_token_from_a_checkpoint_inside_a_chunk(lfm2):
+    """The checkpoint at prompt_len - 1 is captured inside the last prefill chunk (chunks of 8: 24-28);
+    the retry restores it, computes the last token alone and gets the first request's logits (up to the
+    round-off of a 5-row step against a 1-row one)."""
+    prompt = list(range(20, 49))
+    _, usage, steps, _, _ = _run(lfm2, [(0, prompt, 3), (1, prompt, 3)], every=0)
+    assert usage[1][1] == len(prompt) - 1
+    first = [row for rid, n, row, _ in steps if rid == "t0"][len(range(0, 29, 8)) - 1]
+    retry = [(n, row) for rid, n, row, _ in steps if rid == "t1"]
+    assert retry[0][0] == 1
+    np.testing.assert_allclose(retry[0][1], first, atol=1e-5, rtol=1e-5)

@@ -132,3 +132,22 @@ def test_a_state_written_back_resumes_exactly(reference_model):
     runner.states.write(resumed, state)
     assert resumed.state_slot != seq.state_slot
     np.testing.assert_array_equal(runner.step([(resumed, len(ids) - 12)], all_logits=True), expected)
+
+
+def test_states_captured_inside_a_chunk_are_those_after_their_position(reference_model):
+    """A checkpoint inside a prefill chunk: the state after position p is copied out of the step."""
+    ids = REFERENCE["prompts"][1]["prompt_ids"][:20]
+    runner = ModelRunner(reference_model, num_blocks=64, block_size=BLOCK, layer_split=(3,))
+    seq = Sequence(list(ids))
+    runner.ensure_blocks(seq, len(ids))
+    runner.states.capture(seq, (7, 20))
+    runner.step([(seq, 20)])
+    captured = runner.states.take_captured(seq)
+    np.testing.assert_array_equal(captured[20], runner.states.read(seq))
+    cut = ModelRunner(reference_model, num_blocks=64, block_size=BLOCK)
+    other = Sequence(list(ids))
+    cut.ensure_blocks(other, len(ids))
+    cut.step([(other, 7)])
+    # float32 round-off only: 7 rows and 20 rows take different BLAS paths through five layers
+    np.testing.assert_allclose(captured[7], cut.states.read(other), atol=5e-5, rtol=1e-4)
+    assert runner.states.take_captured(seq) == {}
