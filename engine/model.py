@@ -53,7 +53,8 @@ class Model:
 
     def run_layers(self, hidden: tuple, batch: BatchMeta, kv_pool, layers: range,
                    backend: Backend | None = None, state_pool=None) -> tuple:
-        """Layers `layers` (consecutive); kv_pool holds exactly those layers (local index i - layers.start).
+        """Layers `layers` (consecutive); kv_pool holds the K/V of exactly those layers that keep K/V (layer i
+        at index kv_index(i) - kv_index(layers.start); i - layers.start when no layer is recurrent).
 
         After the model's last layer x is reduced to the rows whose logits are wanted and h is None.
         `backend`: a stage's own handle on the weights' backend (CUDA: its stream); default the model's.
