@@ -49,6 +49,7 @@ class Plan:
     checkpoint_state: object = None  # allocate: the matched checkpoint's state, read when planned
     checkpoint_loads: dict[int, dict] = field(default_factory=dict)  # id(disk block) -> {k: state}
     final_state: object = None  # release: the state after num_computed tokens (None: take no checkpoint)
+    checkpoint_drops: list[tuple[CachedBlock, int]] = field(default_factory=list)  # on pinned blocks, for room
 
     @property
     def points(self) -> set[str]:
@@ -66,13 +67,32 @@ def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[
     if short <= 0:
         return True
     weight = cache.ckpt.weight
-    victims = _pick(_device_candidates(cache, exclude), short, _device_rank, _device_parent(cache, exclude), weight)
+    candidates = _device_candidates(cache, exclude)
+    short -= _drop_pinned_checkpoints(cache, plan, short - sum(weight(b) for b in candidates), exclude)
+    victims = _pick(candidates, short, _device_rank, _device_parent(cache, exclude), weight) if short > 0 else []
     if victims is None:
         return False
     host = _HostRoom(cache, plan, exclude)
     for victim in victims:
         (plan.parks if host.take_slots(weight(victim)) else plan.device_drops).append(victim)
     return True
+
+
+def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[int]) -> int:
+    """When the unpinned blocks cannot free enough, the checkpoints on pinned device blocks (and on those
+    this plan pins: a matched checkpoint's state is read already) go, oldest first; the blocks stay.
+    Returns the slots freed: 0 when that is not enough either (then nothing is planned)."""
+    units = cache.ckpt.units
+    if missing <= 0 or not units:
+        return 0
+    held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
+                   if n.on_device and (n.ref_count or id(n) in exclude) for k in n.checkpoints),
+                  key=lambda e: (e[0], e[1]))
+    count = -(-missing // units)
+    if count > len(held):
+        return 0
+    plan.checkpoint_drops += [(n, k) for _, k, n in held[:count]]
+    return count * units
 
 
 class _HostRoom:

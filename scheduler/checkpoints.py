@@ -153,6 +153,21 @@ class Checkpoints:
         if not node.checkpoints:
             self.nodes.pop(id(node), None)
 
+    def forget(self, node: CachedBlock, k: int) -> None:
+        """Drop one checkpoint of a node (its block stays)."""
+        if k in node.checkpoints:
+            self.store.delete(node.tier, (node.digest, k))
+            node.checkpoints.discard(k)
+            self.stats["dropped"] += 1
+        if not node.checkpoints:
+            self.nodes.pop(id(node), None)
+
+    def give_up_pending(self, allocation: "Allocation") -> None:
+        """A running request short of room gives back its reservations and the checkpoints it took."""
+        self.reserved -= allocation.checkpoints_reserved
+        self.stats["dropped"] += len(allocation.pending_checkpoints)
+        allocation.checkpoints_reserved, allocation.pending_checkpoints = 0, {}
+
     def drop(self, node: CachedBlock) -> None:
         """Forget a node's checkpoints (the node is dropped, taken over, or replaced); call while its
         tier is still set."""
@@ -169,18 +184,14 @@ class Checkpoints:
             state = self.read(*match.checkpoint)
             if state is not None:
                 return match, state
-            node, k = match.checkpoint
-            node.checkpoints.discard(k)
-            if not node.checkpoints:
-                self.nodes.pop(id(node), None)
-            self.store.delete(node.tier, (node.digest, k))
+            self.forget(*match.checkpoint)
             match = self.trim(PrefixMatch(match.shared, match.cow_source, match.cow_tokens, match.salt))
         return match, None
 
     # -- running requests ----------------------------------------------------------------------------
     def take(self, allocation: "Allocation", position: int, state: np.ndarray) -> None:
         """A request's state after `position` computed tokens, held until its release attaches it."""
-        assert len(allocation.pending_checkpoints) < allocation.checkpoints_reserved, "checkpoint not reserved"
+        assert len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved, "checkpoint not reserved"
         allocation.pending_checkpoints[position] = state
         self.stats["taken"] += 1
 
@@ -188,11 +199,13 @@ class Checkpoints:
                         block_size: int) -> None:
         """A released request's checkpoints (those it took, and `final_state` after num_computed tokens)
         join the nodes of `path` (its blocks in the tree, in order) they end in; its reservations are given
-        back. An empty path (the cache is off) attaches nothing."""
+        back. An empty path (the cache is off) attaches nothing. Only as many as it reserved slots for
+        (a request admitted without room for them has none): the final state first, then the latest."""
         states = dict(allocation.pending_checkpoints)
         if final_state is not None and num_computed > 0:
             states[num_computed] = final_state
-        assert len(states) <= allocation.checkpoints_reserved, "checkpoints taken without a reservation"
+        kept = sorted(states, reverse=True)[: allocation.checkpoints_reserved]
+        states = {p: states[p] for p in kept}
         self.reserved -= allocation.checkpoints_reserved
         allocation.checkpoints_reserved, allocation.pending_checkpoints = 0, {}
         for position, state in sorted(states.items()):

@@ -246,6 +246,8 @@ class EngineLoop:
             match = self.cache.match(tokens, len(tokens) - 1, salt=request.cache_salt)
             first_step = min(len(tokens), match.num_tokens + self.prefill_chunk)
             plan = self.cache.plan_allocate(match, first_step, checkpoints=self.hybrid.reserve_at_admission)
+            if plan is None and self.hybrid.reserve_at_admission:  # no room for its checkpoint: go without
+                plan = self.cache.plan_allocate(match, first_step)
             allocation = self.memory.grant(plan)
             if allocation is None:
                 if plan is not None:
@@ -281,8 +283,13 @@ class EngineLoop:
         blocks; when even that cannot make room, running requests are preempted, newest first. False: the
         request sits this step out (preempted, or its grant was refused)."""
         while request.slot_id is not None:
-            plan = self.cache.plan_extend(request.allocation, request.seq.num_computed + n,
-                                          checkpoints=self.hybrid.checkpoints_after(request, n))
+            checkpoints = self.hybrid.checkpoints_after(request, n)
+            plan = self.cache.plan_extend(request.allocation, request.seq.num_computed + n, checkpoints=checkpoints)
+            if plan is None and checkpoints:  # no room for the step's checkpoints: the step goes without them
+                plan = self.cache.plan_extend(request.allocation, request.seq.num_computed + n)
+            if plan is None and request.allocation.checkpoints_reserved:  # nor for those it holds: give them up
+                self.cache.ckpt.give_up_pending(request.allocation)
+                continue
             if plan is not None:
                 if self.memory.grant(plan) is not None:
                     return True

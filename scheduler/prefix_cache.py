@@ -166,6 +166,8 @@ class PrefixCache:
                                  "host": self._host_free.num_free / max(1, self.host_blocks),
                                  "disk": 1 - len(self._on_disk) / max(1, self.disk_blocks)})
         moves = BlockMoves()
+        for node, k in plan.checkpoint_drops:  # room on the device: the states go, their pinned blocks stay
+            self.ckpt.forget(node, k)
         if plan.kind in ("release", "preempt"):
             self._release(plan)
             return plan.allocation

@@ -240,3 +240,12 @@ def test_the_same_prompt_again_computes_only_its_last_token_from_a_checkpoint_in
     retry = [(n, row) for rid, n, row, _ in steps if rid == "t1"]
     assert retry[0][0] == 1
     np.testing.assert_allclose(retry[0][1], first, atol=1e-5, rtol=1e-5)
+
+
+def test_a_request_that_fills_the_pool_goes_on_without_room_for_checkpoints(lfm2):
+    """30 prompt + 6 reply tokens in a pool of exactly 9 blocks of 4: no slot is left for a checkpoint, so
+    the request is admitted and steps without one (it must not wait or preempt itself forever)."""
+    turns = [(0, list(range(20, 50)), 6)]
+    on, usage, _, loop, _ = _run(lfm2, turns, num_blocks=9, every=1, hints={0: (4, 8, 12)})
+    off, _, _, _, _ = _run(lfm2, turns, num_blocks=9, cache_on=False)
+    assert on == off and loop.num_preemptions == 0
