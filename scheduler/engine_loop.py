@@ -64,7 +64,8 @@ class EngineLoop:
                                  host_blocks=admission.host_budget_blocks,
                                  disk_blocks=disk.capacity_blocks if disk else 0,
                                  mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block,
-                                 admission=admission, checkpoints=create_checkpoints(runner, disk, state_checkpoint_every))
+                                 admission=admission,
+                                 checkpoints=create_checkpoints(runner, disk, state_checkpoint_every))
         if disk is not None and prefix_cache:
             load_disk_index(self.cache, disk.scan())
             load_checkpoint_index(self.cache)

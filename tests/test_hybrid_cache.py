@@ -57,7 +57,8 @@ def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=No
         finish = loop.pipeline.finish
 
         def recording_finish(work, logits):
-            steps.extend((r.request_id, n, np.array(logits[i]), list(r.seq.block_table)) for i, (r, n) in enumerate(work))
+            steps.extend((r.request_id, n, np.array(logits[i]), list(r.seq.block_table))
+                         for i, (r, n) in enumerate(work))
             return finish(work, logits)
 
         loop.pipeline.finish = recording_finish
