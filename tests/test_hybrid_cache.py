@@ -41,7 +41,7 @@ def _disk(root, runner, blocks):
 
 
 def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=None, disk_blocks=256, every=2,
-         concurrency=1, history=None, chunk=8, hints=None, on_start=None):
+         concurrency=1, history=None, chunk=8, hints=None, on_start=None, layer_split=(), groups=1):
     """Turns [(conversation, new user tokens, reply length)] through one engine loop. Returns (replies,
     [(prompt_len, cached, ideal)], per step [(request id, tokens computed, logits row, block table)], the loop,
     the conversations' histories)."""
@@ -50,10 +50,10 @@ def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=No
     steps, out = [], {}
 
     async def main():
-        runner = ModelRunner(model, num_blocks, BLOCK, host_blocks=host_blocks)
+        runner = ModelRunner(model, num_blocks, BLOCK, host_blocks=host_blocks, layer_split=layer_split)
         disk = _disk(disk_root, runner, disk_blocks) if disk_root is not None else None
         loop = EngineLoop(runner, tokenizer, num_slots=3, prefill_chunk=chunk, max_queue=64, prefix_cache=cache_on,
-                          integrity_checks=True, disk=disk, state_checkpoint_every=every)
+                          integrity_checks=True, disk=disk, state_checkpoint_every=every, batch_groups=groups)
         finish = loop.pipeline.finish
 
         def recording_finish(work, logits):
@@ -101,6 +101,14 @@ def test_cache_on_and_off_produce_identical_replies(lfm2, seed):
     off, usage_off, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
     assert on == off and all(c == 0 for _, c, _ in usage_off)
     assert sum(c for _, c, _ in usage) > 0 and loop.cache.ckpt.stats["restored"] > 0
+
+
+def test_pipeline_stages_and_batch_groups_keep_each_sequence_s_state(lfm2):
+    """Three stages (each with its share of the state pools) and three groups in flight at once."""
+    turns = _random_turns(3, count=15)
+    on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3, layer_split=(1, 3), groups=3)
+    off, _, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
+    assert on == off and sum(c for _, c, _ in usage) > 0
 
 
 def test_agent_workload_computes_exactly_the_ideal(lfm2):
