@@ -12,8 +12,8 @@ A short-conv layer replaces attention in its block (llama.cpp `build_shortconv_b
 So the only thing a sequence carries from one step to the next in such a layer is L-1 rows of `u`; a
 sequence at position 0 starts from zeros. The state after any position p inside a step is a window of the
 rows the step has anyway (w[p - start : p - start + L-1]), so checkpoints are captured inside a chunk
-(`ConvStatePool.capture`) instead of cutting the chunk there. Chunked prefill, decode and continuous batching all go through
-the same rule: each sequence in a batch reads and writes its own state row (`SeqSlice.state_slot`).
+(`ConvStatePool.capture`) instead of cutting the chunk there. Chunked prefill, decode and continuous
+batching all go through the same rule: each sequence in a batch reads and writes its own state row (`SeqSlice.state_slot`).
 """
 from __future__ import annotations
 
@@ -84,11 +84,14 @@ class ConvStatePool:
         """The captured state after `position` tokens, every layer of the pool: [layers, L-1, d] (removed)."""
         found = self.captured.pop((slot, position), {})
         assert set(found) == set(self.layers), f"state after {position} tokens was not captured"
-        return np.stack([found[i] for i in self.layers]) if self.layers else np.zeros((0, self.rows, self.d_model), _F32)
+        return self._stack([found[i] for i in self.layers])
 
     def read(self, slot: int) -> np.ndarray:
         """Copy of one slot's state, every layer of the pool: [layers, L-1, d]."""
-        return np.stack([self.conv[i][slot] for i in self.layers]) if self.layers else np.zeros((0, self.rows, self.d_model), _F32)
+        return self._stack([self.conv[i][slot] for i in self.layers])
+
+    def _stack(self, rows: list[np.ndarray]) -> np.ndarray:
+        return np.stack(rows) if rows else np.zeros((0, self.rows, self.d_model), _F32)
 
     def write(self, slot: int, state: np.ndarray) -> None:
         self.ensure_slot(slot)

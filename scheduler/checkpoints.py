@@ -7,7 +7,12 @@ state; k == len(tokens) is "after its last token"). Where the engine takes them,
 
     prompt:  |-- N blocks --|-- N blocks --|-- ... --|x|       x = prompt_len - 1: the same prompt again
              ^ every N blocks (--state-checkpoint-every)  ^         reuses all but its last token
+             + where each message begins (the API's hints, api/checkpoint_hints.py)
+             + where the prompt left the cached sequence it matched (the next variant branches there too)
     release: the end of what the request computed (its reply, or where it was preempted)
+
+Under pressure checkpoints give way before K/V: a request without room for one goes on without it, one
+short of room gives up those it holds, and a plan may drop those on pinned blocks.
 
 A match is the longest cached prefix whose end has a checkpoint (`trim`); K/V blocks beyond it stay in the
 tree. A checkpoint lives in the tier of its node and moves with it (parked, restored, spilled, dropped by
@@ -35,7 +40,7 @@ class Checkpoints:
 
     def __init__(self, units: int = 0, every_blocks: int = 0, store: CheckpointStore | None = None):
         self.units = units  # block slots one checkpoint takes in its tier
-        self.every_blocks = every_blocks  # 0: only at the prompt's end and at release
+        self.every_blocks = every_blocks  # 0: none but the hints, the prompt's end and release
         self.store = store or CheckpointStore()
         self.nodes: dict[int, CachedBlock] = {}  # id -> node that carries checkpoints
         self.reserved = 0  # checkpoints running requests will take (device slots held for them)
@@ -102,10 +107,6 @@ class Checkpoints:
             out.checkpoint = (best[2], best[3])
         out.kv_tokens = kv_tokens
         return out
-
-    def nearest_before(self, match: PrefixMatch) -> int:
-        """Position of the checkpoint a trimmed match ends at (0: none)."""
-        return match.num_tokens if match.checkpoint is not None else 0
 
     # -- bytes follow their node ---------------------------------------------------------------------
     def read(self, node: CachedBlock, k: int) -> np.ndarray | None:

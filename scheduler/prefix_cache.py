@@ -134,7 +134,8 @@ class PrefixCache:
         plan = Plan("allocate", fresh=fresh, match=match, payloads=payloads, unreadable=unreadable,
                     restores=[b for b in match.shared if not b.on_device], reserve_checkpoints=checkpoints,
                     checkpoint_state=state)
-        plan.checkpoint_loads = {id(b): self.ckpt.read_disk(b) for b in plan.restores if not b.on_host and b.checkpoints}
+        plan.checkpoint_loads = {id(b): self.ckpt.read_disk(b) for b in plan.restores
+                                 if not b.on_host and b.checkpoints}
         keep = set(match.shared) | ({match.cow_source} if match.cow_source else set())
         room = fresh + sum(self.ckpt.weight(b) for b in plan.restores) + checkpoints * self.ckpt.units
         if plan_device_room(self, plan, room, keep):

@@ -118,8 +118,8 @@ class _HostRoom:
             plan.copy_drops.append(min(copies, key=_host_rank))
             self.disk_room += 1
             return True
-        disk_leaves = [b for b in cache._on_disk.values()
-                       if not b.children and tier(b) == "disk" and id(b) not in self.exclude and b not in plan.disk_drops]
+        disk_leaves = [b for b in cache._on_disk.values() if not b.children and tier(b) == "disk"
+                       and id(b) not in self.exclude and b not in plan.disk_drops]
         if disk_leaves:
             dropped = min(disk_leaves, key=_host_rank)
             plan.disk_drops.append(dropped)

@@ -72,7 +72,8 @@ def _cache(num_blocks=12, host_blocks=6, disk_blocks=8, machine_room=None, units
     room = None if machine_room is None else (lambda: machine_room)  # bytes = blocks here (block_bytes 1)
     admission = MemoryAdmission(host_blocks, block_bytes=1, host_committed_blocks=0, segment_blocks=2,
                                 machine_room_bytes=room)
-    checkpoints = Checkpoints(units, every_blocks=1, store=CheckpointStore((1, 1, 2), state_dir, b"k")) if units else None
+    store = CheckpointStore((1, 1, 2), state_dir, b"k")
+    checkpoints = Checkpoints(units, every_blocks=1, store=store) if units else None
     return PrefixCache(num_blocks=num_blocks, block_size=B, host_blocks=host_blocks, disk_blocks=disk_blocks,
                        admission=admission, checkpoints=checkpoints)
 

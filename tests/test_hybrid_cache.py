@@ -41,7 +41,8 @@ def _disk(root, runner, blocks):
 
 
 def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=None, disk_blocks=256, every=2,
-         concurrency=1, history=None, chunk=8, hints=None, write_behind_mib_s=0.0):
+         concurrency=1, history=None, chunk=8, hints=None, on_start=None, layer_split=(), groups=1,
+         write_behind_mib_s=0.0):
     """Turns [(conversation, new user tokens, reply length)] through one engine loop. Returns (replies,
     [(prompt_len, cached, ideal)], per step [(request id, tokens computed, logits row, block table)], the loop,
     the conversations' histories)."""
@@ -50,19 +51,22 @@ def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=No
     steps, out = [], {}
 
     async def main():
-        runner = ModelRunner(model, num_blocks, BLOCK, host_blocks=host_blocks)
+        runner = ModelRunner(model, num_blocks, BLOCK, host_blocks=host_blocks, layer_split=layer_split)
         disk = _disk(disk_root, runner, disk_blocks) if disk_root is not None else None
         loop = EngineLoop(runner, tokenizer, num_slots=3, prefill_chunk=chunk, max_queue=64, prefix_cache=cache_on,
-                          integrity_checks=True, disk=disk, state_checkpoint_every=every,
+                          integrity_checks=True, disk=disk, state_checkpoint_every=every, batch_groups=groups,
                           write_behind_mib_s=write_behind_mib_s)
         finish = loop.pipeline.finish
 
         def recording_finish(work, logits):
-            steps.extend((r.request_id, n, np.array(logits[i]), list(r.seq.block_table)) for i, (r, n) in enumerate(work))
+            steps.extend((r.request_id, n, np.array(logits[i]), list(r.seq.block_table))
+                         for i, (r, n) in enumerate(work))
             return finish(work, logits)
 
         loop.pipeline.finish = recording_finish
         loop.start()
+        if on_start is not None:
+            on_start(loop)
         replies, usage, cached = [], [], [h[:-1] for h in history.values()]
         for start in range(0, len(turns), concurrency):
             batch, streams = turns[start : start + concurrency], []
@@ -99,6 +103,14 @@ def test_cache_on_and_off_produce_identical_replies(lfm2, seed):
     off, usage_off, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
     assert on == off and all(c == 0 for _, c, _ in usage_off)
     assert sum(c for _, c, _ in usage) > 0 and loop.cache.ckpt.stats["restored"] > 0
+
+
+def test_pipeline_stages_and_batch_groups_keep_each_sequence_s_state(lfm2):
+    """Three stages (each with its share of the state pools) and three groups in flight at once."""
+    turns = _random_turns(3, count=15)
+    on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3, layer_split=(1, 3), groups=3)
+    off, _, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
+    assert on == off and sum(c for _, c, _ in usage) > 0
 
 
 def test_agent_workload_computes_exactly_the_ideal(lfm2):
@@ -254,3 +266,25 @@ def test_a_request_that_fills_the_pool_goes_on_without_room_for_checkpoints(lfm2
     on, usage, _, loop, _ = _run(lfm2, turns, num_blocks=9, every=1, hints={0: (4, 8, 12)})
     off, _, _, _, _ = _run(lfm2, turns, num_blocks=9, cache_on=False)
     assert on == off and loop.num_preemptions == 0
+
+
+def test_a_corrupt_checkpoint_file_only_shortens_the_match(lfm2, tmp_path):
+    """After a restart the checkpoint files are corrupted (after the start-up scan): the second turn's
+    match falls back to an earlier checkpoint (or none), recomputes the rest and replies as cache off."""
+    first, second = [(0, list(range(20, 49)), 6)], [(0, [5, 6, 7, 8], 4)]
+    _, _, _, _, history = _run(lfm2, first, disk_root=tmp_path, every=2)
+    saved = {conv: list(tokens) for conv, tokens in history.items()}
+
+    def corrupt(loop):
+        files = list(loop.cache.ckpt.store.dir.glob("*.state"))
+        assert files and loop.cache.ckpt.count("disk") == len(files)
+        for path in files:
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0xFF
+            path.write_bytes(bytes(raw))
+
+    on, usage, _, loop, _ = _run(lfm2, second, disk_root=tmp_path, every=2, history=history, on_start=corrupt)
+    off, _, _, _, _ = _run(lfm2, second, cache_on=False, history=saved)
+    assert on == off
+    assert usage[0][1] == 0  # every checkpoint on the path was unreadable: nothing reusable
+    assert loop.cache.ckpt.count("disk") == 0 and loop.cache.stats["disk_loads"] == 0

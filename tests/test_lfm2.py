@@ -64,8 +64,9 @@ def test_the_kv_pool_holds_the_attention_layers_only(reference_model):
     runner = ModelRunner(reference_model, num_blocks=8, block_size=BLOCK, layer_split=(2, 5))
     pattern = REFERENCE["gguf_args"]["pattern"]
     assert runner.layout.n_layers == pattern.count("a")
-    assert [s.layout.n_layers for s in runner.stages] == [p.count("a") for p in (pattern[:2], pattern[2:5], pattern[5:])]
-    assert [len(s.state_pool.layers) for s in runner.stages] == [p.count("c") for p in (pattern[:2], pattern[2:5], pattern[5:])]
+    parts = (pattern[:2], pattern[2:5], pattern[5:])
+    assert [s.layout.n_layers for s in runner.stages] == [p.count("a") for p in parts]
+    assert [len(s.state_pool.layers) for s in runner.stages] == [p.count("c") for p in parts]
     runner.check_stages()
 
 
