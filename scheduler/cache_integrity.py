@@ -76,3 +76,5 @@ def _check_checkpoints(cache: "PrefixCache") -> None:
     assert set(store.tiers["device"]) == expected["device"], "device checkpoint bytes disagree with the tree"
     assert set(store.tiers["host"]) == expected["host"], "host checkpoint bytes disagree with the tree"
     assert store.on_disk == expected["disk"], "checkpoint files disagree with the tree"
+    for tier in ("device", "host", "disk"):  # units_on reads the store's counts: the tree's, by the above
+        assert ckpt.count(tier) == sum(len(n.checkpoints) for n in ckpt.nodes.values() if n.tier == tier), tier

@@ -44,9 +44,11 @@ class CheckpointStore:
     def state_bytes(self) -> int:
         return int(np.prod(self.shape)) * 4 if self.shape else 0
 
+    def count(self, tier: str) -> int:
+        return len(self.on_disk) if tier == "disk" else len(self.tiers[tier])
+
     def nbytes(self, tier: str) -> int:
-        count = len(self.on_disk) if tier == "disk" else len(self.tiers[tier])
-        return count * self.state_bytes
+        return self.count(tier) * self.state_bytes
 
     # -- memory tiers --------------------------------------------------------------------------------
     def put(self, tier: str, key: Key, state: np.ndarray) -> None:

@@ -40,14 +40,17 @@ def load_checkpoint_index(cache) -> int:
     if not ckpt.enabled:
         return 0
     attached = 0
-    for key in ckpt.store.scan():
+    keys, ckpt.store.on_disk = ckpt.store.scan(), set()  # indexed again as each one is kept
+    for key in keys:
         node = cache._on_disk.get(key[0])
         fits = cache.disk_free >= ckpt.units  # the budget less blocks, copies and the files kept so far
         if node is None or not 0 < key[1] <= len(node.tokens) or not fits:
             ckpt.store.delete("disk", key)
             continue
         node.checkpoints.add(key[1])
+        ckpt.store.on_disk.add(key)
         ckpt.nodes[id(node)] = node
+        ckpt.on_change(node)
         attached += 1
     log.info("conversation cache: %d state checkpoints loaded from disk", attached,
              extra={"fields": {"loaded_checkpoints": attached}})
