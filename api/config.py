@@ -82,6 +82,9 @@ class ServerConfig:
               "keeps every conversation but the last seconds' work (0: write only on spills and at shutdown)")
     conversation_active_s: float = _opt(300.0, "a conversation with a turn this recent keeps its cached blocks "
                                                "longer than one-off prompts' (0: plain least recently used)")
+    state_checkpoint_every: int = _opt(8, "hybrid models (lfm2): keep the recurrent state every N KV blocks of "
+                                          "a long prompt, besides its end and each reply's end (0: only those)",
+                                       metavar="N")
     max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication); several "
                                      "comma-separated keys are tenants whose cached KV is never shared",
@@ -299,6 +302,8 @@ def _validate(cfg: ServerConfig) -> None:
     need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens})")
     need(cfg.kv_cache_mib >= 0,
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
+    need(cfg.state_checkpoint_every >= 0,
+         f"--state-checkpoint-every must be >= 0 blocks (got {cfg.state_checkpoint_every})")
     for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib",
                  "conversation_cache_write_behind_mib_s"):
         need(getattr(cfg, name) >= 0, f"{flag_name(name)} must be >= 0 (got {getattr(cfg, name)})")

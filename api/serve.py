@@ -12,6 +12,7 @@ import sys
 
 import uvicorn
 
+from api.checkpoint_hints import find_message_start_id
 from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
@@ -67,7 +68,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                         max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,
                         disk=disk, batch_groups=groups, admission=admission,
                         write_behind_mib_s=config.conversation_cache_write_behind_mib_s,
-                        conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks)
+                        conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks,
+                        state_checkpoint_every=config.state_checkpoint_every)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens; K/V %s, %d bytes per token",
@@ -77,7 +79,10 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                                "kv_blocks": num_blocks}})
     protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
                                     config.reasoning_format)
-    return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol)
+    message_start = find_message_start_id(loaded.chat_template, loaded.tokenizer) \
+        if loaded.model.config.is_hybrid else None
+    return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol,
+                       message_start_id=message_start)
 
 
 def _elastic_pool(config: ServerConfig, loaded: LoadedModel, num_blocks: int, bytes_per_block: int):

@@ -45,6 +45,7 @@ class ServerState:
     model_aliases: set[str] = field(default_factory=set)
     is_shutting_down: bool = False
     protocol: ChatProtocol | None = None  # tool-call format, reasoning tags, grammar (api/chat_protocol.py)
+    message_start_id: int | None = None  # hybrid models: checkpoint before each message (api/checkpoint_hints.py)
 
 
 def _openai_error(exc: APIError) -> Response:

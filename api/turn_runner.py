@@ -14,6 +14,7 @@ from typing import AsyncIterator, Callable, Mapping
 
 from starlette.requests import Request as HTTPRequest
 
+from api.checkpoint_hints import message_starts
 from api.chat_output import ReplyAssembler
 from api.chat_turn import ChatTurn, PreparedTurn, prepare_turn, render_turn
 from api.errors import APIError, bad_request, context_overflow, overloaded
@@ -78,7 +79,8 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
                       describe_position=position_describer(state, turn), constraint=prepared.constraint,
                       num_tools=len(turn.specs.tools) if num_tools is None else num_tools,
                       conversation_key=conversation_name(turn.conversation_key, http_request.headers),
-                      earlier_turns=sum(m.get("role") == "assistant" for m in turn.messages))
+                      earlier_turns=sum(m.get("role") == "assistant" for m in turn.messages),
+                      checkpoint_positions=message_starts(prepared.prompt_ids, state.message_start_id))
     stream = submit(state, request)
     return TurnRun(request, stream, prepared, ReplyAssembler(prepared.create_parser(), state.protocol.reasoning_field))
 

@@ -25,6 +25,7 @@ class SeqSlice:
     query_len: int  # number of new tokens
     start_pos: int  # position of the first new token (== tokens already in its KV)
     block_table: np.ndarray  # int32 block ids covering positions 0 .. context_len - 1
+    state_slot: int = -1  # hybrid models: the row of the recurrent-state pools this sequence reads and writes
 
     @property
     def context_len(self) -> int:
@@ -84,15 +85,16 @@ def build_batch(
     items: Sequence[tuple[Sequence[int], int, np.ndarray]],
     block_size: int,
     all_logits: bool = False,
+    state_slots: Sequence[int] | None = None,
 ) -> BatchMeta:
     """Pack (new token ids, start position, block table) per sequence into a BatchMeta.
 
     With all_logits the logits of every row come back (reference tests); otherwise only each sequence's
-    last row, which is all that sampling needs.
+    last row, which is all that sampling needs. `state_slots` (hybrid models): each sequence's state row.
     """
     seqs, ids, positions, logit_rows = [], [], [], []
     row = 0
-    for new_ids, start_pos, table in items:
+    for index, (new_ids, start_pos, table) in enumerate(items):
         n = len(new_ids)
         if n == 0:
             raise ValueError("every sequence in a batch must bring at least one new token")
@@ -101,7 +103,8 @@ def build_batch(
             raise ValueError(
                 f"block table of {len(table)} blocks cannot hold {start_pos + n} tokens (block size {block_size})"
             )
-        seqs.append(SeqSlice(row, n, int(start_pos), table))
+        state_slot = -1 if state_slots is None else int(state_slots[index])
+        seqs.append(SeqSlice(row, n, int(start_pos), table, state_slot))
         ids.append(np.asarray(new_ids, dtype=np.int64))
         pos = np.arange(start_pos, start_pos + n, dtype=np.int64)
         positions.append(pos)

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.moe_config import MOE_ARCHITECTURES, moe_overrides
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3") + MOE_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "lfm2") + MOE_ARCHITECTURES
 
 # llama.cpp marks every 6th gemma3 layer global and the rest sliding-window (set_swa_pattern(6)).
 GEMMA3_SWA_PATTERN = 6
@@ -61,6 +61,28 @@ class ModelConfig:
     rope_yarn_orig_ctx: int = 0
     rope_yarn_beta_fast: float = 32.0
     rope_yarn_beta_slow: float = 1.0
+    # -- hybrid models (lfm2): layers that keep a recurrent state instead of K/V (engine/short_conv.py) --
+    # llama.cpp marks them with head_count_kv 0 in its per-layer list; () means every layer is attention.
+    layer_is_recurrent: tuple[bool, ...] = ()
+    conv_kernel: int = 0  # short-convolution length L ({arch}.shortconv.l_cache); the state keeps L - 1 rows
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers carry a recurrent state: a cached prefix is only usable where a checkpoint is."""
+        return any(self.layer_is_recurrent)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.layer_is_recurrent) if r)
+
+    @property
+    def n_kv_layers(self) -> int:
+        """Layers that keep K/V (every layer but the recurrent ones): a K/V pool holds only these."""
+        return self.n_layers - sum(self.layer_is_recurrent)
+
+    def kv_index(self, layer: int) -> int:
+        """K/V layers before `layer`: its index in a pool of every layer (layer == n_layers: their count)."""
+        return layer - sum(self.layer_is_recurrent[:layer])
 
     @property
     def q_dim(self) -> int:
@@ -92,7 +114,11 @@ def config_from_gguf(fields: dict[str, Any], vocab_size: int) -> ModelConfig:
     n_layers = int(get("block_count"))
     d_model = int(get("embedding_length"))
     n_heads = _first_int(get("attention.head_count"))
-    n_kv_heads = _first_int(get("attention.head_count_kv", n_heads))
+    kv_heads_field = get("attention.head_count_kv", n_heads)
+    layer_is_recurrent = _recurrent_layers(arch, kv_heads_field, n_layers)
+    if layer_is_recurrent:  # per-layer list with 0 on the short-conv layers
+        kv_heads_field = [int(h) for h in kv_heads_field if int(h) > 0]
+    n_kv_heads = _first_int(kv_heads_field)
     head_dim = int(get("attention.key_length", d_model // n_heads))
     if n_heads % n_kv_heads:
         raise ValueError(f"{n_heads} attention heads are not a multiple of {n_kv_heads} KV heads")
@@ -129,13 +155,27 @@ def config_from_gguf(fields: dict[str, Any], vocab_size: int) -> ModelConfig:
         embed_scale=math.sqrt(d_model) if is_gemma3 else 1.0,
         activation="gelu_tanh" if is_gemma3 else "silu",
         has_qkv_bias=arch == "qwen2",
-        has_qk_norm=arch in ("qwen3", "gemma3"),
+        has_qk_norm=arch in ("qwen3", "gemma3", "lfm2"),
         has_post_norms=is_gemma3,
         permuted_qk=arch == "llama",
+        layer_is_recurrent=layer_is_recurrent,
+        conv_kernel=int(get("shortconv.l_cache")) if layer_is_recurrent else 0,
     )
     if arch in MOE_ARCHITECTURES:
         config = replace(config, **moe_overrides(arch, fields, n_layers))
     return config
+
+
+def _recurrent_layers(arch: str, kv_heads: Any, n_layers: int) -> tuple[bool, ...]:
+    """lfm2: the layers whose head_count_kv entry is 0 are short-conv layers; () for every other arch."""
+    if arch != "lfm2":
+        return ()
+    if not isinstance(kv_heads, (list, tuple)) or len(kv_heads) != n_layers:
+        raise ValueError(f"lfm2 GGUF needs a per-layer {arch}.attention.head_count_kv list of {n_layers} values")
+    flags = tuple(int(h) == 0 for h in kv_heads)
+    if all(flags):
+        raise ValueError("lfm2 GGUF has no attention layer (every head_count_kv entry is 0)")
+    return flags
 
 
 def _first_int(value: Any) -> int:

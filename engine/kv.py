@@ -84,7 +84,9 @@ class KVLayout:
 
 
 def layout_for(config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZE, kv_type: str = "f32") -> KVLayout:
-    return KVLayout(num_blocks, block_size, config.n_layers, config.n_kv_heads, config.head_dim, kv_type)
+    # Recurrent layers (hybrid models) keep no K/V: the pool has a layer for each attention layer only, so
+    # bytes_per_token / bytes_per_block count those alone.
+    return KVLayout(num_blocks, block_size, config.n_kv_layers, config.n_kv_heads, config.head_dim, kv_type)
 
 
 def resolve_kv_type(requested: str, backend) -> str:

@@ -7,12 +7,14 @@ from pathlib import Path
 
 from engine.backends.base import Backend
 from engine.chat_template import ChatTemplate
+from engine.gguf_file import GGUFFile
 from engine.model import LoadInfo, Model, load_model
 from engine.model_store import resolve_model
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.loader")
 BACKEND_NAMES = ("auto", "numpy", "cuda")
+NUMPY_ONLY_ARCHS = ("lfm2",)  # hybrid models whose recurrent layers have no CUDA kernels yet
 # How the numpy backend holds linear weights: float32 (the reference) or the file's quantised blocks.
 CPU_WEIGHTS = ("f32", "quantized")
 
@@ -93,8 +95,8 @@ def open_model(
     """Resolve (fetching if needed), load and wrap a model on `backend` (default: create_backend(backend_name,
     cpu_weights=cpu_weights)). Raises ValueError on unsupported files."""
     path = resolve_model(name_or_path, fetch=fetch)
-    if backend is None and backend_name == "auto":
-        backend_name = _numpy_if_moe(path)
+    if backend is None and backend_name in ("auto", "cuda"):
+        backend_name = _backend_for_arch(GGUFFile(path).architecture, backend_name, path)
     backend = backend or create_backend(backend_name, cpu_weights=cpu_weights)
     model, gguf, info = load_model(path, backend, max_positions)
     tokenizer = Tokenizer.from_gguf_fields(gguf.fields)
@@ -102,18 +104,22 @@ def open_model(
     return LoadedModel(model, tokenizer, template, info)
 
 
-def _numpy_if_moe(path) -> str:
-    """auto -> numpy for a mixture-of-experts model: cuda's expert path has run on the kernel emulator but
-    never on a GPU, so it is opt-in with --backend cuda."""
-    from engine.gguf_file import GGUFFile
+def _backend_for_arch(arch: str, backend_name: str, path) -> str:
+    """The backend an arch may run on: a hybrid model (lfm2) runs on numpy only, so auto picks numpy and
+    --backend cuda is refused; auto -> numpy for a mixture-of-experts model too: cuda's expert path has run
+    on the kernel emulator but never on a GPU, so it is opt-in with --backend cuda."""
     from engine.moe_config import MOE_ARCHITECTURES
 
-    arch = GGUFFile(path).architecture
-    if arch in MOE_ARCHITECTURES:
+    if arch in NUMPY_ONLY_ARCHS:
+        if backend_name == "cuda":
+            raise ValueError(f"--backend cuda: {Path(path).name} is a hybrid model (short convolutions), which "
+                             "has no CUDA kernels yet; use --backend numpy or auto")
+        return "numpy"  # auto: its recurrent layers run on numpy only (logged by create_backend)
+    if backend_name == "auto" and arch in MOE_ARCHITECTURES:
         log.info("backend auto -> numpy: %s is a mixture-of-experts model and the cuda expert path has not run "
                  "on a GPU yet (--backend cuda to try it)", arch)
         return "numpy"
-    return "auto"
+    return backend_name
 
 
 def encode_chat_prompt(tokenizer: Tokenizer, rendered: str) -> list[int]:

@@ -18,6 +18,7 @@ from engine.batch import BatchMeta
 from engine.config import ModelConfig, config_from_gguf
 from engine.gguf_file import GGUFFile
 from engine.moe import moe_ffn
+from engine.short_conv import short_conv_block
 from engine.weights import ModelWeights, load_weights
 
 log = logging.getLogger("strata.model")
@@ -31,13 +32,14 @@ class Model:
         self.weights = weights
         self.backend = backend
 
-    def forward(self, batch: BatchMeta, kv_pool) -> np.ndarray:
-        """Run every new token of the batch through the model, writing its K/V into kv_pool.
+    def forward(self, batch: BatchMeta, kv_pool, state_pool=None) -> np.ndarray:
+        """Run every new token of the batch through the model, writing its K/V into kv_pool (and, for a
+        hybrid model, each sequence's recurrent state into state_pool).
 
         Returns float32 logits [len(batch.logit_rows), vocab] on the host.
         """
         hidden = self.embed(batch)
-        hidden = self.run_layers(hidden, batch, kv_pool, range(self.config.n_layers))
+        hidden = self.run_layers(hidden, batch, kv_pool, range(self.config.n_layers), state_pool=state_pool)
         return self.head(hidden)
 
     # A pipeline stage runs one slice of the three parts below: stage 0 embeds, every stage runs its layer
@@ -51,17 +53,22 @@ class Model:
         return x, b.rms_norm(x, w.layers[0].attn_norm, c.rms_eps)
 
     def run_layers(self, hidden: tuple, batch: BatchMeta, kv_pool, layers: range,
-                   backend: Backend | None = None) -> tuple:
-        """Layers `layers` (consecutive); kv_pool holds exactly those layers (local index i - layers.start).
+                   backend: Backend | None = None, state_pool=None) -> tuple:
+        """Layers `layers` (consecutive); kv_pool holds the K/V of exactly those layers that keep K/V (layer i
+        at index kv_index(i) - kv_index(layers.start); i - layers.start when no layer is recurrent).
 
         After the model's last layer x is reduced to the rows whose logits are wanted and h is None.
         `backend`: a stage's own handle on the weights' backend (CUDA: its stream); default the model's.
+        `state_pool`: the stage's recurrent-state pool (engine/short_conv.ConvStatePool) for a hybrid model.
         """
         c, w, b = self.config, self.weights, backend or self.backend
         x, h = hidden
         for i in layers:
             lw = w.layers[i]
-            attn = self._attention(b, i, h, batch, kv_pool, i - layers.start)  # [T, d]
+            if lw.short_conv is not None:
+                attn = short_conv_block(b, lw.short_conv, h, batch, state_pool, i)  # [T, d]
+            else:
+                attn = self._attention(b, i, h, batch, kv_pool, c.kv_index(i) - c.kv_index(layers.start))
             if lw.post_attn_norm is not None:
                 attn = b.rms_norm(attn, lw.post_attn_norm, c.rms_eps)
             x, h = b.add_rms_norm(x, attn, lw.ffn_norm, c.rms_eps)
@@ -114,6 +121,8 @@ def load_model(path: str | Path, backend: Backend, max_positions: int | None = N
     started = time.perf_counter()
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf.fields, vocab_size=gguf.tensor_shape("token_embd.weight")[0])
+    if config.is_hybrid and getattr(backend, "name", "numpy") != "numpy":
+        raise ValueError(f"{Path(path).name}: {config.arch} (short convolutions) runs on the numpy backend only")
     positions = max_positions or config.context_length
     weights = load_weights(gguf, config, backend, positions)
     weight_bytes = _count_bytes(weights)

@@ -13,6 +13,7 @@ import numpy as np
 from engine.batch import BatchMeta, build_batch
 from engine.kv import BLOCK_SIZE, BlockAllocator, blocks_needed, layout_for
 from engine.model import Model
+from engine.recurrent_state import RecurrentStates
 from engine.stages import Stage, split_layers
 
 
@@ -23,6 +24,7 @@ class Sequence:
     token_ids: list[int]
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    state_slot: int = -1  # hybrid models: its row of the runner's recurrent-state pools (-1: none yet)
 
     @property
     def num_pending(self) -> int:
@@ -50,6 +52,7 @@ class ModelRunner:
         self.host_layout = replace(self.layout, num_blocks=host_blocks)
         self.stages = [self._make_stage(i, layers, num_blocks, host_blocks)
                        for i, layers in enumerate(split_layers(model.config.n_layers, layer_split))]
+        self.states = RecurrentStates(model.config, self.stages)  # hybrid models only; else holds nothing
         self._standalone: BlockAllocator | None = None  # block ids for runs without a conversation cache
         self.blocks_owner: str | None = None
 
@@ -69,7 +72,8 @@ class ModelRunner:
 
     def _make_stage(self, index: int, layers: range, num_blocks: int, host_blocks: int) -> Stage:
         backend = self.model.backend.for_stage(index)  # CUDA: the same weights and arena, a stream of its own
-        layout = replace(self.layout, n_layers=len(layers))
+        kv = _kv_layers(self.model.config, layers)
+        layout = replace(self.layout, n_layers=kv.stop - kv.start)
         # host_blocks are committed now; the host tier grows from there as the cache's admission grants.
         host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks))
         # Block moves run on the event loop while the stage's worker may be computing another group's step
@@ -94,7 +98,8 @@ class ModelRunner:
         assert layers == list(range(self.model.config.n_layers)), f"stage layers {layers}"
         for stage in self.stages:
             assert stage.layout.num_blocks == self.layout.num_blocks, f"{stage.describe()}: device pool size"
-            assert stage.layout.n_layers == len(stage.layers), f"{stage.describe()}: pool layers"
+            kv = _kv_layers(self.model.config, stage.layers)
+            assert stage.layout.n_layers == kv.stop - kv.start, f"{stage.describe()}: pool layers"
             assert stage.host_pool.num_blocks == self.host_layout.num_blocks, f"{stage.describe()}: host pool"
 
     def grow_host(self, num_blocks: int) -> None:
@@ -167,7 +172,7 @@ class ModelRunner:
 
     def write_block(self, device_id: int, k, v) -> None:
         for stage in self.stages:
-            layers = slice(stage.layers.start, stage.layers.stop)
+            layers = _kv_layers(self.model.config, stage.layers)
             stage.mover.write_block(stage.kv_pool, device_id, k[layers], v[layers])
         self._fence_moves()
 
@@ -175,28 +180,30 @@ class ModelRunner:
         self.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        self.states.release(seq)
 
     def prepare(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> BatchMeta:
         """The batch that computes the next n pending tokens of each (sequence, n); blocks must already be
         reserved with ensure_blocks."""
         items = []
+        slots = [self.states.slot_of(seq) for seq, _ in work] if self.states.enabled else None
         for seq, n in work:
             assert 0 < n <= seq.num_pending, f"asked for {n} tokens of a sequence with {seq.num_pending} pending"
             start = seq.num_computed
             items.append((seq.token_ids[start : start + n], start, np.asarray(seq.block_table, dtype=np.int32)))
-        return build_batch(items, self.block_size, all_logits=all_logits)
+        return build_batch(items, self.block_size, all_logits=all_logits, state_slots=slots)
 
     def run_stage(self, stage: Stage, batch: BatchMeta, hidden):
         """One stage's share of a forward: embeds on the first stage, applies the head on the last (then
         returns host logits), otherwise returns the hidden state for the next stage."""
         model, backend, last = self.model, stage.backend, stage.layers.stop == self.model.config.n_layers
-        if stage.is_first and last:
+        if stage.is_first and last and stage.state_pool is None:
             return backend.run_forward(model, batch, stage.kv_pool)  # cuda: graph replay of decode steps
         if stage.is_first:
             hidden = model.embed(batch, backend)
         else:  # cuda: into this stage's own workspace, on its stream
             hidden = backend.receive_hidden(hidden, batch)
-        hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers, backend)
+        hidden = model.run_layers(hidden, batch, stage.kv_pool, stage.layers, backend, stage.state_pool)
         if last:
             return model.head(hidden, backend)
         # The hand-off buffer: a stage's workspace is reused by its next job while the next stage still
@@ -220,3 +227,8 @@ class ModelRunner:
             hidden = self.run_stage(stage, batch, hidden)
         self.commit(work)
         return hidden
+
+
+def _kv_layers(config, layers: range) -> slice:
+    """The K/V-pool layers of a stage's layer range (all of them, unless some are recurrent)."""
+    return slice(config.kv_index(layers.start), config.kv_index(layers.stop))

@@ -42,6 +42,7 @@ class Stage:
     kv_pool: Any
     host_pool: Any  # this stage's share of the host tier (grown on demand; 0 blocks without one)
     mover: Backend  # the handle block moves use, from the event loop's thread (backend.sibling())
+    state_pool: Any = None  # hybrid models: recurrent states of this stage's recurrent layers (a state slot per sequence)
 
     @property
     def is_first(self) -> bool:

@@ -22,6 +22,7 @@ from engine.moe import ExpertWeights, require_moe_backend
 from engine.moe_weights import FFN_NORM_TENSOR, load_moe_layer
 from engine.quant_weights import QuantizedLinearLoader
 from engine.rope_yarn import yarn_rope_tables
+from engine.short_conv import ShortConvWeights, load_short_conv
 
 
 @dataclass
@@ -41,6 +42,7 @@ class LayerWeights:
     moe: ExpertWeights | None = None
     bo: Array | None = None  # attention output bias
     attn_sinks: Array | None = None  # [H]
+    short_conv: ShortConvWeights | None = None  # lfm2 short-conv layers (then wqkv, wo, q/k norms are None)
 
 
 @dataclass
@@ -98,6 +100,9 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
+        if c.layer_is_recurrent and c.layer_is_recurrent[i]:
+            layers.append(_short_conv_layer(p, t, linear, backend))
+            continue
         bias = None
         if c.has_qkv_bias:
             bias = np.concatenate([t(p + "attn_q.bias"), t(p + "attn_k.bias"), t(p + "attn_v.bias")])
@@ -139,8 +144,21 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
     return ModelWeights(
         embedding=embedding,
         layers=layers,
-        output_norm=backend.upload(t("output_norm.weight")),
+        output_norm=backend.upload(t(final_norm_name(gguf))),
         output=output,
         rope_global=(backend.upload(rope_global[0]), backend.upload(rope_global[1])),
         rope_local=(backend.upload(rope_local[0]), backend.upload(rope_local[1])),
     )
+
+
+def final_norm_name(gguf: GGUFFile) -> str:
+    # lfm2's final norm is HF's `embedding_norm`, which llama.cpp stores as token_embd_norm.
+    return "output_norm.weight" if gguf.has_tensor("output_norm.weight") else "token_embd_norm.weight"
+
+
+def _short_conv_layer(p: str, t, linear, backend: Backend) -> LayerWeights:
+    return LayerWeights(
+        attn_norm=backend.upload(t(p + "attn_norm.weight")), wqkv=None, bqkv=None, q_norm=None, k_norm=None,
+        wo=None, post_attn_norm=None, ffn_norm=backend.upload(t(p + "ffn_norm.weight")),
+        w_gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]), w_down=linear([p + "ffn_down.weight"]),
+        post_ffn_norm=None, short_conv=load_short_conv(p, t, linear, lambda a: np.ascontiguousarray(a, np.float32)))

@@ -3,7 +3,7 @@ the reused tokens come from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler.cache_tree import CachedBlock, PrefixMatch
 
@@ -25,6 +25,11 @@ class Allocation:
     parks: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     restores: list[tuple[int, int]] = field(default_factory=list)  # (host slot or -1 for disk, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
+    # hybrid models (scheduler/checkpoints.py): the state to load into the sequence, the checkpoints the
+    # request has room reserved for, and those it took (position -> state) that its release attaches
+    checkpoint_state: Any = None
+    checkpoints_reserved: int = 0
+    pending_checkpoints: dict[int, Any] = field(default_factory=dict)
 
 
 def read_disk_blocks(cache: "PrefixCache", match: PrefixMatch) -> tuple[PrefixMatch, dict, list[CachedBlock]]:

@@ -47,3 +47,34 @@ def check_cache(cache: "PrefixCache") -> None:
         assert not (block.on_device or block.on_host), "a block is in two tiers"
     cache.index.check(cache)  # the eviction order and counters against a full scan of the tiers
     cache.activity.check({*cache._on_device.values(), *cache._on_host.values(), *cache._on_disk.values()})
+    _check_checkpoints(cache)
+
+
+def _check_checkpoints(cache: "PrefixCache") -> None:
+    """Hybrid models: every checkpoint is on a cached node, in its node's tier, with its bytes there; the
+    tiers have room for the slots they take (device: with the requests' reservations; disk: with the
+    written-behind copies)."""
+    ckpt = cache.ckpt
+    if not ckpt.enabled:
+        assert not ckpt.nodes and not ckpt.reserved, "checkpoints on a model without recurrent state"
+        return
+    assert cache._dev_free.num_free >= ckpt.units_on("device"), (
+        f"device: {cache._dev_free.num_free} free slots hold {ckpt.units_on('device')} of checkpoints")
+    assert cache._host_free.num_free >= ckpt.units_on("host"), "host tier: checkpoints beyond its free slots"
+    assert len(cache._on_disk) + len(cache._disk_copies) + ckpt.units_on("disk") <= cache.disk_blocks, (
+        "disk tier: checkpoints beyond its budget")
+    expected = {"device": set(), "host": set(), "disk": set()}
+    index = {"device": cache._on_device, "host": cache._on_host, "disk": cache._on_disk}
+    for node in ckpt.nodes.values():
+        key = node.device_id if node.on_device else node.host_slot if node.on_host else node.digest
+        assert index[node.tier].get(key) is node, f"checkpointed node not cached in the {node.tier} tier"
+        assert node.checkpoints and all(0 < k <= len(node.tokens) for k in node.checkpoints), node.checkpoints
+        expected[node.tier] |= {(node.digest, k) for k in node.checkpoints}
+    carried = sum(1 for idx in index.values() for node in idx.values() if node.checkpoints)
+    assert carried == len(ckpt.nodes), "a node carries checkpoints the cache does not know of"
+    store = ckpt.store
+    assert set(store.tiers["device"]) == expected["device"], "device checkpoint bytes disagree with the tree"
+    assert set(store.tiers["host"]) == expected["host"], "host checkpoint bytes disagree with the tree"
+    assert store.on_disk == expected["disk"], "checkpoint files disagree with the tree"
+    for tier in ("device", "host", "disk"):  # units_on reads the store's counts: the tree's, by the above
+        assert ckpt.count(tier) == sum(len(n.checkpoints) for n in ckpt.nodes.values() if n.tier == tier), tier

@@ -53,10 +53,14 @@ def flush_to_disk(cache: PrefixCache) -> int:
         stack = list(root.children.values())
         while stack:
             node = stack.pop()
-            if not (node.on_disk or node.disk_copy):  # written behind already: its file is current
-                if written >= room or not cache.mover.save(node):
-                    continue  # a child without its parent on disk would be unreachable after a restart
-                written += 1
+            if not node.on_disk:
+                if not node.disk_copy:  # written behind already: its file is current
+                    if written >= room or not cache.mover.save(node):
+                        continue  # a child without its parent on disk would be unreachable after a restart
+                    written += 1
+                for k in node.checkpoints:  # hybrid models: its states too (not counted in the room: best effort;
+                    key = (node.digest, k)  # write-behind writes K/V only, so a written-behind block's go now)
+                    cache.ckpt.store.write_file(key, cache.ckpt.store.get(node.tier, key), index=False)
             stack.extend(node.children.values())
     log.info("conversation cache: %d blocks written to disk at shutdown", written,
              extra={"fields": {"written_blocks": written}})

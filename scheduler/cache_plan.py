@@ -12,6 +12,9 @@ host leaf goes to disk (a "spill") or, without room there, is dropped. The candi
 kept in that order as blocks move (scheduler/eviction_index.py); a plan reads them with the blocks already
 chosen set aside (scheduler/eviction_sim.py), so a parent becomes a candidate once its last device child is
 chosen, exactly as if the blocks had been moved one by one, and nothing is scanned or changed.
+Hybrid models (scheduler/checkpoints.py): a block's state checkpoints take slots of its tier, so a victim
+frees its weight (1 + units per checkpoint) and needs as many host slots or disk files; the order is the
+same. Only when the unpinned blocks cannot free enough do the checkpoints on pinned blocks go.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler.cache_tree import CachedBlock, PrefixMatch
-from scheduler.eviction_sim import HostLeaves, device_victims
+from scheduler.eviction_sim import HostLeaves, device_victims, movable_device_weight
 
 if TYPE_CHECKING:
     from scheduler.prefix_cache import Allocation, PrefixCache
@@ -51,6 +54,12 @@ class Plan:
     allocation: "Allocation | None" = None  # extend / release: the request's allocation
     token_ids: list[int] = field(default_factory=list)  # release: what the request computed
     num_computed: int = 0
+    # hybrid models (scheduler/checkpoints.py)
+    reserve_checkpoints: int = 0  # checkpoints the request will take: a device slot each, held from now
+    checkpoint_state: object = None  # allocate: the matched checkpoint's state, read when planned
+    checkpoint_loads: dict[int, dict] = field(default_factory=dict)  # id(disk block) -> {k: state}
+    final_state: object = None  # release: the state after num_computed tokens (None: take no checkpoint)
+    checkpoint_drops: list[tuple[CachedBlock, int]] = field(default_factory=list)  # on pinned blocks, for room
 
     @property
     def points(self) -> set[str]:
@@ -64,17 +73,20 @@ class Plan:
 
 def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[CachedBlock]) -> bool:
     """Add to `plan` what frees `count` device blocks (beyond the free ones); False when it cannot.
-    `exclude`: the blocks this plan pins or copies from (never moved by it)."""
-    short = count - cache._dev_free.num_free - plan.device_grow
+    `exclude`: the blocks this plan pins or copies from (never moved by it). A block that carries
+    checkpoints (hybrid models) frees, and needs in the host tier, their slots too."""
+    short = count - (cache._dev_free.num_free - cache.ckpt.units_on("device")) - plan.device_grow
     short -= plan_device_growth(cache, plan, short)  # an elastic pool grows before anything is parked
     if short <= 0:
         return True
-    victims = device_victims(cache.index, short, exclude)
+    short -= _drop_pinned_checkpoints(cache, plan, short - movable_device_weight(cache.index, exclude), exclude)
+    victims = device_victims(cache.index, short, exclude) if short > 0 else []
     if victims is None:
         return False
     host = _HostRoom(cache, plan, exclude)
+    weight = cache.ckpt.weight
     for victim in victims:
-        if host.take_slot():
+        if host.take_slots(weight(victim)):
             plan.parks.append(victim)
             host.leaves.park(victim)
         else:
@@ -96,64 +108,95 @@ def plan_device_growth(cache: "PrefixCache", plan: Plan, short: int) -> int:
     return grow
 
 
+def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[CachedBlock]) -> int:
+    """When the unpinned blocks cannot free enough, the checkpoints on pinned device blocks (and on those
+    this plan pins: a matched checkpoint's state is read already) go, oldest first; the blocks stay.
+    Returns the slots freed: 0 when that is not enough either (then nothing is planned). Scans the
+    checkpointed nodes, only on this last resort."""
+    units = cache.ckpt.units
+    if missing <= 0 or not units:
+        return 0
+    taken_over = plan.match.cow_source if plan.takeover else None  # its checkpoints go anyway: counted once
+    held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
+                   if n.on_device and (n.ref_count or n in exclude) and n is not taken_over for k in n.checkpoints),
+                  key=lambda e: (e[0], e[1]))
+    count = -(-missing // units)
+    if count > len(held):
+        return 0
+    plan.checkpoint_drops += [(n, k) for _, k, n in held[:count]]
+    return count * units
+
+
 class _HostRoom:
     """Host slots as the plan consumes them: free ones, then granted growth, then evicted leaves."""
 
     def __init__(self, cache: "PrefixCache", plan: Plan, exclude: set[CachedBlock]):
         self.cache, self.plan = cache, plan
         self.leaves = HostLeaves(cache.index, exclude)  # exclude: the blocks being restored
+        self.weight = cache.ckpt.weight  # slots a block takes in a tier: 1, plus its checkpoints'
         # Slots the plan's own restores give back count as free: a restore and a park may swap a slot
         # (the runner reads such a restore's bytes before the park overwrites them).
-        self.free = cache._host_free.num_free + sum(1 for b in plan.restores if b.on_host)
+        self.free = cache._host_free.num_free - cache.ckpt.units_on("host") \
+            + sum(self.weight(b) for b in plan.restores if b.on_host)
         self.disk_room = cache.disk_free
+
+    def take_slots(self, count: int) -> bool:
+        """`count` host slots (a block and its checkpoints); on False some may be spent: the plan then
+        uses fewer host slots than it could, never more than there are."""
+        return all(self.take_slot() for _ in range(count))
 
     def take_slot(self) -> bool:
         cache, plan = self.cache, self.plan
         if cache.host_blocks == 0:
             return False
-        if self.free == 0:
+        if self.free <= 0:
             admission = cache.admission
             committed = admission.host_committed_blocks + plan.host_grow
             segment = min(admission.segment_blocks, cache.host_blocks - committed)
             if segment > 0 and admission.host_room_for(committed + segment):
                 plan.host_grow += segment
                 self.free += segment
-        if self.free == 0 and not self._evict_host_leaf():
-            return False
+        while self.free <= 0:
+            if not self._evict_host_leaf():
+                return False
         self.free -= 1
         return True
 
     def _evict_host_leaf(self) -> bool:
-        """Free a slot: the least valuable host leaf (blocks parked earlier in this plan included) goes to
+        """Free slots: the least valuable host leaf (blocks parked earlier in this plan included) goes to
         disk, or is dropped without room there. A block parked in this plan then skips the host tier."""
         cache, plan = self.cache, self.plan
         victim = self.leaves.take_host_leaf()
         if victim is None:
             return False
         has_file = victim.disk_copy and victim not in plan.copy_drops  # a copy this plan deleted needs room again
-        if self.disk_room == 0 and cache.disk_blocks and not has_file:
-            self._make_disk_room()
+        need = self.weight(victim) - has_file  # written behind: only its checkpoints need files
+        if has_file:
+            self.leaves.leaving(victim)  # its own file is not one to delete for the room
+        while self.disk_room < need and cache.disk_blocks and self._make_disk_room():
+            pass
         if victim in self.leaves.parked:
             plan.parks.remove(victim)
-        if has_file:  # written behind: its file is there, the spill costs no room
+        if self.disk_room >= need:
             plan.spills.append(victim)
-        elif self.disk_room > 0:
-            plan.spills.append(victim)
-            self.disk_room -= 1
+            self.disk_room -= need
         else:
             plan.host_drops.append(victim)  # from the device when this plan had parked it: no wasted copy
         self.leaves.move_down(victim)
-        self.free += 1
+        self.free += self.weight(victim)
         return True
 
-    def _make_disk_room(self) -> None:
-        """One file's room: a written-behind copy goes first (its block stays resident), else a disk leaf."""
+    def _make_disk_room(self) -> bool:
+        """Room for files: a written-behind copy goes first (its block stays resident), else a disk leaf
+        (with its checkpoint files). False when neither is left."""
         copy = self.leaves.take_disk_copy()
         if copy is not None:
             self.plan.copy_drops.append(copy)
             self.disk_room += 1
-            return
+            return True
         dropped = self.leaves.take_disk_leaf()
         if dropped is not None:
             self.plan.disk_drops.append(dropped)
-            self.disk_room += 1
+            self.disk_room += self.weight(dropped)
+            return True
+        return False

@@ -23,6 +23,7 @@ class CachedBlock:
     digest: bytes = b""  # chain digest of everything up to and including this block (names it on disk)
     on_disk: bool = False  # the block's only copy is its file in the disk tier
     disk_copy: bool = False  # resident on the device or host, with a verified file on disk too (write-behind)
+    checkpoints: set[int] = field(default_factory=set)  # hybrid models: k where the state after k tokens is kept
 
     @property
     def on_device(self) -> bool:
@@ -62,6 +63,9 @@ class PrefixMatch:
     cow_tokens: int
     salt: str = ""
     conversation: str | None = None  # the client's name for it (prompt_cache_key, session id), if any
+    # hybrid models (scheduler/checkpoints.py): the checkpoint the match ends at, and the K/V match length
+    checkpoint: tuple[CachedBlock, int] | None = None
+    kv_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -29,31 +29,51 @@ SEGMENT_BLOCKS = 64  # the elastic pool grows by this many blocks at a time (1,0
 
 
 def plan_shrink(cache: "PrefixCache", target_blocks: int) -> Plan:
-    """The plan that brings the pool down to `target_blocks` ids, or as near as it can (plan.shrink_to)."""
+    """The plan that brings the pool down to `target_blocks` ids, or as near as it can (plan.shrink_to).
+
+    Hybrid models: a relocated block's checkpoints stay with it (they are named by its digest, not its id);
+    a parked one takes its checkpoints' host slots along. Device checkpoints take free device slots, so
+    the smaller pool must keep that many ids free: the shrink stops at the smallest size that does."""
     plan = Plan("shrink")
     target = max(1, target_blocks)
     size = cache.num_blocks
     free = cache._dev_free
     free_below = sorted(b for b in free._free if b < target)
-    slots = cache._host_free.num_free  # host slots this plan can still park into
+    ckpt, weight = cache.ckpt, cache.ckpt.weight
+    slots = cache._host_free.num_free - ckpt.units_on("host")  # host slots this plan can still park into
     new_size = size
+    # Checkpoint room: free ids left below the new size against the device slots the checkpoints take.
+    spare = free.num_free - ckpt.units_on("device")  # >= 0 (the integrity check)
+    best = (size, 0, 0, 0, "")  # the smallest size with spare >= 0: (size, relocations, parks, host_grow, why)
     for block_id in range(size - 1, target - 1, -1):
         if free._is_free[block_id]:
-            new_size = block_id
-            continue
-        block = cache._on_device.get(block_id)
-        if block is None or block.ref_count:
-            plan.stopped_by = f"block {block_id} is in use by a running request"
-            break
-        if free_below:
-            plan.relocations.append((block, free_below.pop(0)))
-        elif slots > 0 or (slots := _grow_host(cache, plan)) > 0:
-            plan.parks.append(block)
-            slots -= 1
+            new_size, spare = block_id, spare - 1
         else:
-            plan.stopped_by = "the host tier has no room to park the blocks above it (--conversation-cache-mib)"
-            break
-        new_size = block_id
+            block = cache._on_device.get(block_id)
+            if block is None or block.ref_count:
+                plan.stopped_by = f"block {block_id} is in use by a running request"
+                break
+            if free_below:
+                plan.relocations.append((block, free_below.pop(0)))
+                spare -= 1  # its new id was free
+            else:
+                need = weight(block)
+                while slots < need and (grown := _grow_host(cache, plan)) > 0:
+                    slots += grown
+                if slots < need:
+                    plan.stopped_by = "the host tier has no room to park the blocks above it (--conversation-cache-mib)"
+                    break
+                plan.parks.append(block)
+                slots -= need
+                spare += need - 1  # its checkpoints leave the device with it
+            new_size = block_id
+        if spare >= 0:
+            best = (new_size, len(plan.relocations), len(plan.parks), plan.host_grow, "")
+        elif not best[4]:
+            best = best[:4] + ("the state checkpoints on the device need the free ids above it",)
+    if best[0] != new_size:  # the last steps left too few free ids for the device checkpoints: undo them
+        new_size, relocated, parked, plan.host_grow, plan.stopped_by = best
+        del plan.relocations[relocated:], plan.parks[parked:]
     plan.shrink_to = new_size
     return plan
 

@@ -28,6 +28,7 @@ from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import flush_to_disk, load_disk_index
 from scheduler.cache_explain import explain_unseen
 from scheduler.conversation_activity import ACTIVE_WINDOW_S
+from scheduler.hybrid_steps import HybridSteps, create_checkpoints, load_checkpoint_index
 from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
 from scheduler.device_pool import SEGMENT_BLOCKS as DEVICE_SEGMENT_BLOCKS
@@ -60,7 +61,7 @@ class EngineLoop:
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
                  batch_groups: int = 1, admission: MemoryAdmission | None = None,
                  conversation_active_s: float = ACTIVE_WINDOW_S, write_behind_mib_s: float = 0,
-                 device_min_blocks: int | None = None):
+                 device_min_blocks: int | None = None, state_checkpoint_every: int = 8):
         self.runner = runner
         runner.claim_blocks("conversation cache")  # one owner of block ids: the cache's allocator
         self.disk = disk
@@ -74,9 +75,12 @@ class EngineLoop:
                                  host_blocks=admission.host_budget_blocks,
                                  disk_blocks=disk.capacity_blocks if disk else 0,
                                  mover=EngineBlockMover(runner, disk), block_bytes=runner.layout.bytes_per_block,
-                                 admission=admission, active_window_s=conversation_active_s)
+                                 admission=admission, active_window_s=conversation_active_s,
+                                 checkpoints=create_checkpoints(runner, disk, state_checkpoint_every))
         if disk is not None and prefix_cache:
             load_disk_index(self.cache, disk.scan())
+            load_checkpoint_index(self.cache)
+        self.hybrid = HybridSteps(runner, self.cache)  # recurrent states of a hybrid model; no-ops otherwise
         # Blocks reach the disk while serving, so a kill -9 loses seconds of work, not the whole cache.
         self.write_behind = WriteBehind(self.cache, runner.layout.bytes_per_block, write_behind_mib_s) \
             if disk is not None and prefix_cache and write_behind_mib_s > 0 else None
@@ -276,6 +280,7 @@ class EngineLoop:
             kind = "prefill" if any(n > 1 for _, n in work) else "decode"
             self.metrics.step_seconds.labels(kind).observe(time.perf_counter() - started)
             self.num_steps += 1
+            self.hybrid.take_checkpoints(work)
             self._postprocess(results)
             if self.integrity_checks:
                 self.cache.check_integrity()
@@ -310,7 +315,9 @@ class EngineLoop:
             match = self.cache.match(tokens, len(tokens) - 1, salt=request.cache_salt,
                                      conversation=request.conversation_key)
             first_step = min(len(tokens), match.num_tokens + self.prefill_chunk)
-            plan = self.cache.plan_allocate(match, first_step)
+            plan = self.cache.plan_allocate(match, first_step, checkpoints=self.hybrid.reserve_at_admission)
+            if plan is None and self.hybrid.reserve_at_admission:  # no room for its checkpoint: go without
+                plan = self.cache.plan_allocate(match, first_step)
             allocation = self.memory.grant(plan)
             if allocation is None:
                 if plan is not None:
@@ -330,6 +337,7 @@ class EngineLoop:
                 request.admitted_s = time.perf_counter()
             request.allocation = allocation
             request.seq = Sequence(list(tokens), allocation.block_table, allocation.cached_tokens)
+            self.hybrid.admit(request, match)  # its state slot, loaded from the checkpoint the match ends at
             request.slot_id = self._slots.index(None)
             # The group with the fewest members, so the groups stay balanced and every stage has work.
             request.group = min(range(self.num_groups), key=lambda g: (len(self._members(g)), g))
@@ -355,7 +363,13 @@ class EngineLoop:
         blocks; when even that cannot make room, running requests are preempted, newest first. False: the
         request sits this step out (preempted, or its grant was refused)."""
         while request.slot_id is not None:
-            plan = self.cache.plan_extend(request.allocation, request.seq.num_computed + n)
+            checkpoints = self.hybrid.checkpoints_after(request, n)
+            plan = self.cache.plan_extend(request.allocation, request.seq.num_computed + n, checkpoints=checkpoints)
+            if plan is None and checkpoints:  # no room for the step's checkpoints: the step goes without them
+                plan = self.cache.plan_extend(request.allocation, request.seq.num_computed + n)
+            if plan is None and request.allocation.checkpoints_reserved:  # nor for those it holds: give them up
+                self.cache.ckpt.give_up_pending(request.allocation)
+                continue
             if plan is not None:
                 if self.memory.grant(plan) is not None:
                     return True
@@ -372,8 +386,9 @@ class EngineLoop:
         """Give a running request's blocks back to the cache (its computed tokens join the tree, where value
         order parks them to host RAM under pressure) and put it at the head of the queue."""
         plan = self.cache.plan_release(request.seq.token_ids, request.seq.num_computed, request.allocation,
-                                       kind="preempt")
+                                       kind="preempt", final_state=self.hybrid.final_state(request))
         assert self.memory.grant(plan) is not None, "a release is never refused"
+        self.hybrid.release(request)
         self._slots[request.slot_id] = None
         request.slot_id, request.allocation = None, None
         request.preemptions += 1
@@ -397,6 +412,7 @@ class EngineLoop:
             work.append((prefilling, min(self.prefill_chunk, prefilling.seq.num_pending)))
         work = [(r, n) for r, n in work if self._reserve(r, n)]
         work = [(r, n) for r, n in work if r.slot_id is not None]  # a later reservation may have preempted it
+        self.hybrid.before_step(work)  # hybrid models: capture the states at checkpoint positions
         for request, n in work:
             if request.constraint is not None and n == request.seq.num_pending:  # this step samples its token
                 request.constraint.begin_mask()  # computed beside the forward pass; sample_step waits for it
@@ -422,8 +438,11 @@ class EngineLoop:
         request.is_finished = True
         if request.slot_id is not None:
             self._slots[request.slot_id] = None
+            # After a failed step the state may be half updated: no checkpoint from it.
+            final = self.hybrid.final_state(request) if reason != "error" else None
             self.memory.grant(self.cache.plan_release(request.seq.token_ids, request.seq.num_computed,
-                                                      request.allocation))
+                                                      request.allocation, final_state=final))
+            self.hybrid.release(request)
         self._by_id.pop(request.request_id, None)
         self.output.finish(request, reason, error)
         if request.conversation_key:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class _Record:
     """What the index last saw of one cached block, and the keys it holds for it."""
 
-    __slots__ = ("tier", "attached", "seq", "device_children", "host_children", "superseded", "keys")
+    __slots__ = ("tier", "attached", "seq", "device_children", "host_children", "superseded", "keys", "weight")
     # keys: plain tuples of numbers (the seq names the block), which the garbage collector stops tracking
 
     def __init__(self):
@@ -42,6 +42,7 @@ class _Record:
         self.host_children = 0
         self.superseded = False
         self.keys: tuple = (None, None, None, None)  # its entry in device / host / disk / copies, if any
+        self.weight = 0  # device slots it frees, counted in device_weight while it is in the device set
 
 
 _TIERS = ("device", "host", "disk", "copies")
@@ -50,9 +51,14 @@ _TIERS = ("device", "host", "disk", "copies")
 class EvictionIndex:
     """Candidates of each tier in eviction order; exact after every `sync`. Mutated by the cache only."""
 
-    def __init__(self, block_size: int, is_active: Callable[[CachedBlock], bool] = lambda block: False):
+    def __init__(self, block_size: int, is_active: Callable[[CachedBlock], bool] = lambda block: False,
+                 weight: Callable[[CachedBlock], int] = lambda block: 1):
         self.block_size = block_size
         self.is_active = is_active  # the block's conversation is active: it ranks after one-off prompts
+        # Device slots a block frees when it leaves the device: 1, plus its state checkpoints' (hybrid models,
+        # scheduler/checkpoints.py). It never changes the order, only how many victims a count needs.
+        self.weight = weight
+        self.device_weight = 0  # sum of the device set's weights
         self.device, self.host, self.disk, self.copies = SortedKeys(), SortedKeys(), SortedKeys(), SortedKeys()
         self._sets = (self.device, self.host, self.disk, self.copies)
         self._records: dict[CachedBlock, _Record] = {}
@@ -165,9 +171,12 @@ class EvictionIndex:
                 value if block.disk_copy and record.tier in ("device", "host") else None)
 
     def _refresh(self, block: CachedBlock, record: _Record) -> None:
-        self._set_keys(record, self.rank_keys(block, record))
+        keys = self.rank_keys(block, record)
+        self._set_keys(record, keys, self.weight(block) if keys[0] is not None else 0)
 
-    def _set_keys(self, record: _Record, keys: tuple) -> None:
+    def _set_keys(self, record: _Record, keys: tuple, weight: int = 0) -> None:
+        self.device_weight += weight - record.weight
+        record.weight = weight
         for i, (old, new) in enumerate(zip(record.keys, keys)):
             if old != new:
                 if old is not None:
@@ -198,5 +207,6 @@ class EvictionIndex:
         for name, keys, found in zip(_TIERS, expected, self._sets):
             found.check()
             assert set(found) == keys, f"index: the {name} candidates disagree with a full scan"
-        unpinned = sum(1 for b in cache._on_device.values() if b.ref_count == 0)
-        assert self.num_unpinned_device == unpinned, "index: unpinned device count disagrees"
+        unpinned = [b for b in cache._on_device.values() if b.ref_count == 0]
+        assert self.num_unpinned_device == len(unpinned), "index: unpinned device count disagrees"
+        assert self.device_weight == sum(map(self.weight, unpinned)), "index: device weight disagrees (checkpoints)"

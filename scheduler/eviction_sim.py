@@ -40,20 +40,27 @@ class _Cursor:
             return block
 
 
+def movable_device_weight(index: EvictionIndex, exclude: set[CachedBlock]) -> int:
+    """Device slots that moving every unpinned device block off would free, less the kept ones'."""
+    return index.device_weight - sum(index.weight(b) for b in exclude if b.on_device and b.ref_count == 0)
+
+
 def device_victims(index: EvictionIndex, count: int, exclude: set[CachedBlock]) -> list[CachedBlock] | None:
-    """The `count` unpinned device blocks to move off, best first, as if each left before the next is
-    chosen (a parent ranks as a leaf once its last device child is chosen). None when fewer exist."""
-    kept = sum(1 for b in exclude if b.on_device and b.ref_count == 0)
-    if index.num_unpinned_device - kept < count:
+    """The unpinned device blocks to move off to free `count` slots, best first, as if each left before the
+    next is chosen (a parent ranks as a leaf once its last device child is chosen). A block frees its weight
+    (1, plus its checkpoints' slots on a hybrid model). None when all of them would not free enough."""
+    if movable_device_weight(index, exclude) < count:
         return None  # every unpinned device block not kept is a candidate: too few
     chosen: set[CachedBlock] = set()
     cursor = _Cursor(index, iter(index.device), lambda b: b in chosen or b in exclude)
     gone_children: dict[CachedBlock, int] = {}
     out: list[CachedBlock] = []
-    while len(out) < count:
+    freed = 0
+    while freed < count:
         block = cursor.pop()
         assert block is not None, "device candidates ran out after the count said they would not"
         out.append(block)
+        freed += index.weight(block)
         chosen.add(block)
         parent = block.parent
         if parent is not None and parent.on_device and parent.ref_count == 0 and parent not in exclude \
@@ -109,6 +116,10 @@ class HostLeaves:
         if block is not None:
             self._disk_taken.add(block)
         return block
+
+    def leaving(self, block: CachedBlock) -> None:
+        """`block` leaves its resident tier in this plan: its written-behind file is not one to delete."""
+        self._copy_taken.add(block)
 
     def take_disk_copy(self) -> CachedBlock | None:
         """The least valuable resident block with a written-behind file (its file makes room)."""

@@ -101,6 +101,11 @@ class OutputProcessor:
             log.info("%sprompt diverged from the cache at token %d%s: the rest was evicted from the %s tier "
                      "%.0f s ago (%s)", named, position, where, miss["tier"], age_s, miss["reason"],
                      extra={"fields": {**base, "miss": "evicted"}})
+        elif miss["cause"] == "no_checkpoint":
+            log.info("%sprompt matched %d cached tokens, but the nearest state checkpoint is at token %d%s: "
+                     "recomputing from there (a hybrid model's recurrent state cannot be cut from a later one; "
+                     "--state-checkpoint-every keeps more)", named, miss["kv_tokens"], position, where,
+                     extra={"fields": {**base, "miss": "no_checkpoint", "kv_tokens": miss["kv_tokens"]}})
         else:
             log.info("%sprompt diverged from the nearest cached sequence (%s) at token %d%s", named,
                      miss["conversation"], position, where, extra={"fields": {**base, "miss": "diverged"}})

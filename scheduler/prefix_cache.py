@@ -27,6 +27,7 @@ from scheduler.cache_explain import explain_miss
 from scheduler.cache_integrity import check_cache
 from scheduler.cache_plan import Plan, plan_device_room
 from scheduler.cache_tree import CachedBlock, PrefixMatch, block_digest, conversation_id, longest_match, root_digest
+from scheduler.checkpoints import Checkpoints
 from scheduler.conversation_activity import ACTIVE_WINDOW_S, ConversationActivity
 from scheduler.eviction_index import EvictionIndex
 from scheduler.device_pool import apply_growth, apply_shrink, plan_shrink
@@ -41,7 +42,8 @@ class PrefixCache:
 
     def __init__(self, num_blocks: int, block_size: int, enabled: bool = True, host_blocks: int = 0,
                  disk_blocks: int = 0, mover: BlockMover | None = None, block_bytes: int = 0,
-                 admission: MemoryAdmission | None = None, active_window_s: float = ACTIVE_WINDOW_S):
+                 admission: MemoryAdmission | None = None, active_window_s: float = ACTIVE_WINDOW_S,
+                 checkpoints: Checkpoints | None = None):
         self.enabled = enabled  # off: nothing is ever matched or kept (the reference for tests)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -62,12 +64,15 @@ class PrefixCache:
         self.drops = DropLog(block_bytes)
         self._clock = itertools.count(1)
         self._num_owned = 0  # device blocks handed to running requests, not yet in the tree
+        self.ckpt = checkpoints or Checkpoints()  # hybrid models: recurrent-state checkpoints on the nodes
         # Every change to a cached block is followed by index.sync(block): the eviction order, kept as it goes.
+        # A block's weight is the device slots it frees: 1, plus its checkpoints' (hybrid models).
         self.activity = ConversationActivity(active_window_s, on_change=lambda blocks: self.index.resync(blocks))
-        self.index = EvictionIndex(block_size, self.activity.is_active)
+        self.index = EvictionIndex(block_size, self.activity.is_active, weight=self.ckpt.weight)
+        self.ckpt.on_change = self.index.sync  # a node's checkpoints came or went: its weight changed
         self.stats = {"parks": 0, "restores": 0, "spills": 0, "disk_loads": 0, "dropped_blocks": 0,
                       "dropped_tokens": 0, "hits": 0, "misses": 0, "miss_diverged": 0, "miss_evicted": 0,
-                      "refused_plans": 0, "device_grows": 0, "device_shrinks": 0}
+                      "refused_plans": 0, "device_grows": 0, "device_shrinks": 0, "miss_no_checkpoint": 0}
 
     # -- queries -------------------------------------------------------------------------------------
     def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "",
@@ -78,13 +83,16 @@ class PrefixCache:
         limit = min(len(token_ids), len(token_ids) if max_tokens is None else max_tokens)
         match = longest_match(self._root(salt), token_ids, limit if self.enabled else 0, self.block_size)
         match.salt, match.conversation = salt, conversation or None
-        return match
+        # Hybrid models: back to the last checkpoint (scheduler/checkpoints.py).
+        return self.ckpt.trim(match, token_ids[len(match.shared) * self.block_size : limit], self._root(salt))
 
     def explain_miss(self, token_ids: list[int], match: PrefixMatch) -> dict | None:
         """Why a prompt reused no more than `match`, when the cache once held more of it: the position where
         it diverged from a cached sequence, or the eviction that took the rest. None for new content."""
         self.stats["hits" if match.num_tokens else "misses"] += 1
         miss = explain_miss(self._root(match.salt), token_ids, match, self.drops.dropped, self.block_size)
+        if match.kv_tokens > match.num_tokens:  # the K/V was there, a state checkpoint was not
+            miss = {"cause": "no_checkpoint", "position": match.num_tokens, "kv_tokens": match.kv_tokens}
         if miss is not None:
             self.stats["miss_" + miss["cause"]] += 1
         return miss
@@ -96,8 +104,9 @@ class PrefixCache:
 
     @property
     def disk_free(self) -> int:
-        """Disk-tier files that can still be written: the budget less disk-only blocks and resident copies."""
-        return self.disk_blocks - len(self._on_disk) - len(self._disk_copies)
+        """Disk-tier files that can still be written: the budget less disk-only blocks, resident copies and
+        (hybrid models) the checkpoint files' slots."""
+        return self.disk_blocks - len(self._on_disk) - len(self._disk_copies) - self.ckpt.units_on("disk")
 
     @property
     def num_cached(self) -> int:
@@ -111,19 +120,25 @@ class PrefixCache:
                 **self.admission.snapshot(len(self._on_host)),
                 "disk_cached": len(self._on_disk), "disk_copies": len(self._disk_copies),
                 "disk_unsaved": len(self.unsaved) if self.disk_blocks else 0, "disk_total": self.disk_blocks, **self.stats,
-                "moves": getattr(self.mover, "totals", {})}
+                "moves": getattr(self.mover, "totals", {}), **(self.ckpt.usage() if self.ckpt.enabled else {})}
 
     # -- plans (change nothing) ----------------------------------------------------------------------
-    def plan_allocate(self, match: PrefixMatch, num_tokens: int) -> Plan | None:
+    def plan_allocate(self, match: PrefixMatch, num_tokens: int, checkpoints: int = 0) -> Plan | None:
         """Pin the matched blocks (restoring parked ones) and fresh blocks up to num_tokens. None when the
-        device cannot make room without moving pinned blocks (then nothing was decided)."""
+        device cannot make room without moving pinned blocks (then nothing was decided). `checkpoints`:
+        how many the request will take (hybrid models), each a device slot reserved from now on."""
         self.activity.expire()  # re-ranks conversations whose window passed; moves nothing
         match, payloads, unreadable = read_disk_blocks(self, match)
+        match, state = self.ckpt.read_matched(match)
         fresh = blocks_needed(num_tokens, self.block_size) - len(match.shared)
         plan = Plan("allocate", fresh=fresh, match=match, payloads=payloads, unreadable=unreadable,
-                    restores=[b for b in match.shared if not b.on_device])
+                    restores=[b for b in match.shared if not b.on_device], reserve_checkpoints=checkpoints,
+                    checkpoint_state=state)
+        plan.checkpoint_loads = {id(b): self.ckpt.read_disk(b) for b in plan.restores
+                                 if not b.on_host and b.checkpoints}
         keep = set(match.shared) | ({match.cow_source} if match.cow_source else set())
-        if plan_device_room(self, plan, fresh + len(plan.restores), keep):
+        room = fresh + sum(self.ckpt.weight(b) for b in plan.restores) + checkpoints * self.ckpt.units
+        if plan_device_room(self, plan, room, keep):
             return plan
         source = match.cow_source
         if source is None or not source.on_device:
@@ -131,26 +146,33 @@ class PrefixCache:
         # The copy source occupies a block this request needs: take it over when nobody else can want it
         # (unpinned leaf), else give up its few tokens rather than wait forever.
         plan = Plan("allocate", fresh=fresh - 1, match=match, payloads=payloads, unreadable=unreadable,
-                    restores=plan.restores, takeover=True)
+                    restores=plan.restores, takeover=True, reserve_checkpoints=checkpoints,
+                    checkpoint_state=state, checkpoint_loads=plan.checkpoint_loads)
         if source.ref_count == 0 and not source.children:
-            return plan if plan_device_room(self, plan, plan.fresh + len(plan.restores), keep) else None
-        return self.plan_allocate(PrefixMatch(match.shared, None, 0, match.salt, match.conversation), num_tokens)
+            room -= 1 + self.ckpt.units * len(source.checkpoints)  # its own checkpoints go with the takeover
+            return plan if plan_device_room(self, plan, room, keep) else None
+        return self.plan_allocate(self.ckpt.trim(PrefixMatch(match.shared, None, 0, match.salt, match.conversation)),
+                                  num_tokens, checkpoints)
 
-    def plan_extend(self, allocation: Allocation, num_tokens: int) -> Plan | None:
-        """Fresh blocks so a running request's table holds num_tokens (its next step). None: no room."""
+    def plan_extend(self, allocation: Allocation, num_tokens: int, checkpoints: int = 0) -> Plan | None:
+        """Fresh blocks so a running request's table holds num_tokens (its next step), and a device slot
+        for each checkpoint that step will take (hybrid models). None: no room."""
         self.activity.expire()
         plan = Plan("extend", fresh=max(0, blocks_needed(num_tokens, self.block_size) - len(allocation.block_table)),
-                    allocation=allocation)
-        return plan if plan_device_room(self, plan, plan.fresh, set()) else None
+                    allocation=allocation, reserve_checkpoints=checkpoints)
+        room = plan.fresh + checkpoints * self.ckpt.units
+        return plan if plan_device_room(self, plan, room, set()) else None
 
     def plan_shrink(self, num_blocks: int) -> Plan:
         """Bring the device pool down to num_blocks (or as near as it can without dropping anything)."""
         return plan_shrink(self, num_blocks)
 
     def plan_release(self, token_ids: list[int], num_computed: int, allocation: Allocation,
-                     kind: str = "release") -> Plan:
-        """A request is done (or preempted): its computed tokens' blocks join the tree, unpinned."""
-        return Plan(kind, allocation=allocation, token_ids=list(token_ids), num_computed=num_computed)
+                     kind: str = "release", final_state=None) -> Plan:
+        """A request is done (or preempted): its computed tokens' blocks join the tree, unpinned, with the
+        checkpoints it took and (hybrid models) `final_state`, its state after num_computed tokens."""
+        return Plan(kind, allocation=allocation, token_ids=list(token_ids), num_computed=num_computed,
+                    final_state=final_state)
 
     # -- one call for callers without an admission of their own ----------------------------------------
     def allocate(self, match: PrefixMatch, total_tokens: int) -> Allocation | None:
@@ -178,6 +200,8 @@ class PrefixCache:
             apply_shrink(self, plan, moves)
             self.mover.apply(moves)
             return None
+        for node, k in plan.checkpoint_drops:  # room on the device: the states go, their pinned blocks stay
+            self.ckpt.forget(node, k)
         if plan.kind in ("release", "preempt"):
             self._release(plan)
             return plan.allocation
@@ -185,6 +209,7 @@ class PrefixCache:
         sources = {}  # host slots of the blocks being restored, freed first: a park may take one over
         for block in plan.restores:
             if block.on_host:
+                self.ckpt.move(block, "host", "device")
                 sources[id(block)] = block.host_slot
                 self._host_free.free([block.host_slot])
                 del self._on_host[block.host_slot]
@@ -218,7 +243,11 @@ class PrefixCache:
     def _apply_allocation(self, plan: Plan, moves: BlockMoves, reuse: dict, sources: dict) -> Allocation:
         match, source = plan.match, plan.match.cow_source
         alloc = Allocation([], len(match.shared), match.num_tokens, reused_by_tier=reuse, salt=match.salt,
-                           conversation=match.conversation)
+                           conversation=match.conversation, checkpoint_state=plan.checkpoint_state,
+                           checkpoints_reserved=plan.reserve_checkpoints)
+        self.ckpt.reserved += plan.reserve_checkpoints
+        if plan.checkpoint_state is not None:
+            self.ckpt.stats["restored"] += 1
         for block in match.shared:
             self._pin(block)
         for block in plan.restores:  # back to the device; the lower tier's copy is released
@@ -226,12 +255,14 @@ class PrefixCache:
             if id(block) in sources:
                 moves.restores.append((sources[id(block)], device_id))
             else:
-                self._load(block, device_id, plan.payloads, moves, keep_source=False)
+                self._load(block, device_id, plan.payloads, moves, keep_source=False,
+                           checkpoint_loads=plan.checkpoint_loads)
             block.device_id = device_id
             self._on_device[device_id] = block
         for block in match.shared:
             self.index.sync(block)
         if plan.takeover:  # the source becomes the request's own block: it leaves the tree and the disk
+            self.ckpt.drop(source)  # the request writes into this block now; its states are for other tokens
             del source.parent.children[source.tokens]
             del self._on_device[source.device_id]
             self.unsaved.pop(id(source), None)
@@ -257,15 +288,19 @@ class PrefixCache:
         return alloc
 
     def _apply_extend(self, plan: Plan) -> Allocation:
+        self.ckpt.reserved += plan.reserve_checkpoints
+        plan.allocation.checkpoints_reserved += plan.reserve_checkpoints
         fresh = self._dev_free.allocate(plan.fresh)
         self._num_owned += plan.fresh
         plan.allocation.block_table.extend(fresh)
         return plan.allocation
 
-    def _load(self, block: CachedBlock, device_id: int, payloads: dict, moves: BlockMoves, keep_source: bool):
+    def _load(self, block: CachedBlock, device_id: int, payloads: dict, moves: BlockMoves, keep_source: bool,
+              checkpoint_loads: dict | None = None):
         if block.on_host:
             moves.restores.append((block.host_slot, device_id))
             if not keep_source:
+                self.ckpt.move(block, "host", "device")
                 self._host_free.free([block.host_slot])
                 del self._on_host[block.host_slot]
                 block.host_slot = -1
@@ -273,12 +308,14 @@ class PrefixCache:
         moves.writes.append((device_id, payloads[id(block)]))
         self.stats["disk_loads"] += 1
         if not keep_source:  # the file stays as the resident block's copy: nothing to write back later
+            self.ckpt.load(block, (checkpoint_loads or {}).get(id(block), {}))  # its states' files go
             del self._on_disk[block.digest]
             block.on_disk, block.disk_copy = False, True
             self._disk_copies[block.digest] = block
 
     def _park(self, block: CachedBlock, moves: BlockMoves) -> None:
         slot = self._host_free.allocate(1)[0]
+        self.ckpt.move(block, "device", "host")
         moves.parks.append((block.device_id, slot))
         del self._on_device[block.device_id]
         self._dev_free.free([block.device_id])
@@ -289,7 +326,9 @@ class PrefixCache:
 
     def _spill(self, block: CachedBlock, moves: BlockMoves) -> None:
         """To the disk tier, from wherever it is now (a block this plan would have parked goes straight).
-        A block written behind already has its file: it only leaves its resident tier."""
+        A block written behind already has its file: it only leaves its resident tier (its checkpoints,
+        never written behind, get their files now)."""
+        self.ckpt.spill(block, block.tier)
         written = block.disk_copy
         if written:
             del self._disk_copies[block.digest]
@@ -316,7 +355,7 @@ class PrefixCache:
         allocation, token_ids, num_computed = plan.allocation, plan.token_ids, plan.num_computed
         conversation = self.activity.for_release(allocation.conversation, token_ids, self.block_size,
                                                  finished=plan.kind == "release") if self.enabled else None
-        node = self._root(allocation.salt)
+        node, path = self._root(allocation.salt), []
         for i, device_id in enumerate(allocation.block_table):
             start = i * self.block_size
             tokens = tuple(token_ids[start : min(start + self.block_size, num_computed)])
@@ -324,6 +363,7 @@ class PrefixCache:
                 node = self._on_device[device_id]
                 self._unpin(node)
                 self._keep(node, conversation)
+                path.append(node)
                 continue
             self._num_owned -= 1
             if not tokens or not self.enabled:
@@ -331,6 +371,9 @@ class PrefixCache:
                 continue
             node = self._insert(node, tokens, device_id)
             self._keep(node, conversation)
+            path.append(node)
+        self.ckpt.attach_released(allocation, plan.final_state, num_computed, path if self.enabled else [],
+                                  self.block_size)
         if conversation is not None:
             self.activity.forget_if_unused(conversation)  # a request that left nothing cached
 
@@ -347,6 +390,7 @@ class PrefixCache:
         conv, lost = conversation_id(block), block.subtree()
         del block.parent.children[block.tokens]
         for node in lost:
+            self.ckpt.drop(node)
             if node.on_device:
                 del self._on_device[node.device_id]
                 self._dev_free.free([node.device_id])
@@ -412,6 +456,7 @@ class PrefixCache:
             existing.last_used = next(self._clock)
             return existing
         if existing is not None:  # parked copy of the same content: the fresh device copy replaces it
+            self.ckpt.drop(existing)  # its states stay behind in the lower tier's budget: forget them
             if existing.on_host:
                 self._host_free.free([existing.host_slot])
                 del self._on_host[existing.host_slot]

@@ -75,6 +75,7 @@ class Request:
     conversation_key: str | None = None  # the client's name for the conversation (prompt_cache_key, session id)
     earlier_turns: int = 0  # assistant replies the prompt carries (0: the conversation's first turn)
     preemptions: int = 0  # times its blocks were given back to the cache for a request that needed room
+    checkpoint_positions: tuple[int, ...] = ()  # hybrid models: where messages begin, worth a state checkpoint
 
     @property
     def prompt_len(self) -> int:

@@ -1,7 +1,7 @@
 """Benchmark of the conversation cache: replays agent-style workloads against the server and prints, per
 workload, prompt tokens, computed tokens, the ideal, their ratio, full re-reads and time to first token.
 
-    .venv/bin/python scripts/bench_cache.py [--turns 6] [--pressure]
+    .venv/bin/python scripts/bench_cache.py [--turns 6] [--pressure] [--model smollm2|tiny-lfm2|PATH]
 
 Workloads (SmolLM2, greedy, 16-token replies): two conversations alternating; one conversation with a
 short unrelated request between turns; a head that toggles between two tool lists; four conversations
@@ -9,6 +9,10 @@ rotating through two slots. `ideal` = prompt tokens not shared with any earlier 
 + 1 per request. With --pressure the device pool is 20 blocks (320 tokens, one slot's worth), so turns park the other
 conversations in host RAM, the 4 MiB host tier (5 blocks) spills to a disk tier, and hits restore them.
 A "full re-read" is a request (after the first of its conversation) that reused under 10% of its prompt.
+Two more workloads: a history trimmed to its system message and last exchange every turn, and a fan-out of
+questions over one shared context. `--model tiny-lfm2` runs them on a seeded tiny random lfm2 (hybrid:
+short convs + attention, tests/tiny_lfm2.py) whose head only emits digits, capitals and punctuation, so a
+reply's text re-encodes to the tokens it was generated as (random byte tokens would not).
 """
 from __future__ import annotations
 
@@ -23,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from engine.loader import open_model  # noqa: E402
+from api.chat_turn import ChatTurn, render_turn  # noqa: E402
+from api.tool_specs import normalise_tools  # noqa: E402
+from engine.loader import encode_chat_prompt, open_model  # noqa: E402
 from scheduler.cache_tree import common_prefix_len  # noqa: E402
 from tests.server_harness import running_server  # noqa: E402
 
@@ -33,8 +39,8 @@ TOPICS = ["the history of Rome", "how plants make food", "the water cycle", "how
 
 
 class Replayer:
-    def __init__(self, url, loaded):
-        self.url, self.loaded, self.seen, self.rows = url, loaded, [], []
+    def __init__(self, url, loaded, state):
+        self.url, self.loaded, self.state, self.seen, self.rows = url, loaded, state, [], []
 
     def turn(self, messages, tools=None, first_of_conversation=False):
         body = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": 16, "stream": True,
@@ -52,8 +58,11 @@ class Replayer:
                 if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                     ttft = ttft or time.perf_counter() - started
                     text.append(chunk["choices"][0]["delta"]["content"])
-        prompt = self.loaded.tokenizer.encode(self.loaded.chat_template.render(messages, tools=tools),
-                                              add_special=False)
+        # The prompt as the server renders it (a template that does not render tools gets them described
+        # in the system prompt by the generic tool format).
+        turn = ChatTurn(messages, normalise_tools(tools))
+        prompt = encode_chat_prompt(self.loaded.tokenizer, render_turn(self.state, turn))
+        assert len(prompt) == usage["prompt_tokens"], "the bench renders another prompt than the server"
         shared = max((common_prefix_len(prompt, s) for s in self.seen), default=0)
         computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
         self.rows.append({"prompt": usage["prompt_tokens"], "computed": computed,
@@ -76,6 +85,26 @@ def recompute_ms_per_block(loaded, block_tokens: int = 16) -> float:
     return (time.perf_counter() - started) * 1e3 * block_tokens / 512
 
 
+def trimmed_turns(replayer, turns):
+    """One conversation whose history is cut to the system message and the last exchange every turn."""
+    history = [{"role": "system", "content": "You are a terse assistant. " * 4},
+               {"role": "user", "content": f"Tell me about {TOPICS[0]}."}]
+    for t in range(turns):
+        reply = replayer.turn(history, first_of_conversation=t == 0)
+        history = [history[0]] + history[-1:] + [{"role": "assistant", "content": reply},
+                                                 {"role": "user", "content": f"Go on with part {t + 2}."}]
+
+
+def fan_out_turns(replayer, turns):
+    """One context (a long document and its summary), then one question over it per turn."""
+    context = [{"role": "system", "content": "You answer questions about the document."},
+               {"role": "user", "content": "Document: " + " ".join(TOPICS) * 3 + " Summarise it."}]
+    summary = replayer.turn(context, first_of_conversation=True)
+    context.append({"role": "assistant", "content": summary})
+    for t in range(turns):
+        replayer.turn(context + [{"role": "user", "content": f"Question {t}: what about {TOPICS[t % 4]}?"}])
+
+
 def conversation_turns(replayer, names, turns, between=None, tools_for=None):
     history = {n: [{"role": "user", "content": f"Tell me about {TOPICS[i % len(TOPICS)]}."}]
                for i, n in enumerate(names)}
@@ -95,7 +124,26 @@ WORKLOADS = {
     "short request between turns": lambda r, n: conversation_turns(r, ["a"], n, between=True),
     "toggling tool list": lambda r, n: conversation_turns(r, ["a"], n, tools_for=lambda t: TOOLS[t % 2]),
     "4 conversations, 2 slots": lambda r, n: conversation_turns(r, ["a", "b", "c", "d"], n),
+    "trimmed history": trimmed_turns,
+    "fan-out over one context": fan_out_turns,
 }
+TINY_LFM2_OUTPUT = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?:;"
+
+
+def load_bench_model(name: str, tmp: str):
+    """smollm2 (the store), `tiny-lfm2` (written to tmp), or a GGUF path."""
+    if name != "tiny-lfm2":
+        return open_model(name, max_positions=2048)
+    from tests.tiny_gguf import tiny_vocab
+    from tests.tiny_lfm2 import write_tiny_lfm2
+
+    tokens = tiny_vocab()[0]
+    byte_ids = {bytes([b]).decode("latin-1"): i for i, b in zip(range(3, 259), range(256))}
+    output = [2] + [byte_ids[c] for c in TINY_LFM2_OUTPUT]  # EOS too: a reply may end early
+    assert all(tokens[i] == c for c, i in zip(TINY_LFM2_OUTPUT, output[1:]))
+    path = Path(tmp) / "tiny-lfm2.gguf"
+    write_tiny_lfm2(path, seed=5, n_ctx=4096, output_ids=output)
+    return open_model(str(path), max_positions=4096)
 
 
 def main() -> int:
@@ -103,8 +151,11 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--pressure", action="store_true")
     ap.add_argument("--plot", default=None, help="write an SVG of time to first token per request here")
+    ap.add_argument("--model", default="smollm2", help="smollm2, tiny-lfm2 or a GGUF path")
+    ap.add_argument("--state-checkpoint-every", type=int, default=8, help="hybrid models: see strata serve")
     args = ap.parse_args()
-    loaded = open_model("smollm2", max_positions=2048)
+    model_dir = tempfile.TemporaryDirectory()
+    loaded = load_bench_model(args.model, model_dir.name)
     print(f"recompute for comparison: one 16-token block costs {recompute_ms_per_block(loaded):.1f} ms of prefill")
     series = {}
     print(f"| workload{' (pressure)' if args.pressure else ''} | requests | prompt tokens | computed | ideal | "
@@ -114,8 +165,9 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as disk_dir:
             extra = dict(kv_cache_mib=1, ctx_size=320, conversation_cache_mib=4, conversation_cache_dir=disk_dir) \
                 if args.pressure else dict(ctx_size=1024)
+            extra["state_checkpoint_every"] = args.state_checkpoint_every
             with running_server(loaded, batch=2, **extra) as (url, state):
-                replayer = Replayer(url, loaded)
+                replayer = Replayer(url, loaded, state)
                 play(replayer, args.turns)
                 usage = state.engine.cache.usage()
         rows = replayer.rows

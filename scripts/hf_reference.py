@@ -17,11 +17,13 @@ llama.cpp for small/unusual shapes, so ``hf_config_overrides`` patches them:
 * qwen3moe: ``{arch}.expert_feed_forward_length`` is not mapped to
   ``moe_intermediate_size`` (the Qwen3MoeConfig default 768 is used, which
   happens to be Qwen3-30B-A3B's). Fixed by passing it.
+* lfm2: the RMS epsilon is mapped to ``rms_norm_eps`` while Lfm2Config reads
+  ``norm_eps`` (default 1e-5). Fixed by passing ``norm_eps``.
 
 (gpt-oss is not loadable through this path in transformers 5.24; see
 ``scripts/make_moe_reference.py``.)
 
-Both are no-ops for real checkpoints whose head_dim is 128 (qwen3) / 256
+The first two are no-ops for real checkpoints whose head_dim is 128 (qwen3) / 256
 (gemma3 1B-12B), so the overrides are always applied.
 """
 
@@ -42,7 +44,7 @@ def _gguf_meta(gguf_path: str) -> dict:
     arch = r.fields["general.architecture"].contents()
     out = {"arch": arch}
     for key in ("attention.key_length", "attention.head_count", "embedding_length",
-                "expert_feed_forward_length"):
+                "expert_feed_forward_length", "attention.layer_norm_rms_epsilon"):
         f = r.fields.get(f"{arch}.{key}")
         if f is not None:
             out[key] = f.contents()
@@ -63,6 +65,9 @@ def hf_config_overrides(gguf_path: str) -> dict:
         over["query_pre_attn_scalar"] = int(kl)
     if arch == "qwen3moe" and meta.get("expert_feed_forward_length") is not None:
         over["moe_intermediate_size"] = int(meta["expert_feed_forward_length"])
+    eps = meta.get("attention.layer_norm_rms_epsilon")
+    if arch == "lfm2" and eps is not None:  # mapped to rms_norm_eps, but Lfm2Config reads norm_eps
+        over["norm_eps"] = float(eps)
     return over
 
 

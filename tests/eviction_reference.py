@@ -1,7 +1,9 @@
 """The eviction choice as it was before the index (scheduler/cache_plan.py with write-behind, issue 12 item 7):
 rank every candidate on every plan. Kept verbatim as the reference the index must agree with, choice for
-choice; the one change is the conversation class (issue 12 item 6) in both ranks, after the superseded
-flag, so the same rule is compared with conversations active too (constant False without them).
+choice; the changes are the conversation class (issue 12 item 6) in both ranks, after the superseded
+flag, so the same rule is compared with conversations active too (constant False without them), and the
+hybrid branch's checkpoint weights (issue 16: a block frees 1 + units per checkpoint in its tier, pinned
+blocks' checkpoints go when nothing else frees enough), which are 1 and nothing for other models.
 """
 from __future__ import annotations
 
@@ -17,16 +19,34 @@ if TYPE_CHECKING:
 
 def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[int]) -> bool:
     """Add to `plan` what frees `count` device blocks (beyond the free ones); False when it cannot."""
-    short = count - cache._dev_free.num_free
+    short = count - (cache._dev_free.num_free - cache.ckpt.units_on("device"))
     if short <= 0:
         return True
-    victims = _pick(_device_candidates(cache, exclude), short, _device_rank, _device_parent(cache, exclude))
+    weight = cache.ckpt.weight
+    candidates = _device_candidates(cache, exclude)
+    short -= _drop_pinned_checkpoints(cache, plan, short - sum(weight(b) for b in candidates), exclude)
+    victims = _pick(candidates, short, _device_rank, _device_parent(cache, exclude), weight) if short > 0 else []
     if victims is None:
         return False
     host = _HostRoom(cache, plan, exclude)
     for victim in victims:
-        (plan.parks if host.take_slot() else plan.device_drops).append(victim)
+        (plan.parks if host.take_slots(weight(victim)) else plan.device_drops).append(victim)
     return True
+
+
+def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[int]) -> int:
+    units = cache.ckpt.units
+    if missing <= 0 or not units:
+        return 0
+    taken_over = plan.match.cow_source if plan.takeover else None
+    held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
+                   if n.on_device and (n.ref_count or id(n) in exclude) and n is not taken_over for k in n.checkpoints),
+                  key=lambda e: (e[0], e[1]))
+    count = -(-missing // units)
+    if count > len(held):
+        return 0
+    plan.checkpoint_drops += [(n, k) for _, k, n in held[:count]]
+    return count * units
 
 
 class _HostRoom:
@@ -36,9 +56,14 @@ class _HostRoom:
         self.cache, self.plan, self.exclude = cache, plan, exclude  # exclude: the blocks being restored
         # Slots the plan's own restores give back count as free: a restore and a park may swap a slot
         # (the runner reads such a restore's bytes before the park overwrites them).
-        self.free = cache._host_free.num_free + sum(1 for b in plan.restores if b.on_host)
+        self.weight = cache.ckpt.weight
+        self.free = cache._host_free.num_free - cache.ckpt.units_on("host") \
+            + sum(self.weight(b) for b in plan.restores if b.on_host)
         self.disk_room = cache.disk_free
         self.evicted: list[CachedBlock] | None = None
+
+    def take_slots(self, count: int) -> bool:
+        return all(self.take_slot() for _ in range(count))
 
     def take_slot(self) -> bool:
         cache, plan = self.cache, self.plan
@@ -51,8 +76,9 @@ class _HostRoom:
             if segment > 0 and admission.host_room_for(committed + segment):
                 plan.host_grow += segment
                 self.free += segment
-        if self.free == 0 and not self._evict_host_leaf():
-            return False
+        while self.free <= 0:
+            if not self._evict_host_leaf():
+                return False
         self.free -= 1
         return True
 
@@ -68,35 +94,38 @@ class _HostRoom:
             return False
         victim = min(leaves, key=_host_rank)
         has_file = victim.disk_copy and victim not in plan.copy_drops  # a copy this plan deleted needs room again
-        if self.disk_room == 0 and cache.disk_blocks and not has_file:
-            self._make_disk_room(tier)
+        need = self.weight(victim) - has_file  # written behind: its file is there, only checkpoints need room
+        while self.disk_room < need and cache.disk_blocks and self._make_disk_room(tier, victim):
+            pass
         was_parked = victim in plan.parks
         if was_parked:
             plan.parks.remove(victim)
-        if has_file:  # written behind: its file is there, the spill costs no room
+        if self.disk_room >= need:
             plan.spills.append(victim)
-        elif self.disk_room > 0:
-            plan.spills.append(victim)
-            self.disk_room -= 1
+            self.disk_room -= need
         else:
             plan.host_drops.append(victim)  # from the device when this plan had parked it: no wasted copy
-        self.free += 1
+        self.free += self.weight(victim)
         return True
 
 
-    def _make_disk_room(self, tier) -> None:
+    def _make_disk_room(self, tier, victim) -> bool:
         """One file's room: a written-behind copy goes first (its block stays resident), else a disk leaf."""
         cache, plan = self.cache, self.plan
-        copies = [b for b in cache._disk_copies.values() if b not in plan.copy_drops and tier(b) in ("device", "host")]
+        copies = [b for b in cache._disk_copies.values() if b not in plan.copy_drops and tier(b) in ("device", "host")
+                  and b is not victim]
         if copies:
             plan.copy_drops.append(min(copies, key=_host_rank))
             self.disk_room += 1
-            return
-        disk_leaves = [b for b in cache._on_disk.values()
-                       if not b.children and tier(b) == "disk" and id(b) not in self.exclude]
+            return True
+        disk_leaves = [b for b in cache._on_disk.values() if not b.children and tier(b) == "disk"
+                       and id(b) not in self.exclude and b not in plan.disk_drops]
         if disk_leaves:
-            plan.disk_drops.append(min(disk_leaves, key=_host_rank))
-            self.disk_room += 1
+            dropped = min(disk_leaves, key=_host_rank)
+            plan.disk_drops.append(dropped)
+            self.disk_room += self.weight(dropped)
+            return True
+        return False
 
 
 def _virtual_tiers(plan: Plan) -> dict[int, str]:
@@ -131,13 +160,15 @@ def _host_rank(block: CachedBlock) -> tuple:
 _active: Callable[[CachedBlock], bool] = lambda block: False  # noqa: E731  set by the test to the cache's
 
 
-def _pick(candidates: list[CachedBlock], count: int, rank, parent_of) -> list[CachedBlock] | None:
-    """The `count` best victims in rank order, as if each were removed before the next is chosen."""
+def _pick(candidates: list[CachedBlock], count: int, rank, parent_of, weight) -> list[CachedBlock] | None:
+    """The best victims in rank order, as if each were removed before the next is chosen, until they free
+    `count` slots (a block frees `weight(block)`)."""
     gone: set[int] = set()
     heap = [(rank(b, gone), id(b), b) for b in candidates]
     heapq.heapify(heap)
     out: list[CachedBlock] = []
-    while heap and len(out) < count:
+    freed = 0
+    while heap and freed < count:
         key, ident, block = heapq.heappop(heap)
         if ident in gone:
             continue
@@ -146,8 +177,9 @@ def _pick(candidates: list[CachedBlock], count: int, rank, parent_of) -> list[Ca
             heapq.heappush(heap, (current, ident, block))
             continue
         out.append(block)
+        freed += weight(block)
         gone.add(ident)
         parent = parent_of(block)
         if parent is not None and id(parent) not in gone:
             heapq.heappush(heap, (rank(parent, gone), id(parent), parent))
-    return out if len(out) == count else None
+    return out if freed >= count else None

@@ -11,17 +11,31 @@ from engine.kv import KVLayout
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
 from scheduler.block_mover import RecordingMover
+from scheduler.checkpoint_store import CheckpointStore
+from scheduler.checkpoints import Checkpoints
 from scheduler.engine_loop import EngineLoop
 from scheduler.memory_admission import MemoryAdmission
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request
 
 
-def _elastic(min_blocks=4, reserved=12, segment=4, host_blocks=8):
+def _elastic(min_blocks=4, reserved=12, segment=4, host_blocks=8, checkpoint_units=0):
     admission = MemoryAdmission(host_blocks, 64)
     admission.set_device_pool(min_blocks, reserved, segment)
     mover = RecordingMover()
-    return PrefixCache(min_blocks, 4, host_blocks=host_blocks, mover=mover, admission=admission), mover
+    ckpt = Checkpoints(checkpoint_units, store=CheckpointStore((1, 1, 2))) if checkpoint_units else None
+    return PrefixCache(min_blocks, 4, host_blocks=host_blocks, mover=mover, admission=admission,
+                       checkpoints=ckpt), mover
+
+
+def _serve_with_checkpoint(cache, tokens):
+    """A hybrid model's request: a device slot reserved for its state, which its release attaches."""
+    plan = cache.plan_allocate(cache.match(tokens, len(tokens) - 1), len(tokens), checkpoints=1)
+    assert plan is not None and cache.admission.grant(plan)
+    alloc = cache.apply(plan)
+    cache.apply(cache.plan_release(tokens, len(tokens), alloc, final_state=np.ones((1, 1, 2), np.float32)))
+    cache.check_integrity()
+    return alloc
 
 
 def _serve(cache, tokens):
@@ -88,6 +102,48 @@ def test_a_shrink_stops_at_a_block_a_running_request_holds():
     assert plan.shrink_to == 8 and "running request" in plan.stopped_by
     cache.release([2] * 16, 16, held)
     assert cache.plan_shrink(4).shrink_to == 4
+
+
+def test_a_shrink_keeps_free_ids_for_the_device_checkpoints_and_relocated_blocks_keep_theirs():
+    cache, _ = _elastic(reserved=8, checkpoint_units=1)
+    held = cache.allocate(cache.match([5] * 8, 7), 8)  # ids 0, 1, held
+    _serve_with_checkpoint(cache, [2] * 8)  # 2 blocks + 1 checkpoint slot > 2 free: grows to 8; ids 2, 3
+    cache.release([5] * 8, 0, held)  # computed nothing: ids 0, 1 free again
+    tail = cache._on_device[3]
+    assert cache.num_blocks == 8 and tail.checkpoints == {4} and cache._dev_free.num_free == 6
+    plan = cache.plan_shrink(2)
+    # 7..4 free, 3 moves to 0; moving 2 to 1 as well would leave no free id for the checkpoint's slot
+    assert plan.shrink_to == 3 and plan.relocations == [(tail, 0)] and not plan.parks
+    assert "checkpoints" in plan.stopped_by
+    assert cache.admission.grant(plan)
+    cache.apply(plan)
+    cache.check_integrity()
+    assert cache.num_blocks == 3 and tail.device_id == 0 and tail.checkpoints == {4}
+    assert set(cache.ckpt.store.tiers["device"]) == {(tail.digest, 4)}
+    assert cache.match([2] * 8 + [7], 8).num_tokens == 8  # the state after the prompt is still there
+
+
+def test_a_shrink_parks_a_checkpointed_block_with_its_checkpoints():
+    cache, mover = _elastic(reserved=8, checkpoint_units=1)
+    _serve(cache, [1] * 8)  # ids 0, 1
+    _serve_with_checkpoint(cache, [2] * 8)  # grows to 8: ids 2, 3, the checkpoint on 3
+    tail, head = cache._on_device[3], cache._on_device[2]
+    plan = cache.plan_shrink(2)
+    assert plan.shrink_to == 2 and plan.parks == [tail, head] and not plan.relocations and not plan.stopped_by
+    assert cache.admission.grant(plan)
+    cache.apply(plan)
+    cache.check_integrity()
+    assert tail.on_host and tail.checkpoints == {4} and set(cache.ckpt.store.tiers["host"]) == {(tail.digest, 4)}
+    assert cache.ckpt.units_on("device") == 0 and cache.stats["dropped_blocks"] == 0
+    assert cache._host_free.num_free - cache.ckpt.units_on("host") == 8 - 3  # the checkpoint's slot, too
+
+
+def test_a_parked_checkpoint_needs_a_host_slot_of_its_own():
+    cache, _ = _elastic(reserved=8, host_blocks=2, checkpoint_units=1)
+    _serve(cache, [1] * 8)
+    _serve_with_checkpoint(cache, [2] * 8)  # ids 2, 3, the checkpoint on 3
+    plan = cache.plan_shrink(2)
+    assert plan.shrink_to == 3 and plan.parks == [cache._on_device[3]] and "host tier" in plan.stopped_by
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise release is Linux-only")

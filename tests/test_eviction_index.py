@@ -5,12 +5,15 @@ operation (check_integrity), and a plan, granted or refused, leaves it untouched
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 import scheduler.cache_plan as cache_plan
 import scheduler.prefix_cache as prefix_cache_module
 import tests.eviction_reference as reference
 from scheduler.cache_persistence import load_disk_index
+from scheduler.checkpoint_store import CheckpointStore
+from scheduler.checkpoints import Checkpoints
 from scheduler.disk_tier import DiskEntry
 from scheduler.memory_admission import MemoryAdmission
 from scheduler.prefix_cache import PrefixCache
@@ -30,7 +33,8 @@ class _Compare:
         reference._active = cache.activity.is_active
         copy = dataclasses.replace(plan, parks=list(plan.parks), device_drops=list(plan.device_drops),
                                    spills=list(plan.spills), host_drops=list(plan.host_drops),
-                                   disk_drops=list(plan.disk_drops), copy_drops=list(plan.copy_drops))
+                                   disk_drops=list(plan.disk_drops), copy_drops=list(plan.copy_drops),
+                                   checkpoint_drops=list(plan.checkpoint_drops))
         before = _index_state(cache)
         expected = reference.plan_device_room(cache, copy, count, {id(b) for b in exclude})
         found = cache_plan.plan_device_room(cache, plan, count, exclude)
@@ -41,6 +45,9 @@ class _Compare:
                                                                    [b.tokens for b in want])
             if got:
                 self.kinds.add(name)
+        assert [(id(n), k) for n, k in plan.checkpoint_drops] == [(id(n), k) for n, k in copy.checkpoint_drops]
+        if plan.checkpoint_drops:
+            self.kinds.add("checkpoint_drops")
         assert plan.host_grow == copy.host_grow
         assert _index_state(cache) == before, "a plan changed the index"
         self.calls += 1
@@ -60,12 +67,15 @@ def compare(monkeypatch):
     reference._active = lambda block: False
 
 
-def _cache(num_blocks=12, host_blocks=6, disk_blocks=8, machine_room=None):
+def _cache(num_blocks=12, host_blocks=6, disk_blocks=8, machine_room=None, units=0, state_dir=None):
+    """units > 0: a hybrid model's cache, each checkpoint `units` slots of its tier (files in state_dir)."""
     room = None if machine_room is None else (lambda: machine_room)  # bytes = blocks here (block_bytes 1)
     admission = MemoryAdmission(host_blocks, block_bytes=1, host_committed_blocks=0, segment_blocks=2,
                                 machine_room_bytes=room)
+    store = CheckpointStore((1, 1, 2), state_dir, b"k")
+    checkpoints = Checkpoints(units, every_blocks=1, store=store) if units else None
     return PrefixCache(num_blocks=num_blocks, block_size=B, host_blocks=host_blocks, disk_blocks=disk_blocks,
-                       admission=admission)
+                       admission=admission, checkpoints=checkpoints)
 
 
 class _Clock:
@@ -103,7 +113,12 @@ def _workload(cache, seed, steps, keys=False):
                 cache.mover.unreadable = {rng.choice(list(cache._on_disk.values())).digest}
             key = f"k{conv}" if keys and conv % 2 else None
             match = cache.match(tokens, len(tokens) - 1, conversation=key)
-            alloc = cache.allocate(match, min(len(tokens), match.num_tokens + rng.randrange(1, 7)))
+            first = min(len(tokens), match.num_tokens + rng.randrange(1, 7))
+            ckpts = rng.randrange(3) if cache.ckpt.enabled else 0  # hybrid: checkpoints it will take
+            plan = cache.plan_allocate(match, first, checkpoints=ckpts)
+            if plan is None and ckpts:  # as the engine loop: without room for them, it goes without
+                plan = cache.plan_allocate(match, first)
+            alloc = cache.apply(plan) if plan is not None and cache.admission.grant(plan) else None
             cache.mover.unreadable = set()
             if alloc is not None:
                 running.append([conv, tokens, alloc.cached_tokens, alloc])
@@ -112,20 +127,43 @@ def _workload(cache, seed, steps, keys=False):
             n = rng.randrange(1, 6)
             if item[2] + n > len(item[1]):
                 item[1] = item[1] + [rng.randrange(1, 9) for _ in range(item[2] + n - len(item[1]))]
-            if cache.extend(item[3], item[2] + n):
+            alloc = item[3]
+            more = rng.randrange(2) if cache.ckpt.enabled else 0
+            plan = cache.plan_extend(alloc, item[2] + n, checkpoints=more)
+            if plan is None and more:
+                plan = cache.plan_extend(alloc, item[2] + n)
+            if plan is None and alloc.checkpoints_reserved and rng.random() < 0.5:
+                cache.ckpt.give_up_pending(alloc)
+            elif plan is not None and cache.admission.grant(plan) and cache.apply(plan) is not None:
+                for _ in range(min(alloc.checkpoints_reserved - 1 - len(alloc.pending_checkpoints), n)):
+                    position = item[2] + rng.randrange(1, n + 1)  # a state taken inside the step
+                    cache.ckpt.take(alloc, position, np.full((1, 1, 2), position, np.float32))
                 item[2] += n
         elif running:
             item = running.pop(rng.randrange(len(running)))
             conv, tokens, computed, alloc = item
+            state = np.full((1, 1, 2), computed, np.float32) if cache.ckpt.enabled else None
             if rng.random() < 0.2:
-                cache.apply(cache.plan_release(tokens, computed, alloc, kind="preempt"))
+                cache.apply(cache.plan_release(tokens, computed, alloc, kind="preempt", final_state=state))
             else:
-                cache.release(tokens, computed, alloc)
+                cache.apply(cache.plan_release(tokens, computed, alloc, final_state=state))
                 history[conv] = tokens
         cache.check_integrity()
     for conv, tokens, computed, alloc in running:
         cache.release(tokens, computed, alloc)
     cache.check_integrity()
+
+
+@pytest.mark.parametrize("units,seed", [(1, 0), (1, 1), (2, 2), (3, 3)])
+def test_index_chooses_the_same_victims_with_state_checkpoints_weighing_in(compare, tmp_path, units, seed):
+    """Hybrid models: a victim frees its block and its checkpoints' slots; pinned blocks' checkpoints go
+    when nothing else frees enough; the order is the same as without them."""
+    cache = _cache(num_blocks=14, host_blocks=8, disk_blocks=10, units=units, state_dir=tmp_path)
+    _workload(cache, seed, 1500, keys=seed % 2 == 1)
+    stats = cache.ckpt.stats
+    assert compare.calls > 200 and compare.victims > 200, (compare.calls, compare.victims)
+    assert stats["attached"] > 50 and stats["dropped"] > 10, stats
+    assert {"parks", "spills", "checkpoint_drops"} <= compare.kinds, compare.kinds
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -134,7 +134,7 @@ def test_kv_type_auto_is_the_backends_first_and_an_unsupported_type_names_the_su
     with pytest.raises(ValueError, match="--kv-type int8 is not supported by the fake backend .it runs: f16."):
         resolve_kv_type("int8", F16Only())
     with pytest.raises(ValueError, match="--kv-type 'q4'"):
-        layout_for(SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=4), 1, B, "q4")
+        layout_for(SimpleNamespace(n_layers=1, n_kv_layers=1, n_kv_heads=1, head_dim=4), 1, B, "q4")
 
 
 def test_the_cache_snapshot_shows_the_type_and_its_bytes_per_token(load_tiny):

@@ -52,6 +52,8 @@ SIGNATURES: dict[str, str] = {
     "gated_silu_f32": _GATED,
     "gated_gelu_tanh_f32": _GATED,
     "gather_rows_f32": "float* out, const float* x, const long long* rows, int n_rows, int d",
+    "short_conv_f32": ("float* out, float* states, const float* u, const float* w, const int* seq_start, "
+                       "const int* seq_len, const int* start_pos, const int* state_slot, int n_seqs, int d, int L"),
     "copy_kv_blocks_f32": ("float* pool, const int* src_blocks, const int* dst_blocks, int n_pairs, int planes, "
                            "int num_slots, int block_elems, int hd"),
     "gather_kv_blocks_f32": _KV_BLOCKS,

@@ -1,0 +1,33 @@
+"""Where a hybrid model's prompt is worth a state checkpoint: just before each message of the conversation.
+
+Agents' conversations diverge at message boundaries (a trimmed history, a toggled tool list, a fan-out of
+questions over one context), and a hybrid model can only reuse a cached prefix up to a checkpoint
+(scheduler/checkpoints.py). The chat template opens every message with the same special token (ChatML's
+`<|im_start|>`, Llama 3's `<|start_header_id|>`, Gemma's `<start_of_turn>`): it is the first token of what
+`add_generation_prompt` appends. The positions of that token in a prompt are the request's checkpoint hints.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def find_message_start_id(chat_template, tokenizer) -> int | None:
+    """The special token that opens each message of this template, or None when there is none."""
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        bare = chat_template.render(messages, add_generation_prompt=False)
+        prompted = chat_template.render(messages, add_generation_prompt=True)
+    except ValueError:
+        return None
+    if len(prompted) <= len(bare) or not prompted.startswith(bare):
+        return None
+    ids = tokenizer.encode(prompted[len(bare):], add_special=False)
+    is_special = bool(ids) and tokenizer.decode(ids[:1], skip_special=True) == ""
+    return ids[0] if is_special and ids[0] in tokenizer.encode(bare, add_special=False) else None
+
+
+def message_starts(prompt_ids: list[int], token_id: int | None) -> tuple[int, ...]:
+    """Positions p of the prompt where a message begins (the state after p tokens is worth keeping)."""
+    if token_id is None:
+        return ()
+    return tuple(int(p) for p in np.flatnonzero(np.asarray(prompt_ids) == token_id) if p > 0)

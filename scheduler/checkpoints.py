@@ -1,0 +1,239 @@
+"""State checkpoints in the conversation cache, for models with recurrent layers (lfm2's short convs).
+
+A recurrent layer's state at position p cannot be cut out of a longer one, so a cached K/V prefix is only
+usable up to a position where the cache also holds the state: a checkpoint. A tree node carries the
+checkpoints taken after some of its tokens (`CachedBlock.checkpoints`: k = tokens of the node before the
+state; k == len(tokens) is "after its last token"). Where the engine takes them, per request:
+
+    prompt:  |-- N blocks --|-- N blocks --|-- ... --|x|       x = prompt_len - 1: the same prompt again
+             ^ every N blocks (--state-checkpoint-every)  ^         reuses all but its last token
+             + where each message begins (the API's hints, api/checkpoint_hints.py)
+             + where the prompt left the cached sequence it matched (the next variant branches there too)
+    release: the end of what the request computed (its reply, or where it was preempted)
+
+Under pressure checkpoints give way before K/V: a request without room for one goes on without it, one
+short of room gives up those it holds, and a plan may drop those on pinned blocks.
+
+A match is the longest cached prefix whose end has a checkpoint (`trim`); K/V blocks beyond it stay in the
+tree. A checkpoint lives in the tier of its node and moves with it (parked, restored, spilled, dropped by
+the same plans and in the same value order); it costs `units` block slots of that tier, so the tiers'
+budgets count its bytes. Running requests reserve a slot for each checkpoint they will take before the
+step that takes it (their `Allocation.checkpoints_reserved`), so attaching them at release needs no room.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from scheduler.cache_tree import CachedBlock, PrefixMatch, common_prefix_len
+from scheduler.checkpoint_store import CheckpointStore
+
+if TYPE_CHECKING:
+    from scheduler.cache_allocation import Allocation
+
+
+class Checkpoints:
+    """The cache's checkpoint bookkeeping: which nodes carry states, what they cost, the bytes' store.
+
+    `units` == 0 (a model without recurrent layers) disables everything: every hook is then a no-op."""
+
+    def __init__(self, units: int = 0, every_blocks: int = 0, store: CheckpointStore | None = None):
+        self.units = units  # block slots one checkpoint takes in its tier
+        self.every_blocks = every_blocks  # 0: none but the hints, the prompt's end and release
+        self.store = store or CheckpointStore()
+        self.nodes: dict[int, CachedBlock] = {}  # id -> node that carries checkpoints
+        self.reserved = 0  # checkpoints running requests will take (device slots held for them)
+        self.stats = {"taken": 0, "attached": 0, "restored": 0, "dropped": 0}
+        # Called with a node whose checkpoints came or went (the cache's eviction index re-weighs it).
+        self.on_change: Callable[[CachedBlock], None] = lambda node: None
+
+    @property
+    def enabled(self) -> bool:
+        return self.units > 0
+
+    def count(self, tier: str) -> int:
+        """Checkpoints in `tier`, read off the store in O(1) (the integrity check holds it equal to the tree)."""
+        return self.store.count(tier)
+
+    def units_on(self, tier: str) -> int:
+        """Block slots of `tier` the checkpoints take (device: including those reserved by requests)."""
+        return self.units * (self.count(tier) + (self.reserved if tier == "device" else 0))
+
+    def weight(self, node: CachedBlock) -> int:
+        """Slots a node frees when it leaves its tier: its block and its checkpoints."""
+        return 1 + self.units * len(node.checkpoints)
+
+    def positions(self, prompt_len: int, block_size: int, hints: tuple[int, ...] = ()) -> list[int]:
+        """Where a request takes checkpoints while it computes its prompt (ascending): every N blocks, at
+        the hints (where its messages begin, api/checkpoint_hints.py) and at prompt_len - 1."""
+        if not self.enabled or prompt_len < 2:
+            return []
+        step = self.every_blocks * block_size
+        out = set(range(step, prompt_len - 1, step)) if step else set()
+        out.update(p for p in hints if 0 < p < prompt_len - 1)
+        return sorted(out) + [prompt_len - 1]
+
+    # -- matching ------------------------------------------------------------------------------------
+    def trim(self, match: PrefixMatch, rest: list[int] | None = None, root: CachedBlock | None = None) -> PrefixMatch:
+        """The longest prefix of `match` whose end carries a checkpoint (nothing when none does). With `rest`
+        (the prompt's tokens after the shared blocks, up to the match limit) and the root, every child of
+        the last shared block that agrees with `rest` is a candidate, not only the copy source: siblings
+        that agree equally far (prompts that branched at the same token) may differ in their checkpoints."""
+        if not self.enabled:
+            return match
+        best, pos = None, 0
+        for i, node in enumerate(match.shared):
+            for k in node.checkpoints:
+                if best is None or pos + k > best[0]:
+                    best = (pos + k, i, node, k)
+            pos += len(node.tokens)
+        source = match.cow_source
+        parent = match.shared[-1] if match.shared else root
+        candidates = [(source, match.cow_tokens)] if source is not None else []
+        if rest is not None and parent is not None:
+            candidates = [(c, common_prefix_len(c.tokens, rest)) for c in parent.children.values() if c.checkpoints]
+        for child, common in candidates:
+            for k in child.checkpoints:
+                if k <= common and (best is None or pos + k > best[0]):
+                    best = (pos + k, len(match.shared), child, k)
+        kv_tokens, salt, conv = match.num_tokens, match.salt, match.conversation
+        if best is None:
+            out = PrefixMatch([], None, 0, salt, conv)
+        elif best[1] < len(match.shared) and best[3] == len(best[2].tokens):  # a full shared block's end
+            out = PrefixMatch(match.shared[: best[1] + 1], None, 0, salt, conv)
+        else:  # inside a block, or the partial block's end: that block's head is copied
+            out = PrefixMatch(match.shared[: best[1]], best[2], best[3], salt, conv)
+        if best is not None:
+            out.checkpoint = (best[2], best[3])
+        out.kv_tokens = kv_tokens
+        return out
+
+    # -- bytes follow their node ---------------------------------------------------------------------
+    def read(self, node: CachedBlock, k: int) -> np.ndarray | None:
+        return self.store.get(node.tier, (node.digest, k))
+
+    def attach(self, node: CachedBlock, k: int, state: np.ndarray) -> bool:
+        """A checkpoint on a device node (from a releasing request's reservation); False if it has one."""
+        assert node.on_device and 0 < k <= len(node.tokens), f"checkpoint at {k} of a {node.tier} node"
+        if k in node.checkpoints:
+            return False
+        self.store.put("device", (node.digest, k), state)
+        node.checkpoints.add(k)
+        self.nodes[id(node)] = node
+        self.stats["attached"] += 1
+        self.on_change(node)
+        return True
+
+    def move(self, node: CachedBlock, src: str, dst: str) -> None:
+        for k in node.checkpoints:
+            self.store.move((node.digest, k), src, dst)
+
+    def spill(self, node: CachedBlock, src: str) -> None:
+        lost = 0
+        for k in sorted(node.checkpoints):
+            if not self.store.spill((node.digest, k), src):
+                node.checkpoints.discard(k)  # the write failed: the state is lost, the block is not
+                lost += 1
+        self.stats["dropped"] += lost
+        if not node.checkpoints:
+            self.nodes.pop(id(node), None)
+        if lost:
+            self.on_change(node)
+
+    def read_disk(self, node: CachedBlock) -> dict[int, np.ndarray]:
+        """The states of a disk node that is about to be restored (unreadable ones are left out)."""
+        out = {}
+        for k in node.checkpoints:
+            state = self.store.read_file((node.digest, k))
+            if state is not None:
+                out[k] = state
+        return out
+
+    def load(self, node: CachedBlock, states: dict[int, np.ndarray]) -> None:
+        """A disk node restored to the device: its readable states come along, its files go."""
+        lost = False
+        for k in list(node.checkpoints):
+            self.store.delete("disk", (node.digest, k))
+            if k in states:
+                self.store.put("device", (node.digest, k), states[k])
+            else:
+                node.checkpoints.discard(k)
+                self.stats["dropped"] += 1
+                lost = True
+        if not node.checkpoints:
+            self.nodes.pop(id(node), None)
+        if lost:
+            self.on_change(node)
+
+    def forget(self, node: CachedBlock, k: int) -> None:
+        """Drop one checkpoint of a node (its block stays)."""
+        if k in node.checkpoints:
+            self.store.delete(node.tier, (node.digest, k))
+            node.checkpoints.discard(k)
+            self.stats["dropped"] += 1
+            self.on_change(node)
+        if not node.checkpoints:
+            self.nodes.pop(id(node), None)
+
+    def give_up_pending(self, allocation: "Allocation") -> None:
+        """A running request short of room gives back its reservations and the checkpoints it took."""
+        self.reserved -= allocation.checkpoints_reserved
+        self.stats["dropped"] += len(allocation.pending_checkpoints)
+        allocation.checkpoints_reserved, allocation.pending_checkpoints = 0, {}
+
+    def drop(self, node: CachedBlock) -> None:
+        """Forget a node's checkpoints (the node is dropped, taken over, or replaced); call while its
+        tier is still set."""
+        for k in node.checkpoints:
+            self.store.delete(node.tier, (node.digest, k))
+        had = bool(node.checkpoints)
+        self.stats["dropped"] += len(node.checkpoints)
+        node.checkpoints.clear()
+        self.nodes.pop(id(node), None)
+        if had:
+            self.on_change(node)
+
+    def read_matched(self, match: PrefixMatch) -> tuple[PrefixMatch, np.ndarray | None]:
+        """The state the match ends at, read when the allocation is planned. A checkpoint file that is gone
+        or corrupt is forgotten (its block stays) and the match goes back to an earlier checkpoint."""
+        while match.checkpoint is not None:
+            state = self.read(*match.checkpoint)
+            if state is not None:
+                return match, state
+            self.forget(*match.checkpoint)
+            match = self.trim(PrefixMatch(match.shared, match.cow_source, match.cow_tokens, match.salt,
+                                          match.conversation))
+        return match, None
+
+    # -- running requests ----------------------------------------------------------------------------
+    def take(self, allocation: "Allocation", position: int, state: np.ndarray) -> None:
+        """A request's state after `position` computed tokens, held until its release attaches it."""
+        assert len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved, "checkpoint not reserved"
+        allocation.pending_checkpoints[position] = state
+        self.stats["taken"] += 1
+
+    def attach_released(self, allocation: "Allocation", final_state, num_computed: int, path: list[CachedBlock],
+                        block_size: int) -> None:
+        """A released request's checkpoints (those it took, and `final_state` after num_computed tokens)
+        join the nodes of `path` (its blocks in the tree, in order) they end in; its reservations are given
+        back. An empty path (the cache is off) attaches nothing. Only as many as it reserved slots for
+        (a request admitted without room for them has none): the final state first, then the latest."""
+        states = dict(allocation.pending_checkpoints)
+        if final_state is not None and num_computed > 0:
+            states[num_computed] = final_state
+        kept = sorted(states, reverse=True)[: allocation.checkpoints_reserved]
+        states = {p: states[p] for p in kept}
+        self.reserved -= allocation.checkpoints_reserved
+        allocation.checkpoints_reserved, allocation.pending_checkpoints = 0, {}
+        for position, state in sorted(states.items()):
+            index = (position - 1) // block_size
+            if 0 < position <= num_computed and index < len(path):
+                self.attach(path[index], position - index * block_size, state)
+
+    def usage(self) -> dict:
+        store = self.store
+        return {"checkpoints_" + t: self.count(t) for t in ("device", "host", "disk")} | {
+            "checkpoint_bytes_" + t: store.nbytes(t) for t in ("device", "host", "disk")} | {
+            "checkpoints_reserved": self.reserved, "checkpoint_state_bytes": store.state_bytes,
+            "checkpoint_units": self.units, **{"checkpoints_" + k: v for k, v in self.stats.items()}}

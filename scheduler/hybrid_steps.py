@@ -1,0 +1,126 @@
+"""The engine loop's part in a hybrid model's recurrent state (lfm2): slots, checkpoints, chunk borders.
+
+For a model without recurrent layers every method here is a no-op (and `reserve_at_admission` is 0),
+so the loop calls them unconditionally. For a hybrid model, per request:
+
+    admit         its state slot; the state of the checkpoint its match ends at is written into it; where
+                  its prompt leaves a cached sequence beyond that checkpoint, a checkpoint position
+    reserve       a step that passes checkpoint positions (scheduler/checkpoints.py) reserves a device
+                  slot for each, and asks the state pools to capture the state there (inside the chunk)
+    after a step  the captured states are held by the allocation until release
+    release       the state after the last computed token goes with the blocks into the tree
+
+Chunks are never cut for a checkpoint, so cache on and off compute the same chunks.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+from scheduler.checkpoint_store import CheckpointStore
+from scheduler.checkpoints import Checkpoints
+
+log = logging.getLogger("strata.cache")
+
+
+def create_checkpoints(runner, disk, every_blocks: int) -> Checkpoints | None:
+    """The cache's checkpoint bookkeeping for the runner's model (None: it has no recurrent state)."""
+    states = runner.states
+    if not states.enabled:
+        return None
+    units = max(1, math.ceil(states.state_bytes / runner.layout.bytes_per_block))
+    store = CheckpointStore(states.shape, disk.dir if disk is not None else None, disk.key if disk is not None else b"")
+    return Checkpoints(units, every_blocks, store)
+
+
+def load_checkpoint_index(cache) -> int:
+    """Attach the checkpoint files found at start-up to the disk blocks they belong to (after
+    load_disk_index), within the disk budget; the others are deleted. Returns checkpoints attached."""
+    ckpt = cache.ckpt
+    if not ckpt.enabled:
+        return 0
+    attached = 0
+    keys, ckpt.store.on_disk = ckpt.store.scan(), set()  # indexed again as each one is kept
+    for key in keys:
+        node = cache._on_disk.get(key[0])
+        fits = cache.disk_free >= ckpt.units  # the budget less blocks, copies and the files kept so far
+        if node is None or not 0 < key[1] <= len(node.tokens) or not fits:
+            ckpt.store.delete("disk", key)
+            continue
+        node.checkpoints.add(key[1])
+        ckpt.store.on_disk.add(key)
+        ckpt.nodes[id(node)] = node
+        ckpt.on_change(node)
+        attached += 1
+    log.info("conversation cache: %d state checkpoints loaded from disk", attached,
+             extra={"fields": {"loaded_checkpoints": attached}})
+    return attached
+
+
+class HybridSteps:
+    """Recurrent-state bookkeeping of the running requests (see the module docstring)."""
+
+    def __init__(self, runner, cache):
+        self.runner, self.cache = runner, cache
+        self.enabled = runner.states.enabled
+        self.keeps_checkpoints = self.enabled and cache.enabled and cache.ckpt.enabled
+
+    @property
+    def reserve_at_admission(self) -> int:
+        return 1 if self.keeps_checkpoints else 0  # the checkpoint taken at release
+
+    def _positions(self, request) -> list[int]:
+        if not self.enabled:
+            return []
+        return self.cache.ckpt.positions(request.prompt_len, self.runner.block_size, request.checkpoint_positions)
+
+    def _passed(self, request, n: int) -> tuple[int, ...]:
+        start = request.seq.num_computed
+        return tuple(p for p in self._positions(request) if start < p <= start + n)
+
+    def checkpoints_after(self, request, n: int) -> int:
+        """Checkpoints the request's next step of n tokens takes."""
+        return len(self._passed(request, n)) if self.keeps_checkpoints else 0
+
+    def before_step(self, work) -> None:
+        """Ask for the states at the checkpoint positions each scheduled step passes."""
+        if not self.keeps_checkpoints:
+            return
+        for request, n in work:
+            positions = self._passed(request, n)
+            if positions:
+                self.runner.states.capture(request.seq, positions)
+
+    def admit(self, request, match) -> None:
+        """Its state slot and state. Where its prompt left a cached sequence (the K/V match went further than
+        the last checkpoint), it will take a checkpoint too: that is where the next variant branches off."""
+        if not self.enabled:
+            return
+        if match.kv_tokens > match.num_tokens and request.seq.num_computed == match.num_tokens:
+            request.checkpoint_positions = tuple(sorted({*request.checkpoint_positions, match.kv_tokens}))
+        seq, allocation = request.seq, request.allocation
+        self.runner.states.slot_of(seq)  # on the loop's thread, before any step of it
+        if allocation.checkpoint_state is not None:
+            self.runner.states.write(seq, allocation.checkpoint_state)
+            allocation.checkpoint_state = None
+        assert seq.num_computed == 0 or self.keeps_checkpoints, "a cached prefix without its state"
+
+    def take_checkpoints(self, work) -> None:
+        """After a step: the states it captured join the request's pending checkpoints."""
+        if not self.keeps_checkpoints:
+            return
+        for request, _ in work:
+            allocation = request.allocation
+            for position, state in sorted(self.runner.states.take_captured(request.seq).items()):
+                if allocation is not None and len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved:
+                    self.cache.ckpt.take(allocation, position, state)
+
+    def final_state(self, request):
+        """The state after the request's computed tokens, for its release (None: nothing to keep)."""
+        if not self.keeps_checkpoints or request.seq.num_computed == 0:
+            return None
+        return self.runner.states.read(request.seq)
+
+    def release(self, request) -> None:
+        if self.enabled and request.seq is not None:
+            self.runner.states.release(request.seq)

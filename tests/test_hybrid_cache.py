@@ -1,0 +1,290 @@
+"""State checkpoints in the conversation cache, on the tiny lfm2 (short-conv + attention) model.
+
+Through the engine loop with `check_integrity` after every admission and step: the cache never changes a
+token (on == off, also under device / host / disk pressure), it computes exactly the ideal where the
+conversations continue, the logits after restoring a checkpoint equal those computed from scratch with
+the same chunks (after a park, a spill to disk and a restart), and a miss for want of a checkpoint says
+where the nearest one was.
+"""
+import asyncio
+import logging
+
+import numpy as np
+import pytest
+
+from engine.backends.numpy_backend import NumpyBackend
+from engine.gguf_file import GGUFFile
+from engine.model import load_model
+from engine.sampling import SamplingParams
+from engine.sequence import ModelRunner, Sequence
+from engine.tokenizer import Tokenizer
+from scheduler.disk_tier import DiskTier, cache_key
+from scheduler.engine_loop import EngineLoop
+from scheduler.request import Request
+from tests.test_cache_workloads import HEAD_LEN, HEAD_SWAP, _agent_turns, _ideal, _random_turns
+from tests.tiny_lfm2 import write_tiny_lfm2
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    path = tmp_path_factory.mktemp("lfm2") / "tiny-lfm2.gguf"
+    write_tiny_lfm2(path, seed=4, n_ctx=1024)
+    return load_model(path, NumpyBackend())[0], Tokenizer.from_gguf_fields(GGUFFile(path).fields)
+
+
+def _disk(root, runner, blocks):
+    lay = runner.layout
+    return DiskTier(root, cache_key("tiny-lfm2", (BLOCK,)), (lay.n_layers, lay.n_kv_heads, BLOCK, lay.head_dim),
+                    "float32", blocks)
+
+
+def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=None, disk_blocks=256, every=2,
+         concurrency=1, history=None, chunk=8, hints=None, on_start=None, layer_split=(), groups=1,
+         write_behind_mib_s=0.0):
+    """Turns [(conversation, new user tokens, reply length)] through one engine loop. Returns (replies,
+    [(prompt_len, cached, ideal)], per step [(request id, tokens computed, logits row, block table)], the loop,
+    the conversations' histories)."""
+    model, tokenizer = lfm2
+    history = {} if history is None else history
+    steps, out = [], {}
+
+    async def main():
+        runner = ModelRunner(model, num_blocks, BLOCK, host_blocks=host_blocks, layer_split=layer_split)
+        disk = _disk(disk_root, runner, disk_blocks) if disk_root is not None else None
+        loop = EngineLoop(runner, tokenizer, num_slots=3, prefill_chunk=chunk, max_queue=64, prefix_cache=cache_on,
+                          integrity_checks=True, disk=disk, state_checkpoint_every=every, batch_groups=groups,
+                          write_behind_mib_s=write_behind_mib_s)
+        finish = loop.pipeline.finish
+
+        def recording_finish(work, logits):
+            steps.extend((r.request_id, n, np.array(logits[i]), list(r.seq.block_table))
+                         for i, (r, n) in enumerate(work))
+            return finish(work, logits)
+
+        loop.pipeline.finish = recording_finish
+        loop.start()
+        if on_start is not None:
+            on_start(loop)
+        replies, usage, cached = [], [], [h[:-1] for h in history.values()]
+        for start in range(0, len(turns), concurrency):
+            batch, streams = turns[start : start + concurrency], []
+            for i, (conv, user, reply_len) in enumerate(batch):
+                past = history.get(conv, [])
+                if user and user[0] == HEAD_SWAP:  # the head toggles (tests/test_cache_workloads.py)
+                    past, user = user[1 : HEAD_LEN + 1] + past[HEAD_LEN:], user[HEAD_LEN + 1 :]
+                prompt = past + user
+                params = SamplingParams(temperature=0, max_tokens=reply_len, ignore_eos=True)
+                request = Request(f"t{start + i}", prompt, params,
+                                  checkpoint_positions=(hints or {}).get(start + i, ()))
+                streams.append((conv, prompt, loop.submit(request)))
+            for conv, prompt, stream in streams:
+                tokens, last = [], None
+                async for delta in stream:
+                    tokens += delta.token_ids
+                    last = delta
+                replies.append(tokens)
+                usage.append((len(prompt), last.usage.cached_tokens, _ideal(prompt, cached)))
+            for (conv, prompt, _), tokens in zip(streams, replies[-len(batch):]):
+                history[conv] = prompt + tokens
+                cached.append(prompt + tokens[:-1])  # the reply's last token is never computed
+        await loop.shutdown(1)
+        out.update(replies=replies, usage=usage, loop=loop)
+
+    asyncio.run(main())
+    return out["replies"], out["usage"], steps, out["loop"], history
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cache_on_and_off_produce_identical_replies(lfm2, seed):
+    turns = _random_turns(seed)
+    on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3)
+    off, usage_off, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
+    assert on == off and all(c == 0 for _, c, _ in usage_off)
+    assert sum(c for _, c, _ in usage) > 0 and loop.cache.ckpt.stats["restored"] > 0
+
+
+def test_pipeline_stages_and_batch_groups_keep_each_sequence_s_state(lfm2):
+    """Three stages (each with its share of the state pools) and three groups in flight at once."""
+    turns = _random_turns(3, count=15)
+    on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3, layer_split=(1, 3), groups=3)
+    off, _, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
+    assert on == off and sum(c for _, c, _ in usage) > 0
+
+
+def test_agent_workload_computes_exactly_the_ideal(lfm2):
+    """Continuing conversations, a toggling head and short one-offs: every reused prefix ends at a
+    checkpoint (a reply's end), so nothing cached is recomputed."""
+    _, usage, _, loop, _ = _run(lfm2, _agent_turns(), concurrency=3)
+    assert [p - c for p, c, _ in usage] == [ideal for _, _, ideal in usage]
+    assert loop.cache.stats["miss_no_checkpoint"] == 0
+
+
+@pytest.mark.parametrize("pressure", ["host", "disk", "write-behind"])
+def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(lfm2, pressure, tmp_path):
+    turns = _random_turns(7, conversations=5, count=30)
+    extra = dict(num_blocks=70, host_blocks=30) if pressure == "host" else \
+        dict(num_blocks=70, host_blocks=8, disk_root=tmp_path, disk_blocks=400)
+    if pressure == "write-behind":  # K/V files written while serving: a spill of such a block writes only
+        extra.update(disk_blocks=120, write_behind_mib_s=10_000.0)  # its checkpoints' files
+    on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3, **extra)
+    off, _, _, _, _ = _run(lfm2, turns, cache_on=False, num_blocks=70, concurrency=3)
+    assert on == off
+    stats, ckpt = loop.cache.stats, loop.cache.ckpt.stats
+    assert stats["parks"] > 0 and stats["restores"] > 0 and ckpt["restored"] > 0
+    if pressure != "host":
+        assert stats["spills"] > 0 and stats["disk_loads"] > 0
+    if pressure == "write-behind":
+        assert loop.write_behind.written_blocks > 0, "nothing was written behind"
+
+
+def _continuous_logits(model, num_blocks, tokens, first_steps, second_steps):
+    """The reference: one sequence whose recurrent state is never saved or restored, computed in the same
+    chunks over the same block tables as the two turns; between them its K/V blocks are copied to the
+    second turn's ids (byte copies, as the cache's restores and copy-on-write are), so the attention reads
+    the same runs of blocks and only the state's path differs. Logits of each second-turn step."""
+    runner = ModelRunner(model, num_blocks, BLOCK)
+    seq = Sequence(list(tokens))
+    for n, _, table in first_steps:
+        seq.block_table = table
+        runner.step([(seq, n)])
+    first_table, second_table = first_steps[-1][2], second_steps[0][2]
+    used = -(-seq.num_computed // BLOCK)
+    blocks = [runner.read_block("device", b) for b in first_table[:used]]
+    for b, (k, v) in zip(second_table[:used], blocks):
+        runner.write_block(b, k, v)
+    rows = []
+    for n, _, table in second_steps:
+        seq.block_table = table
+        rows.append(runner.step([(seq, n)])[0])
+    return rows
+
+
+@pytest.mark.parametrize("where", ["device", "host", "disk", "restart"])
+def test_logits_after_a_restored_checkpoint_equal_computing_from_scratch(lfm2, where, tmp_path):
+    """Conversation 0's second turn restores the checkpoint at its first reply's end: from the device, after
+    a park (other conversations fill the pool), after a spill to disk, or after a restart of the server.
+    Its logits are bitwise those of one sequence that carried its state all along (_continuous_logits)."""
+    model, _ = lfm2
+    first = [(0, list(range(20, 49)), 6)]
+    others = [(c, list(range(60 + 10 * c, 100 + 10 * c)), 3) for c in (1, 2, 3, 4)]
+    second = [(0, [5, 6, 7, 8, 9, 10, 11], 4)]
+    disk = dict(disk_root=tmp_path, disk_blocks=400)
+    setup = {"device": dict(), "host": dict(num_blocks=40, host_blocks=60),
+             "disk": dict(num_blocks=40, host_blocks=4, **disk), "restart": disk}[where]
+    if where == "restart":
+        _, _, steps1, _, history = _run(lfm2, first, **setup)
+        _, usage, steps2, loop, _ = _run(lfm2, second, history=history, **setup)
+        steps = steps1 + [(f"b{rid}", *rest) for rid, *rest in steps2]
+        second_id = "bt0"
+    else:
+        turns = first + (others if where != "device" else []) + second
+        _, usage, steps, loop, history = _run(lfm2, turns, **setup)
+        second_id = f"t{len(turns) - 1}"
+    prompt_len, cached, _ = usage[-1]
+    assert cached == 29 + 6 - 1  # the first turn's prompt and reply, less the reply's last token
+    assert loop.cache.ckpt.stats["restored"] >= 1
+    if where in ("host", "disk"):
+        assert loop.cache.stats["parks" if where == "host" else "disk_loads"] > 0
+    first_steps = [(n, row, table) for rid, n, row, table in steps if rid == "t0"]
+    second_steps = [(n, row, table) for rid, n, row, table in steps if rid == second_id]
+    tokens = history[0]
+    assert sum(n for n, _, _ in first_steps + second_steps) == cached + sum(n for n, _, _ in second_steps) \
+        == len(tokens) - 1
+    expected = _continuous_logits(model, setup.get("num_blocks", 400), tokens, first_steps, second_steps)
+    for (_, row, _), want in zip(second_steps, expected, strict=True):
+        np.testing.assert_array_equal(row, want)
+
+
+def test_a_miss_for_want_of_a_checkpoint_says_where_the_nearest_one_is(lfm2, caplog):
+    """Two prompts share 37 tokens; the first one's checkpoints are at 8, 16, ... (every 2 blocks of 4),
+    its prompt end and its reply end: the second reuses 32 tokens and the log says why not 37."""
+    shared = list(range(30, 67))
+    turns = [(0, shared + [200, 201, 202, 203, 204], 2), (1, shared + [210, 211], 2)]
+    with caplog.at_level(logging.INFO, logger="strata"):
+        _, usage, _, loop, _ = _run(lfm2, turns, every=2)
+    assert usage[1][1] == 32
+    assert loop.cache.stats["miss_no_checkpoint"] == 1
+    lines = [r.getMessage() for r in caplog.records if "state checkpoint" in r.getMessage()]
+    assert lines == ["prompt matched 37 cached tokens, but the nearest state checkpoint is at token 32: "
+                     "recomputing from there (a hybrid model's recurrent state cannot be cut from a later one; "
+                     "--state-checkpoint-every keeps more)"]
+
+
+def test_where_a_prompt_leaves_a_cached_sequence_it_leaves_a_checkpoint(lfm2):
+    """The second prompt branches off the first at token 21, between checkpoints: it recomputes from the
+    start but keeps the state at 21, so a third one branching there reuses exactly 21 tokens."""
+    shared = list(range(40, 61))
+    turns = [(c, shared + [100 + 10 * c + i for i in range(9)], 2) for c in range(3)]
+    _, usage, _, loop, _ = _run(lfm2, turns, every=0)
+    assert [c for _, c, _ in usage] == [0, 0, 21]
+    assert loop.cache.stats["miss_no_checkpoint"] == 1
+
+
+def test_checkpoint_hints_of_a_request_are_kept(lfm2):
+    """A request's checkpoint_positions (the API passes where its messages begin) become checkpoints."""
+    first = list(range(40, 70))
+    turns = [(0, first, 2), (1, first[:13] + [5, 6, 7], 2)]
+    _, usage, _, _, _ = _run(lfm2, turns, every=0, hints={0: (11,)})
+    assert usage[1][1] == 11
+
+
+def test_the_message_start_token_of_a_chatml_template_marks_each_message(lfm2):
+    from api.checkpoint_hints import find_message_start_id, message_starts
+    from engine.chat_template import ChatTemplate
+    from tests.tiny_gguf import CHATML_TEMPLATE
+
+    tokenizer = lfm2[1]
+    template = ChatTemplate(CHATML_TEMPLATE, "tiny-lfm2")
+    start = find_message_start_id(template, tokenizer)
+    assert start == tokenizer.encode("<|im_start|>", add_special=False)[0]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = tokenizer.encode(template.render(messages), add_special=False)
+    assert message_starts(ids, start) == tuple(i for i, t in enumerate(ids) if t == start and i > 0)
+    assert len(message_starts(ids, start)) == 2  # the user message and the generation prompt
+    assert message_starts(ids, None) == ()
+
+
+def test_the_same_prompt_again_computes_only_its_last_token_from_a_checkpoint_inside_a_chunk(lfm2):
+    """The checkpoint at prompt_len - 1 is captured inside the last prefill chunk (chunks of 8: 24-28);
+    the retry restores it, computes the last token alone and gets the first request's logits (up to the
+    round-off of a 5-row step against a 1-row one)."""
+    prompt = list(range(20, 49))
+    _, usage, steps, _, _ = _run(lfm2, [(0, prompt, 3), (1, prompt, 3)], every=0)
+    assert usage[1][1] == len(prompt) - 1
+    first = [row for rid, n, row, _ in steps if rid == "t0"][len(range(0, 29, 8)) - 1]
+    retry = [(n, row) for rid, n, row, _ in steps if rid == "t1"]
+    assert retry[0][0] == 1
+    np.testing.assert_allclose(retry[0][1], first, atol=1e-5, rtol=1e-5)
+
+
+def test_a_request_that_fills_the_pool_goes_on_without_room_for_checkpoints(lfm2):
+    """30 prompt + 6 reply tokens in a pool of exactly 9 blocks of 4: no slot is left for a checkpoint, so
+    the request is admitted and steps without one (it must not wait or preempt itself forever)."""
+    turns = [(0, list(range(20, 50)), 6)]
+    on, usage, _, loop, _ = _run(lfm2, turns, num_blocks=9, every=1, hints={0: (4, 8, 12)})
+    off, _, _, _, _ = _run(lfm2, turns, num_blocks=9, cache_on=False)
+    assert on == off and loop.num_preemptions == 0
+
+
+def test_a_corrupt_checkpoint_file_only_shortens_the_match(lfm2, tmp_path):
+    """After a restart the checkpoint files are corrupted (after the start-up scan): the second turn's
+    match falls back to an earlier checkpoint (or none), recomputes the rest and replies as cache off."""
+    first, second = [(0, list(range(20, 49)), 6)], [(0, [5, 6, 7, 8], 4)]
+    _, _, _, _, history = _run(lfm2, first, disk_root=tmp_path, every=2)
+    saved = {conv: list(tokens) for conv, tokens in history.items()}
+
+    def corrupt(loop):
+        files = list(loop.cache.ckpt.store.dir.glob("*.state"))
+        assert files and loop.cache.ckpt.count("disk") == len(files)
+        for path in files:
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0xFF
+            path.write_bytes(bytes(raw))
+
+    on, usage, _, loop, _ = _run(lfm2, second, disk_root=tmp_path, every=2, history=history, on_start=corrupt)
+    off, _, _, _, _ = _run(lfm2, second, cache_on=False, history=saved)
+    assert on == off
+    assert usage[0][1] == 0  # every checkpoint on the path was unreadable: nothing reusable
+    assert loop.cache.ckpt.count("disk") == 0 and loop.cache.stats["disk_loads"] == 0
