@@ -307,11 +307,13 @@ class EngineLoop:
             tokens = request.seq.token_ids if request.seq is not None else request.prompt_ids
             # The last token is always computed: its logits pick the next token.
             total = request.prompt_len + request.params.max_tokens
-            if blocks_needed(total, self.runner.block_size) > max(self.cache.num_blocks,
-                                                                  self.cache.admission.device_ceiling_blocks):
+            needed = blocks_needed(total, self.runner.block_size)
+            if needed > max(self.cache.num_blocks, self.cache.admission.device_reserved_blocks):
                 self._waiting.popleft()  # can never fit: the API checks this, so this is a bug guard
                 self._finish(request, "error", error=f"{total} tokens do not fit the KV pool")
                 continue
+            if needed > max(self.cache.num_blocks, self.cache.admission.device_ceiling_blocks):
+                break  # an elastic pool held low for now (POST /cache/device-pool): wait for its ceiling
             match = self.cache.match(tokens, len(tokens) - 1, salt=request.cache_salt,
                                      conversation=request.conversation_key)
             first_step = min(len(tokens), match.num_tokens + self.prefill_chunk)

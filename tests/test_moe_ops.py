@@ -84,7 +84,7 @@ def test_swiglu_oai_is_transformers_clamped_formula():
 
 
 def _pool_with_keys(n_tokens, n_kv=2, hd=8):
-    layout = layout_for(type("C", (), {"n_layers": 1, "n_kv_heads": n_kv, "head_dim": hd})(), 8, 4)
+    layout = layout_for(type("C", (), {"n_layers": 1, "n_kv_layers": 1, "n_kv_heads": n_kv, "head_dim": hd})(), 8, 4)
     pool = NumpyBackend().create_kv_pool(layout)
     k = RNG.standard_normal((n_tokens, n_kv, hd)).astype(np.float32)
     v = RNG.standard_normal((n_tokens, n_kv, hd)).astype(np.float32)
