@@ -24,7 +24,7 @@ from typing import Mapping
 
 from api.tool_calls import grammar_parts as g
 from api.tool_calls.base import OutputParser, ParsedDelta, ToolCallDelta, ToolFormat, new_call_id, parameters_schema
-from api.tool_calls.stream_base import find_first_marker, partial_marker_length
+from api.tool_calls.stream_base import ToolCallStreamParser, find_first_marker, partial_marker_length
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -35,37 +35,19 @@ _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([A-Za-z_]+)")
 _WHITESPACE = " \t\n\r"
 
 
-class HarmonyParser:
-    """States: "header" (up to <|message|>) -> "body" (up to a terminator) -> "header" ...; or "plain"."""
+class HarmonyParser(ToolCallStreamParser):
+    """States: "header" (up to <|message|>) -> "body" (up to a terminator) -> "header" ...; or "plain".
+    feed / finish / num_tool_calls come from the shared stream parser; only the states are harmony's."""
 
     def __init__(self) -> None:
-        self._pending = ""
+        super().__init__()
         self._state = "header"
         self._target = "content"  # where the current body goes: "content", "reasoning" or "call"
-        self._num_calls = 0
-        self._out = ParsedDelta()
 
-    @property
-    def num_tool_calls(self) -> int:
-        return self._num_calls
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._pending += text
-        while self._step(final=False):
-            pass
-        return self._take()
-
-    def finish(self) -> ParsedDelta:
-        while self._step(final=True):
-            pass
+    def _finish_open(self) -> None:
         if self._state == "header" and self._pending.strip(_WHITESPACE):
             self._out.content += self._pending  # a header cut off by the end of generation: not lost
         self._pending = ""
-        return self._take()
-
-    def _take(self) -> ParsedDelta:
-        out, self._out = self._out, ParsedDelta()
-        return out
 
     def _step(self, final: bool) -> bool:
         if self._state == "plain":
