@@ -33,7 +33,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 # Types gguf 0.19's numpy ``quantize`` implements (K-quants and IQ* raise
 # NotImplementedError there). Block size 32 for all except F32/F16/BF16.
-SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Merges over the GPT-2 byte alphabet ("Ġ" is the space byte).
@@ -98,6 +98,20 @@ def _encode(arr: np.ndarray, qname: str) -> tuple[np.ndarray, GGMLQuantizationTy
         return arr.astype(np.float16), None
     qt = GGMLQuantizationType[qname]
     return quantize(arr.astype(np.float32), qt), qt
+
+
+def add_tiny_tokenizer(w, tokens, types, merges, *, eos_id: int = 2, add_bos: bool = False) -> None:
+    """The tiny gpt2-BPE tokenizer's metadata (tiny_vocab), shared by every tiny GGUF writer in tests/."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(eos_id)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(add_bos)
 
 
 def write_tiny_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
@@ -228,16 +242,7 @@ def write_tiny_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
         else:
             raise TypeError(f"extra_metadata {k!r}: unsupported value type {type(v)}")
     # --- tokenizer (gpt2 BPE, like SmolLM2/Qwen) ---
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(add_bos)
+    add_tiny_tokenizer(w, tokens, types, merges, add_bos=add_bos)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)

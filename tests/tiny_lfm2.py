@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 from gguf import LlamaFileType
 
-from tests.tiny_gguf import CHATML_TEMPLATE, tiny_vocab
+from tests.tiny_gguf import CHATML_TEMPLATE, add_tiny_tokenizer, tiny_vocab
 
 # c = short conv, a = attention; LFM2-350M starts c c a c c a ...
 DEFAULT_PATTERN = "ccaca"
@@ -76,16 +76,7 @@ def write_tiny_lfm2(path, seed: int = 0, pattern: str = DEFAULT_PATTERN, n_embd:
     w.add_vocab_size(vocab)
     w.add_shortconv_l_cache(conv_l)
     w.add_file_type(int(LlamaFileType.ALL_F32))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
+    add_tiny_tokenizer(w, tokens, types, merges)
     w.add_chat_template(CHATML_TEMPLATE)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, arr in tensors.items():

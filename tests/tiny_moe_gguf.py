@@ -25,10 +25,9 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from gguf import GGMLQuantizationType, LlamaFileType
-from gguf.quants import quantize
+from gguf import LlamaFileType
 
-from tests.tiny_gguf import CHATML_TEMPLATE, tiny_vocab
+from tests.tiny_gguf import CHATML_TEMPLATE, _encode, add_tiny_tokenizer, tiny_vocab
 
 MOE_ARCHS = ("qwen3moe", "gpt-oss")
 # gpt-oss's harmony control tokens (o200k_harmony), appended to the tiny vocabulary with harmony=True.
@@ -57,15 +56,6 @@ _DEFAULTS = {
     "qwen3moe": (3, 256, 1_000_000.0, 1e-6, True),
     "gpt-oss": (4, 256, 150_000.0, 1e-5, False),
 }
-
-
-def _encode(arr: np.ndarray, qname: str):
-    if qname == "F32":
-        return arr.astype(np.float32), None
-    if qname == "F16":
-        return arr.astype(np.float16), None
-    qt = GGMLQuantizationType[qname]
-    return quantize(arr.astype(np.float32), qt), qt
 
 
 def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
@@ -189,16 +179,7 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     for k, v in extra.items():
         adder = {bool: w.add_bool, int: w.add_uint32, float: w.add_float32, str: w.add_string}[type(v)]
         adder(k, v)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(eos_id)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
+    add_tiny_tokenizer(w, tokens, types, merges, eos_id=eos_id)
     if chat_template is not None:
         w.add_chat_template(chat_template)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
