@@ -20,7 +20,6 @@ from api.chat_protocol import ChatProtocol
 from api.errors import bad_request
 from api.generic_tools import rewrite_history
 from api.tool_calls import OutputParser, create_output_parser, prompt_opens_reasoning
-from api.tool_calls.generic import ANSWER_TEXT_TERMINAL
 from api.tool_specs import ToolSpecs
 from engine.grammar import GrammarError, TokenConstraint, json_object_grammar, json_schema_grammar
 from engine.loader import encode_chat_prompt
@@ -68,7 +67,7 @@ def render_turn(state, turn: ChatTurn) -> str:
     messages, tools = turn.messages, specs.tools or None
     if specs.tools and not fmt.renders_in_template:
         system = fmt.system_prompt(specs.tools)
-        messages, tools = rewrite_history(messages, system or ""), None
+        messages, tools = rewrite_history(messages, system or "", json_answers=fmt.json_answers), None
     kwargs = dict(turn.template_kwargs)
     try:
         return state.loaded.chat_template.render(messages, tools=tools, add_generation_prompt=turn.add_generation_prompt,
@@ -82,22 +81,27 @@ def _reply_grammar(protocol: ChatProtocol, turn: ChatTurn) -> tuple[str | None, 
     fmt, specs = protocol.tool_format, turn.specs
     if specs.calls_possible and specs.mode == "required":
         grammar = fmt.grammar(specs.tools, required=True, forced_name=specs.forced_name,
-                              allow_parallel=specs.allow_parallel, special_token_ids=protocol.special_token_ids)
+                              allow_parallel=_parallel(fmt, specs), special_token_ids=protocol.special_token_ids)
         return grammar, None, "tool_choice"
     answer = _answer_format_grammar(turn.response_format)
     if answer is not None and specs.calls_possible:  # tool_choice auto: a call, or the answer in its format
-        calls = fmt.grammar(specs.tools, required=True, forced_name=None, allow_parallel=specs.allow_parallel,
+        calls = fmt.grammar(specs.tools, required=True, forced_name=None, allow_parallel=_parallel(fmt, specs),
                             special_token_ids=protocol.special_token_ids)
         return _either(calls, answer), None, "response_format"
     if answer is not None:
         return answer, None, "response_format"
     if specs.calls_possible:
-        grammar = fmt.grammar(specs.tools, required=False, forced_name=None, allow_parallel=specs.allow_parallel,
+        grammar = fmt.grammar(specs.tools, required=False, forced_name=None, allow_parallel=_parallel(fmt, specs),
                               special_token_ids=protocol.special_token_ids)
         return grammar, fmt.lazy_trigger, "tools"
     if specs.tools and not fmt.renders_in_template:  # the system prompt offers tools, tool_choice forbids them
-        return f"start: ANSWER_TEXT\n{ANSWER_TEXT_TERMINAL}\n", None, "tool_choice"
+        return fmt.answer_only_grammar(), None, "tool_choice"
     return None, None, ""
+
+
+def _parallel(fmt, specs: ToolSpecs) -> bool:
+    """parallel_tool_calls as the request set it, else the format's default."""
+    return fmt.parallel_by_default if specs.allow_parallel is None else specs.allow_parallel
 
 
 def _answer_format_grammar(response_format: dict | None) -> str | None:

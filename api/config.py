@@ -27,7 +27,8 @@ CPU_WEIGHTS = ("quantized", "f32")
 # How K/V rows are stored (engine/kv.KV_TYPES); auto: the backend's default (numpy f32, cuda its first type).
 KV_TYPE_CHOICES = ("auto", "f32", "f16", "int8")
 # auto: picked from the chat template (api/tool_calls.detect_format); the names of api/tool_calls' registry.
-TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "generic", "harmony")
+TOOL_CALL_FORMATS = ("auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "generic", "generic_json",
+                     "harmony")
 # Where thinking text goes: vLLM's older field, its newer one, or left in content unparsed.
 REASONING_FORMATS = ("reasoning_content", "reasoning", "none")
 MIN_CTX_SIZE = 16
@@ -93,7 +94,8 @@ class ServerConfig:
                                          metavar="NAME")
     chat_template: str | None = _opt(None, "jinja file overriding the model's chat template", metavar="FILE")
     tool_call_format: str = _opt("auto", "how the model writes tool calls (auto: from the chat template; generic: "
-                                         "the server describes the tools in the system prompt)", TOOL_CALL_FORMATS)
+                                         "the server describes the tools in the system prompt; generic_json: "
+                                         "generic with every reply JSON, as llama.cpp does)", TOOL_CALL_FORMATS)
     reasoning_format: str = _opt("reasoning_content", "message field for a thinking model's reasoning text "
                                                       "(none: leave it in content)", REASONING_FORMATS)
     log_format: str = _opt("kv", "log line format", LOG_FORMATS)

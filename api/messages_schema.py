@@ -252,8 +252,9 @@ def function_tools(tools: list[dict[str, Any]] | None, loaded: set[str] = frozen
 def tool_choice(choice: dict[str, Any] | None) -> tuple[Any, bool]:
     """(the chat-completions tool_choice, parallel_tool_calls) of an Anthropic tool_choice."""
     if choice is None:
-        return None, True
-    parallel = not choice.get("disable_parallel_tool_use", False)
+        return None, None
+    # absent: the format's default (Anthropic's is parallel; generic_json's, as llama.cpp's, one call)
+    parallel = None if "disable_parallel_tool_use" not in choice else not choice["disable_parallel_tool_use"]
     kind = choice.get("type")
     if kind in ("auto", "none"):
         return kind, parallel

@@ -64,10 +64,11 @@ def codex_model_info(state) -> dict[str, Any]:
             "experimental_supported_tools": [], "input_modalities": ["text"]}
 
 
-def _echo(body: ResponsesRequest) -> dict[str, Any]:
-    """The request fields a Response object repeats."""
+def _echo(body: ResponsesRequest, parallel_by_default: bool) -> dict[str, Any]:
+    """The request fields a Response object repeats (parallel_tool_calls as it applied)."""
+    parallel = parallel_by_default if body.parallel_tool_calls is None else body.parallel_tool_calls
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+            "parallel_tool_calls": parallel, "previous_response_id": body.previous_response_id,
             "reasoning": {key: (body.reasoning or {}).get(key) for key in ("effort", "summary")},
             "store": body.store, "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": body.text or {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
@@ -93,7 +94,8 @@ async def create(state, http_request: HTTPRequest, request_id: str, raw: bytes) 
     turn = turn_from_request(body, history)
 
     def writer_for(custom_tool_names: frozenset[str]) -> ResponseWriter:
-        return ResponseWriter("resp_" + request_id.removeprefix("req-"), body.model, _echo(body), custom_tool_names)
+        return ResponseWriter("resp_" + request_id.removeprefix("req-"), body.model,
+                              _echo(body, state.protocol.tool_format.parallel_by_default), custom_tool_names)
 
     try:
         run = start_chat_turn(state, http_request, request_id, turn, requested_max_tokens=body.max_output_tokens,

@@ -41,7 +41,7 @@ class ResponsesRequest(RequestBody):
     instructions: str | list[Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: the format's default (true but for generic_json)
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)

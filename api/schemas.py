@@ -145,7 +145,7 @@ class ChatCompletionRequest(SamplingFields):
     messages: Messages
     tools: list[dict[str, Any]] | None = None  # normalised by api/tool_specs.py (non-function tools included)
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = None  # None: the format's default (true but for generic_json)
     reasoning_effort: str | None = None  # passed to the chat template (gpt-oss, Qwen3 variants read it)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # wins over max_tokens

@@ -29,13 +29,14 @@ class ToolSpecs:
     """A request's usable tools (OpenAI chat shape), its choice and the names of the custom ones.
 
     mode: "none" | "auto" | "required"; forced_name is set when the choice names one function
-    (mode is then "required"); allow_parallel is parallel_tool_calls.
+    (mode is then "required"); allow_parallel is parallel_tool_calls, None when the request did not say
+    (then the format's `parallel_by_default` applies).
     """
 
     tools: list[dict[str, Any]]
     mode: str = "auto"
     forced_name: str | None = None
-    allow_parallel: bool = True
+    allow_parallel: bool | None = None
     custom_names: frozenset[str] = frozenset()
 
     @property
@@ -99,7 +100,8 @@ def _choice(value: Any, names: list[str]) -> tuple[str, str | None]:
     return "required", name
 
 
-def normalise_tools(tools: list[Any] | None, tool_choice: Any = None, parallel_tool_calls: bool = True) -> ToolSpecs:
+def normalise_tools(tools: list[Any] | None, tool_choice: Any = None,
+                    parallel_tool_calls: bool | None = None) -> ToolSpecs:
     """Normalise a request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``; raises APIError 400 for a
     choice that cannot be honoured (a named function that is not offered, ``required`` with no tools)."""
     usable, custom = [], set()

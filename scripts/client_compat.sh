@@ -3,6 +3,7 @@
 # call; prints a table: connected, turns, tool calls made / executed, final answer, cached tokens on turn 2.
 #
 #   bash scripts/client_compat.sh [--clients codex,claude,opencode,llm] [--port 8190] [--model smollm2]
+#                                 [--tool-call-format generic_json]
 #
 # Each client is installed at run time into a scratch folder (npm or pip; never committed) by its own script
 # in scripts/clients/NAME.sh PORT WORKDIR, whose last line is "RESULT tool_calls=N executed=N answer=...".
@@ -13,11 +14,15 @@ cd "$(dirname "$0")/.."
 clients="codex,claude,opencode,llm"
 port=8190
 model=smollm2
+# generic_json (llama.cpp's generic format): SmolLM2-135M never opens a call when a plain answer is allowed as
+# its first token; with every reply JSON it calls, and answers after the result (docs/CLIENTS.md).
+tool_format=generic_json
 while [ $# -gt 0 ]; do
   case "$1" in
     --clients) clients="$2"; shift 2 ;;
     --port) port="$2"; shift 2 ;;
     --model) model="$2"; shift 2 ;;
+    --tool-call-format) tool_format="$2"; shift 2 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -28,7 +33,8 @@ log="$scratch/server.log"
 # Agents' system prompts and tool lists are 10K-25K tokens: a 32K context, a small host tier. Codex and
 # Claude Code send no output limit; a 135M model that rambles would write 20K+ tokens, so 512 by default.
 .venv/bin/strata serve --model "$model" --port "$port" --ctx-size 32768 --batch 2 \
-  --conversation-cache-mib 512 --default-max-tokens "${DEFAULT_MAX_TOKENS:-512}" --log-format json >"$log" 2>&1 &
+  --conversation-cache-mib 512 --default-max-tokens "${DEFAULT_MAX_TOKENS:-512}" \
+  --tool-call-format "$tool_format" --log-format json >"$log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 120); do

@@ -106,7 +106,8 @@ def test_body_translation():
     assert [t["function"]["name"] for t in function_tools([WEATHER, {"type": "web_search_20250305",
                                                                       "name": "web_search"}])] == ["get_weather"]
     assert tool_choice({"type": "any", "disable_parallel_tool_use": True}) == ("required", False)
-    assert tool_choice({"type": "tool", "name": "f"}) == ({"type": "function", "function": {"name": "f"}}, True)
+    assert tool_choice({"type": "tool", "name": "f"}) == ({"type": "function", "function": {"name": "f"}}, None)
+    assert tool_choice(None) == (None, None)  # unsaid: the format decides (generic_json: one call)
     assert conversation_key({"x-claude-code-session-id": "s1"}, None) == "s1"
     assert conversation_key({}, {"user_id": json.dumps({"device_id": "d", "session_id": "s2"})}) == "s2"
     assert conversation_key({}, {"user_id": "user_ab_account__session_s3"}) == "s3"

@@ -119,7 +119,7 @@ def test_qwen3_coder_streams_string_values() -> None:
 
 
 def test_get_format_and_unknown_name() -> None:
-    assert sorted(FORMATS) == sorted(FORMAT_NAMES + ["harmony"])  # harmony: tests/test_harmony.py
+    assert sorted(FORMATS) == sorted(FORMAT_NAMES + ["harmony", "generic_json"])  # harmony: tests/test_harmony.py
     for name in FORMAT_NAMES:
         fmt = get_format(name)
         assert fmt.name == name and fmt.renders_in_template == (name != "generic")
@@ -247,6 +247,42 @@ def test_grammar_constrains_arguments_by_schema(name: str) -> None:
         _grammar(name, forced_name="apply_patch")
 
 
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "generic"])
+def test_arguments_are_closed_to_the_declared_properties(name: str) -> None:
+    """A key the schema does not declare (a small model copying `"type": "string"` into the call) cannot be
+    sampled; an object the schema leaves free ("filters": {"type": "object"}) still takes any key."""
+    single = _grammar(name, forced_name="get_weather", allow_parallel=False)
+    first = {"hermes": HERMES_CALL,
+             "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+             "mistral": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+             "generic": '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'}[name]
+    assert _accepts(single, first)
+    assert not _accepts(single, first.replace('"city": "Paris"', '"city": "Paris", "type": "string"'))
+    search = _grammar(name, forced_name="search", allow_parallel=False)
+    free = first.replace("get_weather", "search").replace(', "days": 2', "")
+    free = free.replace('"city": "Paris"', '"query": "x", "filters": {"any": 1}')
+    assert _accepts(search, free)
+
+
+def test_closed_schema_leaves_open_and_combined_objects_alone() -> None:
+    from api.tool_calls.grammar_parts import closed_schema
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "string"}}},
+                                               "c": {"type": "object"},
+                                               "d": {"type": "array", "items": {"properties": {"e": {}}}},
+                                               "f": {"anyOf": [{"properties": {"g": {}}}, {"type": "null"}]}},
+              "$defs": {"h": {"properties": {"i": {}}, "additionalProperties": True}}}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["c"]  # no properties listed: any object
+    assert closed["properties"]["d"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["f"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["h"]["additionalProperties"] is True  # said explicitly: kept
+    assert "additionalProperties" not in schema  # the client's schema is not changed
+    both = {"properties": {"x": {}}, "allOf": [{"properties": {"y": {}}}]}
+    assert "additionalProperties" not in closed_schema(both)  # closing would exclude allOf's keys
+
+
 def test_generic_auto_grammar_allows_calls_or_a_plain_text_answer() -> None:
     lazy = _grammar("generic", required=False)
     answer = "Hello \"there\" \u00e9, {not json} here.\nSecond line."
@@ -276,3 +312,23 @@ def test_tools_auto_with_a_response_format_accepts_a_call_or_the_formatted_answe
     assert _accepts(either, '{"city": "Rome"}')
     assert not _accepts(either, '{"town": "Rome"}')
     assert not _accepts(either, "Rome is a city.")
+
+
+def test_generic_json_replies_are_a_call_or_a_response_object() -> None:
+    """generic_json (llama.cpp's generic format): the direct answer is {"response": ...}, never bare text, and
+    the history renders a plain answer back as that object, so next turn's prompt repeats the reply's bytes."""
+    from api.generic_tools import rewrite_history
+    fmt = get_format("generic_json")
+    lazy = fmt.grammar(TOOLS, required=False, forced_name=None, allow_parallel=True)
+    response = '{"response": "Hello \\"there\\" é"}'
+    assert _accepts(lazy, GOOD["generic"][0]) and _accepts(lazy, response)
+    assert not _accepts(lazy, "Hello there.") and not _accepts(lazy, '{"answer": "x"}')
+    none_choice = fmt.answer_only_grammar()
+    assert _accepts(none_choice, response) and not _accepts(none_choice, GOOD["generic"][0])
+    deltas = _feed(fmt.create_parser(TOOLS), _split_chars(response))
+    assert _joined(deltas)[0] == 'Hello "there" é'
+    assert '{"response": "<your answer>"}' in fmt.system_prompt(TOOLS)
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 'Hello "there" é'}]
+    rendered = rewrite_history(history, "tools", json_answers=True)
+    assert rendered[2]["content"] == response
+    assert rewrite_history(history, "tools")[2]["content"] == 'Hello "there" é'  # plain generic: as written

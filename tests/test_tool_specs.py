@@ -88,9 +88,8 @@ def test_generic_history_rewrite_is_the_json_the_format_uses():
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user", "assistant"]
     assert json.loads(out[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}},
                                                             {"name": "get_weather", "arguments": {"city": "Rome"}}]}
-    assert json.loads(out[3]["content"]) == {"tool_results": [
-        {"name": "get_weather", "tool_call_id": "c1", "content": "sunny"},
-        {"name": "get_weather", "tool_call_id": "c2", "content": "rain"}]}
+    assert out[3]["content"] == ("Result of get_weather:\nsunny\n\nResult of get_weather:\nrain\n\n"
+                                 "Now answer my request with these results.")  # names found by call id
     assert out[4] == {"role": "assistant", "content": "Sunny in Paris, rain in Rome."}  # a plain answer stays
     assert rewrite_history(messages, "TOOLS") == out  # a pure function: the prefix renders the same every turn
 

@@ -121,6 +121,7 @@ class ToolFormat:
 
     name: str = ""
     renders_in_template: bool = True
+    parallel_by_default: bool = True  # when a request does not set parallel_tool_calls (OpenAI's default)
     lazy_trigger: str | None = None
     trigger_only_at_start: bool = False
     owns_reasoning: bool = False  # the parser splits reasoning itself and parses replies without tools too

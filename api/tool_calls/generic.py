@@ -146,6 +146,7 @@ class GenericFormat(ToolFormat):
     name = "generic"
     renders_in_template = False
     lazy_trigger = None
+    json_answers = False  # a direct answer is plain text (see the module docstring)
 
     def create_parser(self, tools: list[dict]) -> OutputParser:
         return GenericParser()
@@ -159,7 +160,21 @@ class GenericFormat(ToolFormat):
         rules.append(f'calls: "{{" {g.literal(chr(34) + "tool_calls" + chr(34) + ": [")} call_object{more} "]}}"')
         if required:
             return g.assemble("start: calls", rules)
-        return g.assemble("start: calls | ANSWER_TEXT", rules, ANSWER_TEXT_TERMINAL)
+        answer, answer_rules, terminals = self._answer_parts()
+        return g.assemble(f"start: calls | {answer}", rules + answer_rules, *terminals)
+
+    def answer_only_grammar(self) -> str:
+        """The reply when tools are described but tool_choice is "none": a direct answer only."""
+        answer, rules, terminals = self._answer_parts()
+        return g.assemble(f"start: {answer}", rules, *terminals)
+
+    def _answer_parts(self) -> tuple[str, list[str], tuple[str, ...]]:
+        """(the direct answer's symbol, its rules, its terminals)."""
+        if not self.json_answers:
+            return "ANSWER_TEXT", [], (ANSWER_TEXT_TERMINAL,)
+        head = g.literal('"response": ')
+        return "answer_object", [f'answer_object: "{{" {head} answer_string "}}"',
+                                 f"answer_string: %json {g.schema_json({'type': 'string'})}"], ()
 
     def system_prompt(self, tools: list[dict]) -> str | None:
         """The tool list and the exact answer format. Deterministic (the conversation cache needs the same
@@ -173,7 +188,26 @@ class GenericFormat(ToolFormat):
         lines.append("")
         calls = '{"tool_calls": [{"name": "<tool name>", "arguments": {<arguments as a JSON object>}}]}'
         lines.append(f"To call one or more tools, reply as: {calls}")
-        lines.append("To answer directly, reply with the answer as plain text (not JSON).")
-        lines.append("Tool results come back to you as {\"tool_results\": [...]}; once they answer the question, "
-                     "reply with the answer instead of calling the tool again.")
+        if self.json_answers:
+            lines.append('To answer directly, reply as: {"response": "<your answer>"}')
+        else:
+            lines.append("To answer directly, reply with the answer as plain text (not JSON).")
+        lines.append('Tool results come back to you as "Result of <tool name>:" followed by its output; once they '
+                     "answer the question, reply with the answer instead of calling the tool again.")
         return "\n".join(lines)
+
+
+class GenericJsonFormat(GenericFormat):
+    """llama.cpp's generic format: every reply is JSON, ``{"tool_calls": [...]}`` or ``{"response": "..."}``.
+
+    Chosen with ``--tool-call-format generic_json``. The model no longer weighs "{" against any text as its
+    first token, only the two keys after ``{"``: very small models that never open a call unprompted
+    (SmolLM2-135M, measured) then call tools, at the cost the module docstring names: an answer ends only
+    when the model closes its string.
+    """
+
+    name = "generic_json"
+    json_answers = True
+    # llama-server's default: one call per reply unless parallel_tool_calls says otherwise (SmolLM2, allowed
+    # more, repeats the same call until max_tokens)
+    parallel_by_default = False

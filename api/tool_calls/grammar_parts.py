@@ -49,6 +49,40 @@ def schema_json(schema: Mapping) -> str:
     return json.dumps(schema, ensure_ascii=False)
 
 
+def arguments_schema(function: Mapping) -> dict:
+    """The schema a call's arguments are generated under: the tool's parameters with every object that lists
+    ``properties`` and says nothing of ``additionalProperties`` closed to those properties.
+
+    JSON Schema leaves such objects open, and small models then copy the schema into the call
+    (``{"path": "a.txt", "type": "string"}``, seen with SmolLM2), which strict clients reject. llama.cpp's
+    schema-to-grammar converter closes them too; a tool that wants extra keys says ``additionalProperties``.
+    """
+    return closed_schema(parameters_schema(function))
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # not allOf: closing each branch would exclude the others'
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def closed_schema(schema: object) -> object:
+    """`schema` with its objects closed as `arguments_schema` describes (a copy; the input is not changed)."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(sub) for sub in out[key]]
+    if isinstance(out.get("items"), Mapping):
+        out["items"] = closed_schema(out["items"])
+    if (isinstance(out.get("properties"), Mapping) and "additionalProperties" not in out
+            and "patternProperties" not in out and "allOf" not in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def selected_functions(tools: list[dict], forced_name: str | None) -> list[dict]:
     """The functions the grammar may call: all of them, or only ``forced_name``. ValueError if none remain."""
     functions = function_specs(tools)
@@ -76,7 +110,7 @@ def json_call_rules(tools: list[dict], forced_name: str | None, *, arguments_key
             f"fn_{number}: \": \" {json_text_literal(function['name'])} \", \" "
             f"{json_text_literal(arguments_key)} \": \" args_{number} {extra_members}\"}}\""
         )
-        rules.append(f"args_{number}: %json {schema_json(parameters_schema(function))}")
+        rules.append(f"args_{number}: %json {schema_json(arguments_schema(function))}")
     rules.insert(0, "call_rest: " + " | ".join(alternatives))
     rules.insert(0, f"call_object: \"{{\" {json_text_literal('name')} call_rest")
     return rules

@@ -23,7 +23,7 @@ import re
 from typing import Mapping
 
 from api.tool_calls import grammar_parts as g
-from api.tool_calls.base import OutputParser, ParsedDelta, ToolCallDelta, ToolFormat, new_call_id, parameters_schema
+from api.tool_calls.base import OutputParser, ParsedDelta, ToolCallDelta, ToolFormat, new_call_id
 from api.tool_calls.stream_base import ToolCallStreamParser, find_first_marker, partial_marker_length
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -129,7 +129,7 @@ class HarmonyFormat(ToolFormat):
             names.append(f"fn_{number}")
             rules.append(f"fn_{number}: {g.literal(function['name'])} \" \" {m[CONSTRAIN]} \"json\" {m[MESSAGE]} "
                          f"args_{number} {m[CALL]}")
-            rules.append(f"args_{number}: %json {g.schema_json(parameters_schema(function))}")
+            rules.append(f"args_{number}: %json {g.schema_json(g.arguments_schema(function))}")
         rules.append("call_rest: " + " | ".join(names))
         # One call per reply: <|call|> ends generation (the tool's answer comes back in the next prompt).
         if not required:  # right after the lazy trigger " to=functions."

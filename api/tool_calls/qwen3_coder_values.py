@@ -106,7 +106,7 @@ def _value_rule(types: set[str] | None, prop_schema: Any) -> str:
     typed = types is not None and len(types) == 1 and next(iter(types)) in _SCALAR_GRAMMAR_TYPES
     # sub-schemas with references cannot be compiled on their own: fall back to free text
     if typed and isinstance(prop_schema, Mapping) and "$ref" not in json.dumps(prop_schema):
-        return f'WS? %json {g.schema_json(prop_schema)} WS? "</parameter>"'
+        return f'WS? %json {g.schema_json(g.closed_schema(prop_schema))} WS? "</parameter>"'
     return "parameter_text"
 
 

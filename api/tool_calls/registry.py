@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from api.tool_calls.base import OutputParser, PlainContentParser, ToolFormat, function_specs
-from api.tool_calls.generic import GenericFormat
+from api.tool_calls.generic import GenericFormat, GenericJsonFormat
 from api.tool_calls.harmony import CHANNEL as HARMONY_CHANNEL
 from api.tool_calls.harmony import HarmonyFormat
 from api.tool_calls.hermes import HermesFormat
@@ -14,7 +14,7 @@ from api.tool_calls.reasoning import ReasoningSplitter, ReasoningTags
 FORMATS: dict[str, ToolFormat] = {
     fmt.name: fmt
     for fmt in (HermesFormat(), Qwen3CoderFormat(), Llama3JsonFormat(), MistralFormat(), GenericFormat(),
-                HarmonyFormat())
+                GenericJsonFormat(), HarmonyFormat())
 }
 
 _LLAMA3_MARKERS = ("<|python_tag|>", "<|start_header_id|>")

@@ -18,7 +18,7 @@
 set -euo pipefail
 PORT=${1:?usage: claude.sh PORT WORKDIR [TASK]}
 WORKDIR=$(cd "${2:?usage: claude.sh PORT WORKDIR [TASK]}" && pwd)
-TASK=${3:-"Read hello.txt and tell me what it says."}
+TASK=${3:-"Use the Read tool to read hello.txt, then tell me what it says."}
 BASE=http://127.0.0.1:$PORT
 HERE=$(cd "$(dirname "$0")" && pwd)
 

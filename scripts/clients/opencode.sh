@@ -10,7 +10,7 @@
 set -euo pipefail
 PORT=${1:?usage: opencode.sh PORT WORKDIR [TASK]}
 WORKDIR=$(cd "${2:?usage: opencode.sh PORT WORKDIR [TASK]}" && pwd)
-TASK=${3:-"Read hello.txt and tell me what it says."}
+TASK=${3:-"Use the read tool to read hello.txt, then tell me what it says."}
 HERE=$(cd "$(dirname "$0")" && pwd)
 BASE=http://127.0.0.1:$PORT/v1
 for _ in $(seq 120); do curl -fsS "$BASE/models" >/dev/null 2>&1 && break; sleep 1; done
