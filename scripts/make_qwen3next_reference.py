@@ -112,8 +112,8 @@ def _init(name: str, p, gen):
     import torch
 
     normal = lambda std: torch.randn(p.shape, generator=gen) * std  # noqa: E731
-    if name.endswith("A_log"):  # decay rates exp(A_log) in 0.5 .. 4
-        return torch.log(torch.rand(p.shape, generator=gen) * 3.5 + 0.5)
+    if name.endswith("A_log"):  # decay rates exp(A_log) log-uniform in 0.02 .. 2: some heads remember long
+        return torch.rand(p.shape, generator=gen) * (np.log(2.0) - np.log(0.02)) + np.log(0.02)
     if name.endswith("dt_bias"):
         return normal(0.5)
     if name.endswith("linear_attn.norm.weight"):  # Qwen3NextRMSNormGated: x * w

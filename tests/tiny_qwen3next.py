@@ -52,7 +52,8 @@ def write_tiny_qwen3next(path, seed: int = 0, pattern: str = "rrra", n_embd: int
             tensors[p + "ssm_ba.weight"] = mat(2 * n_v_heads, n_embd)
             tensors[p + "ssm_conv1d.weight"] = mat(conv_dim, conv_l, scale=0.5)
             tensors[p + "ssm_dt.bias"] = mat(n_v_heads, scale=0.5)
-            tensors[p + "ssm_a"] = -rng.uniform(0.5, 4.0, n_v_heads).astype(np.float32)
+            # -exp(A_log), log-uniform in 0.02 .. 2: some heads keep a long memory, some a short one
+            tensors[p + "ssm_a"] = -np.exp(rng.uniform(np.log(0.02), np.log(2.0), n_v_heads)).astype(np.float32)
             tensors[p + "ssm_norm.weight"] = norm(v_head_dim)
             tensors[p + "ssm_out.weight"] = mat(n_embd, value_dim)
         else:
