@@ -15,8 +15,9 @@ as keyword arguments for `dataclasses.replace`. The keys are those llama.cpp's c
     qwen3next.expert_shared_feed_forward_length   the shared expert's F (sigmoid-gated)
     qwen3next.rope.dimension_count         rotated dims per head (partial RoPE, a quarter of head_dim)
 
-Every variant we do not compute (MTP layers left in the file are only skipped, another gating function,
-grouped routing, no shared expert) fails here naming the key.
+MTP layers (`qwen3next.nextn_predict_layers` of them, counted in block_count, blk.N.* past the trunk) are
+skipped as llama.cpp's main pass skips them: strata does not draft with them. Every variant we do not compute
+(another gating function, grouped routing, no shared expert, RoPE scaling) fails here naming the key.
 """
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ def qwen3next_overrides(fields: dict[str, Any], n_layers: int) -> dict:
         return fields[key(name)]
 
     _reject_variants(fields)
+    n_layers -= int(fields.get(key("nextn_predict_layers"), 0) or 0)  # the MTP blocks come last
+    if n_layers <= 0:
+        raise ValueError(f"{key('nextn_predict_layers')} leaves no trunk layers of {key('block_count')}")
     n_k, n_v, dk = int(need("ssm.group_count")), int(need("ssm.time_step_rank")), int(need("ssm.state_size"))
     inner = int(need("ssm.inner_size"))
     if n_v % n_k or inner % n_v:
@@ -78,6 +82,8 @@ def qwen3next_overrides(fields: dict[str, Any], n_layers: int) -> dict:
     if not 0 < n_used <= n_experts:
         raise ValueError(f"{key('expert_used_count')} = {n_used} must be in 1..{key('expert_count')} ({n_experts})")
     return dict(
+        n_layers=n_layers,
+        layer_is_sliding=(False,) * n_layers,
         layer_is_recurrent=_recurrent_layers(fields, n_layers),
         conv_kernel=conv,
         delta_net=DeltaNetShape(n_k, n_v, dk, inner // n_v, conv),
@@ -108,10 +114,6 @@ def _recurrent_layers(fields: dict[str, Any], n_layers: int) -> tuple[bool, ...]
 
 def _reject_variants(fields: dict[str, Any]) -> None:
     """Keys whose values describe a model we do not compute."""
-    nextn = fields.get(f"{ARCH}.nextn_predict_layers")
-    if nextn:
-        raise ValueError(f"{ARCH}.nextn_predict_layers = {nextn}: files with MTP layers are not supported "
-                         "(convert with --no-mtp)")
     for name, allowed, what in (("expert_group_count", (0, 1), "grouped expert routing"),
                                 ("expert_gating_func", (_GATING_SOFTMAX,), "expert gating other than softmax"),
                                 ("leading_dense_block_count", (0,), "dense leading layers")):

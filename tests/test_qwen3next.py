@@ -64,13 +64,20 @@ def _fields(**changes):
     return fields
 
 
-@pytest.mark.parametrize("key,value", [("nextn_predict_layers", 1), ("expert_gating_func", 2),
+@pytest.mark.parametrize("key,value", [("nextn_predict_layers", 4), ("expert_gating_func", 2),
                                        ("expert_weights_norm", False), ("ssm.state_size", None),
                                        ("expert_shared_feed_forward_length", 0), ("rope.scaling.type", "yarn"),
                                        ("ssm.time_step_rank", 3)])
 def test_unsupported_variants_are_refused_naming_the_key(key, value):
     with pytest.raises(ValueError, match=f"qwen3next.{key}"):
         config_from_gguf(_fields(**{key: value}), vocab_size=275)
+
+
+def test_mtp_layers_at_the_end_are_not_part_of_the_trunk():
+    """A converter run without --no-mtp adds the MTP block as layer n (llama.cpp does not run it either)."""
+    fields = _fields(block_count=5, nextn_predict_layers=1, **{"attention.recurrent_layers": [True] * 3 + [False] * 2})
+    c = config_from_gguf(fields, vocab_size=275)
+    assert c.n_layers == 4 and c.layer_is_recurrent == (True, True, True, False)
 
 
 def test_without_the_layer_list_every_fourth_layer_is_attention():
