@@ -17,7 +17,7 @@ from gguf import GGUFReader
 from engine.backends.numpy_backend import NumpyBackend
 from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
 from engine.config import config_from_gguf
-from engine.delta_rule import chunked, l2_normalize, recurrent_step
+from engine.delta_rule import chunked, l2_normalize, recurrent_step, unit_lower_inverse
 from engine.gguf_file import GGUFFile
 from engine.model import load_model
 from engine.sequence import ModelRunner, Sequence
@@ -106,8 +106,8 @@ def test_logits_and_greedy_ids_match_transformers(reference_model, backend, case
 
 
 def test_chunked_prefill_and_layer_splits_equal_one_shot(reference_model):
-    """The 90-token prompt in one step is two 64-token chunks of the delta rule; in steps of 1, 5, 7 and
-    64 (across 1, 2 and 3 stages) every step starts from the state the previous one left."""
+    """The 90-token prompt in one step is three 32-token chunks of the delta rule (the last one padded);
+    in steps of 1, 5, 7 and 64 (across 1, 2 and 3 stages) every step starts from the state the last one left."""
     ref = REFERENCE["prompts"][1]
     whole, _ = _prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"][:4], chunk=100)
     for chunk, split in ((1, ()), (5, ()), (7, (2,)), (64, (1, 3))):
@@ -167,8 +167,8 @@ def test_a_state_written_back_resumes_exactly(reference_model):
 
 @pytest.mark.parametrize("split", [(), (2,)])
 def test_states_captured_inside_a_step_are_those_after_their_position(reference_model, split):
-    """Checkpoints inside one 90-token step (two delta-rule chunks): inside the first chunk, at its end,
-    inside the second and at the step's end; each equals the state of a run that stopped there."""
+    """Checkpoints inside one 90-token step (three 32-token delta-rule chunks): inside the first chunk, at
+    the second's end, inside the third and at the step's end; each equals the state of a run stopped there."""
     ids = REFERENCE["prompts"][1]["prompt_ids"]
     runner = ModelRunner(reference_model, num_blocks=64, block_size=BLOCK, layer_split=split)
     seq = Sequence(list(ids))
@@ -187,9 +187,16 @@ def test_states_captured_inside_a_step_are_those_after_their_position(reference_
     assert runner.states.take_captured(seq) == {}
 
 
+def test_the_unit_lower_triangular_inverse_is_the_inverse():
+    rng = np.random.default_rng(1)
+    for c in (1, 2, 8, 32):
+        m = np.tril(rng.standard_normal((3, 2, c, c)), -1).astype(np.float32) * 0.3 + np.eye(c, dtype=np.float32)
+        np.testing.assert_allclose(unit_lower_inverse(m) @ m, np.broadcast_to(np.eye(c), m.shape), atol=1e-5)
+
+
 def test_the_delta_rule_in_chunks_equals_the_recurrent_rule():
-    """engine/delta_rule.py: any chunk size (1, 7, 64, longer than the run) gives the token-by-token rule's
-    outputs, final state and states after chosen rows, from a non-zero starting state."""
+    """engine/delta_rule.py: any chunk size (1, 7 -> 4, 64, 200 -> 128: powers of two) gives the token-by-token
+    rule's outputs, final state and states after chosen rows, from a non-zero starting state."""
     rng = np.random.default_rng(0)
     heads, n, dk, dv = 3, 150, 8, 5
     q = l2_normalize(rng.standard_normal((heads, n, dk)).astype(np.float32)) * np.float32(dk ** -0.5)
