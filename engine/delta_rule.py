@@ -98,12 +98,15 @@ def chunked(q, k, v, beta, g, state, capture_rows=(), chunk: int = CHUNK):
     for i in range(m):
         v_new = u[:, i] - w[:, i] @ state  # [H, c, dv]
         out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
+        end = min((i + 1) * c, n)  # the state after this chunk's update is the state after `end` rows
         for r in capture_rows:
             j = r - i * c  # rows of this chunk before the captured state
-            if 0 < j <= c:
+            if 0 < j and r < end:
                 g_j = gc[:, i, j - 1]  # [H]
                 partial = (k[:, i, :j] * np.exp(g_j[:, None] - gc[:, i, :j])[..., None]).swapaxes(-1, -2)
                 captured[r] = state * np.exp(g_j)[:, None, None] + partial @ v_new[:, :j]
         state *= np.exp(last[:, i])[..., None]
         state += k_decayed[:, i].swapaxes(-1, -2) @ v_new
+        if end in capture_rows:
+            captured[end] = state.copy()
     return out.reshape(n_heads, m * c, dv)[:, :n], captured
