@@ -10,8 +10,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.moe_config import MOE_ARCHITECTURES, moe_overrides
+from engine.qwen3next_config import DeltaNetShape, qwen3next_overrides
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "lfm2") + MOE_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "lfm2", "qwen3next") + MOE_ARCHITECTURES
 
 # llama.cpp marks every 6th gemma3 layer global and the rest sliding-window (set_swa_pattern(6)).
 GEMMA3_SWA_PATTERN = 6
@@ -65,6 +66,10 @@ class ModelConfig:
     # llama.cpp marks them with head_count_kv 0 in its per-layer list; () means every layer is attention.
     layer_is_recurrent: tuple[bool, ...] = ()
     conv_kernel: int = 0  # short-convolution length L ({arch}.shortconv.l_cache); the state keeps L - 1 rows
+    # -- qwen3next (engine/qwen3next_config.py): gated DeltaNet layers, gated attention, a shared expert --
+    delta_net: DeltaNetShape | None = None  # the recurrent layers are gated DeltaNet (else lfm2 short convs)
+    has_attn_gate: bool = False  # each head's Q rows are [query | gate]; out *= sigmoid(gate) before wo
+    shared_expert_ffn_dim: int = 0  # 0 = no shared expert
 
     @property
     def is_hybrid(self) -> bool:
@@ -163,6 +168,8 @@ def config_from_gguf(fields: dict[str, Any], vocab_size: int) -> ModelConfig:
     )
     if arch in MOE_ARCHITECTURES:
         config = replace(config, **moe_overrides(arch, fields, n_layers))
+    if arch == "qwen3next":
+        config = replace(config, **qwen3next_overrides(fields, n_layers))
     return config
 
 

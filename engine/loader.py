@@ -14,7 +14,7 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.loader")
 BACKEND_NAMES = ("auto", "numpy", "cuda")
-NUMPY_ONLY_ARCHS = ("lfm2",)  # hybrid models whose recurrent layers have no CUDA kernels yet
+NUMPY_ONLY_ARCHS = ("lfm2", "qwen3next")  # hybrid models whose recurrent layers have no CUDA kernels yet
 # How the numpy backend holds linear weights: float32 (the reference) or the file's quantised blocks.
 CPU_WEIGHTS = ("f32", "quantized")
 
@@ -112,8 +112,8 @@ def _backend_for_arch(arch: str, backend_name: str, path) -> str:
 
     if arch in NUMPY_ONLY_ARCHS:
         if backend_name == "cuda":
-            raise ValueError(f"--backend cuda: {Path(path).name} is a hybrid model (short convolutions), which "
-                             "has no CUDA kernels yet; use --backend numpy or auto")
+            raise ValueError(f"--backend cuda: {Path(path).name} is a hybrid model ({arch}), whose recurrent layers "
+                             "have no CUDA kernels yet; use --backend numpy or auto")
         return "numpy"  # auto: its recurrent layers run on numpy only (logged by create_backend)
     if backend_name == "auto" and arch in MOE_ARCHITECTURES:
         log.info("backend auto -> numpy: %s is a mixture-of-experts model and the cuda expert path has not run "

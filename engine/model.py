@@ -1,7 +1,9 @@
 """The transformer forward pass, written once against the Backend protocol.
 
 Covers llama (SmolLM2, Llama 3), qwen2 (QKV bias), qwen3 (QK-norm) and gemma3 (QK-norm, post norms,
-sliding-window layers with their own RoPE base, GELU gating, embedding scale) through config flags.
+sliding-window layers with their own RoPE base, GELU gating, embedding scale) through config flags; the
+MoE archs (engine/moe.py) and the hybrids lfm2 (engine/short_conv.py) and qwen3next (gated DeltaNet layers,
+engine/gated_deltanet.py; gated attention and a shared expert, engine/qwen3next.py).
 Shapes: T = tokens in the batch (all sequences, flat), d = model width, H/KVH = query/KV heads.
 """
 from __future__ import annotations
@@ -17,7 +19,9 @@ from engine.backends.base import Backend
 from engine.batch import BatchMeta
 from engine.config import ModelConfig, config_from_gguf
 from engine.gguf_file import GGUFFile
+from engine.gated_deltanet import gated_deltanet_block
 from engine.moe import moe_ffn
+from engine.qwen3next import apply_output_gate, shared_expert_ffn, split_query_gate
 from engine.short_conv import short_conv_block
 from engine.weights import ModelWeights, load_weights
 
@@ -67,6 +71,8 @@ class Model:
             lw = w.layers[i]
             if lw.short_conv is not None:
                 attn = short_conv_block(b, lw.short_conv, h, batch, state_pool, i)  # [T, d]
+            elif lw.delta_net is not None:
+                attn = gated_deltanet_block(b, lw.delta_net, h, batch, state_pool, i, c.rms_eps)  # [T, d]
             else:
                 attn = self._attention(b, i, h, batch, kv_pool, c.kv_index(i) - c.kv_index(layers.start))
             if lw.post_attn_norm is not None:
@@ -74,6 +80,8 @@ class Model:
             x, h = b.add_rms_norm(x, attn, lw.ffn_norm, c.rms_eps)
             if lw.moe is not None:
                 mlp = moe_ffn(b, h, lw.moe, c)  # [T, d]
+                if lw.shared_expert is not None:
+                    mlp = mlp + shared_expert_ffn(b, h, lw.shared_expert)
             else:
                 mlp = b.linear(b.gated_activation(b.linear(h, lw.w_gate_up), c.activation), lw.w_down)
             if lw.post_ffn_norm is not None:
@@ -93,8 +101,12 @@ class Model:
 
     def _attention(self, b: Backend, i: int, h, batch: BatchMeta, kv_pool, pool_layer: int):
         c, lw = self.config, self.weights.layers[i]
-        qkv = b.linear(h, lw.wqkv, lw.bqkv)  # [T, (H + 2 KVH) hd]
-        q, k, v = b.split_heads(qkv, (c.q_dim, c.kv_dim, c.kv_dim), c.head_dim)  # [T, H|KVH, hd]
+        qkv = b.linear(h, lw.wqkv, lw.bqkv)  # [T, (H + 2 KVH) hd]; qwen3next: [T, (2H + 2 KVH) hd]
+        q_dim = 2 * c.q_dim if c.has_attn_gate else c.q_dim
+        q, k, v = b.split_heads(qkv, (q_dim, c.kv_dim, c.kv_dim), c.head_dim)  # [T, H|KVH, hd]
+        gate = None
+        if c.has_attn_gate:
+            q, gate = split_query_gate(q)  # [T, H, hd] each
         if lw.q_norm is not None:
             q = b.rms_norm(q, lw.q_norm, c.rms_eps)
             k = b.rms_norm(k, lw.k_norm, c.rms_eps)
@@ -106,6 +118,8 @@ class Model:
         window = c.sliding_window if sliding else 0
         sinks = {} if lw.attn_sinks is None else {"sinks": lw.attn_sinks}  # gpt-oss only
         out = b.attention(q, kv_pool, pool_layer, batch, c.attn_scale, window, **sinks)  # [T, H hd]
+        if gate is not None:
+            out = apply_output_gate(out, gate)
         return b.linear(out, lw.wo, lw.bo)
 
 
@@ -122,7 +136,7 @@ def load_model(path: str | Path, backend: Backend, max_positions: int | None = N
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf.fields, vocab_size=gguf.tensor_shape("token_embd.weight")[0])
     if config.is_hybrid and getattr(backend, "name", "numpy") != "numpy":
-        raise ValueError(f"{Path(path).name}: {config.arch} (short convolutions) runs on the numpy backend only")
+        raise ValueError(f"{Path(path).name}: {config.arch} (a hybrid model) runs on the numpy backend only")
     positions = max_positions or config.context_length
     weights = load_weights(gguf, config, backend, positions)
     weight_bytes = _count_bytes(weights)

@@ -25,7 +25,7 @@ from engine.quant_weights import _FALLBACK_DTYPES, LinearPart
 
 log = logging.getLogger("strata.weights")
 # The FFN input norm's tensor where an arch does not call it ffn_norm (gpt-oss: llama.cpp's ATTN_POST_NORM).
-FFN_NORM_TENSOR = {"gpt-oss": "post_attention_norm.weight"}
+FFN_NORM_TENSOR = {"gpt-oss": "post_attention_norm.weight", "qwen3next": "post_attention_norm.weight"}
 
 
 def load_moe_layer(gguf: GGUFFile, prefix: str, backend, linear) -> ExpertWeights:

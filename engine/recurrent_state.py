@@ -11,12 +11,14 @@ cleared. For models without recurrent layers this object holds nothing and every
     stage 0 pool: conv[l] [slots, L-1, d] for its recurrent layers l      slot s = one running sequence
     stage 1 pool: ...
     read(seq) / write(seq, state): state [recurrent layers of the model, L-1, d] in layer order
+    (qwen3next, engine/gated_deltanet.py: [recurrent layers, 1, conv rows + delta-rule matrix] flattened)
 """
 from __future__ import annotations
 
 import numpy as np
 
 from engine.config import ModelConfig
+from engine.gated_deltanet import DeltaNetStatePool
 from engine.short_conv import ConvStatePool
 
 
@@ -32,8 +34,11 @@ class RecurrentStates:
             return
         for stage in stages:
             layers = tuple(i for i in stage.layers if config.layer_is_recurrent[i])
-            stage.state_pool = ConvStatePool(layers, config.conv_kernel, config.d_model)
-        self.shape = (len(config.recurrent_layers), config.conv_kernel - 1, config.d_model)
+            stage.state_pool = _state_pool(config, layers)
+        if config.delta_net is not None:  # qwen3next: conv rows and the delta-rule matrix, flattened
+            self.shape = (len(config.recurrent_layers), 1, config.delta_net.state_floats)
+        else:
+            self.shape = (len(config.recurrent_layers), config.conv_kernel - 1, config.d_model)
 
     @property
     def state_bytes(self) -> int:
@@ -97,3 +102,9 @@ class RecurrentStates:
             count = len(stage.state_pool.layers)
             stage.state_pool.write(slot, state[start : start + count])
             start += count
+
+
+def _state_pool(config: ModelConfig, layers: tuple[int, ...]):
+    if config.delta_net is not None:
+        return DeltaNetStatePool(layers, config.delta_net)
+    return ConvStatePool(layers, config.conv_kernel, config.d_model)

@@ -19,7 +19,9 @@ from engine.backends.base import Array, Backend
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile
 from engine.moe import ExpertWeights, require_moe_backend
+from engine.gated_deltanet import DeltaNetWeights, load_delta_net
 from engine.moe_weights import FFN_NORM_TENSOR, load_moe_layer
+from engine.qwen3next import SharedExpertWeights, load_shared_expert
 from engine.quant_weights import QuantizedLinearLoader
 from engine.rope_yarn import yarn_rope_tables
 from engine.short_conv import ShortConvWeights, load_short_conv
@@ -43,6 +45,8 @@ class LayerWeights:
     bo: Array | None = None  # attention output bias
     attn_sinks: Array | None = None  # [H]
     short_conv: ShortConvWeights | None = None  # lfm2 short-conv layers (then wqkv, wo, q/k norms are None)
+    delta_net: DeltaNetWeights | None = None  # qwen3next DeltaNet layers (then wqkv, wo, q/k norms are None)
+    shared_expert: SharedExpertWeights | None = None  # qwen3next: beside the routed experts
 
 
 @dataclass
@@ -100,6 +104,10 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
     layers = []
     for i in range(c.n_layers):
         p = f"blk.{i}."
+        shared = load_shared_expert(p, t, linear, backend) if c.shared_expert_ffn_dim else None
+        if c.layer_is_recurrent and c.layer_is_recurrent[i] and c.delta_net is not None:
+            layers.append(_delta_net_layer(p, t, linear, backend, c, load_moe_layer(gguf, p, backend, linear), shared))
+            continue
         if c.layer_is_recurrent and c.layer_is_recurrent[i]:
             layers.append(_short_conv_layer(p, t, linear, backend))
             continue
@@ -122,6 +130,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
                 moe=load_moe_layer(gguf, p, backend, linear) if c.n_experts else None,
                 bo=backend.upload(t(p + "attn_output.bias")) if c.has_attn_out_bias else None,
                 attn_sinks=backend.upload(t(p + "attn_sinks.weight")) if c.has_attn_sinks else None,
+                shared_expert=shared,
             )
         )
     output_name = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"  # tied
@@ -162,3 +171,11 @@ def _short_conv_layer(p: str, t, linear, backend: Backend) -> LayerWeights:
         wo=None, post_attn_norm=None, ffn_norm=backend.upload(t(p + "ffn_norm.weight")),
         w_gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]), w_down=linear([p + "ffn_down.weight"]),
         post_ffn_norm=None, short_conv=load_short_conv(p, t, linear, lambda a: np.ascontiguousarray(a, np.float32)))
+
+
+def _delta_net_layer(p: str, t, linear, backend: Backend, c: ModelConfig, moe, shared) -> LayerWeights:
+    return LayerWeights(
+        attn_norm=backend.upload(t(p + "attn_norm.weight")), wqkv=None, bqkv=None, q_norm=None, k_norm=None,
+        wo=None, post_attn_norm=None, ffn_norm=backend.upload(t(p + "post_attention_norm.weight")),
+        w_gate_up=None, w_down=None, post_ffn_norm=None, moe=moe, shared_expert=shared,
+        delta_net=load_delta_net(p, t, linear, c.delta_net))

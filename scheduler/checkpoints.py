@@ -109,6 +109,15 @@ class Checkpoints:
         out.kv_tokens = kv_tokens
         return out
 
+    def shorter(self, match: PrefixMatch) -> PrefixMatch:
+        """A strictly shorter match, for a request the device cannot take with `match` while nothing else
+        runs (the parked blocks it restores bring their checkpoints along, `units` slots each): without its
+        copied head, else without its last block, back to the last checkpoint in what is left."""
+        kept = match.shared if match.cow_source is not None else match.shared[:-1]
+        out = self.trim(PrefixMatch(list(kept), None, 0, match.salt, match.conversation))
+        out.kv_tokens = match.kv_tokens
+        return out
+
     # -- bytes follow their node ---------------------------------------------------------------------
     def read(self, node: CachedBlock, k: int) -> np.ndarray | None:
         return self.store.get(node.tier, (node.digest, k))

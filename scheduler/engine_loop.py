@@ -316,10 +316,17 @@ class EngineLoop:
                 break  # an elastic pool held low for now (POST /cache/device-pool): wait for its ceiling
             match = self.cache.match(tokens, len(tokens) - 1, salt=request.cache_salt,
                                      conversation=request.conversation_key)
-            first_step = min(len(tokens), match.num_tokens + self.prefill_chunk)
-            plan = self.cache.plan_allocate(match, first_step, checkpoints=self.hybrid.reserve_at_admission)
-            if plan is None and self.hybrid.reserve_at_admission:  # no room for its checkpoint: go without
-                plan = self.cache.plan_allocate(match, first_step)
+            plan = self._plan_admission(match, tokens)
+            while plan is None and match.num_tokens and not any(self._slots) and not self._in_flight:
+                # Nothing running will free a block (a hybrid model's parked prefix brings its checkpoints
+                # back with it, and they may not fit): reuse less rather than wait forever.
+                shorter = self.cache.ckpt.shorter(match)
+                log.info("request %s: no device room to restore %d matched tokens with their state checkpoints; "
+                         "reusing %d", request.request_id, match.num_tokens, shorter.num_tokens,
+                         extra={"fields": {"request_id": request.request_id, "matched": match.num_tokens,
+                                           "reused": shorter.num_tokens}})
+                match = shorter
+                plan = self._plan_admission(match, tokens)
             allocation = self.memory.grant(plan)
             if allocation is None:
                 if plan is not None:
@@ -349,6 +356,15 @@ class EngineLoop:
         self.metrics.observe_cache(self.cache.usage())
         if self.integrity_checks:
             self.cache.check_integrity()
+
+    def _plan_admission(self, match, tokens: list[int]):
+        """The plan that pins the match and blocks for the first step, with a slot for the checkpoint a
+        hybrid model's request takes at its release where there is room for one (None: no room)."""
+        first_step = min(len(tokens), match.num_tokens + self.prefill_chunk)
+        plan = self.cache.plan_allocate(match, first_step, checkpoints=self.hybrid.reserve_at_admission)
+        if plan is None and self.hybrid.reserve_at_admission:  # no room for its checkpoint: go without
+            plan = self.cache.plan_allocate(match, first_step)
+        return plan
 
     def _explain_miss(self, request: Request, match, allocation) -> dict | None:
         """Why the cache reused no more of a new request's prompt; None when it never held more. A named

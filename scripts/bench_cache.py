@@ -1,7 +1,7 @@
 """Benchmark of the conversation cache: replays agent-style workloads against the server and prints, per
 workload, prompt tokens, computed tokens, the ideal, their ratio, full re-reads and time to first token.
 
-    .venv/bin/python scripts/bench_cache.py [--turns 6] [--pressure] [--model smollm2|tiny-lfm2|PATH]
+    .venv/bin/python scripts/bench_cache.py [--turns 6] [--pressure] [--model smollm2|tiny-lfm2|tiny-qwen3next|PATH]
 
 Workloads (SmolLM2, greedy, 16-token replies): two conversations alternating; one conversation with a
 short unrelated request between turns; a head that toggles between two tool lists; four conversations
@@ -12,7 +12,9 @@ A "full re-read" is a request (after the first of its conversation) that reused 
 Two more workloads: a history trimmed to its system message and last exchange every turn, and a fan-out of
 questions over one shared context. `--model tiny-lfm2` runs them on a seeded tiny random lfm2 (hybrid:
 short convs + attention, tests/tiny_lfm2.py) whose head only emits digits, capitals and punctuation, so a
-reply's text re-encodes to the tokens it was generated as (random byte tokens would not).
+reply's text re-encodes to the tokens it was generated as (random byte tokens would not); `--model
+tiny-qwen3next` the same on a seeded tiny random qwen3next (gated DeltaNet + gated attention + MoE,
+tests/tiny_qwen3next.py).
 """
 from __future__ import annotations
 
@@ -131,18 +133,20 @@ TINY_LFM2_OUTPUT = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ.,!?:;"
 
 
 def load_bench_model(name: str, tmp: str):
-    """smollm2 (the store), `tiny-lfm2` (written to tmp), or a GGUF path."""
-    if name != "tiny-lfm2":
+    """smollm2 (the store), `tiny-lfm2` / `tiny-qwen3next` (written to tmp), or a GGUF path."""
+    if name not in ("tiny-lfm2", "tiny-qwen3next"):
         return open_model(name, max_positions=2048)
     from tests.tiny_gguf import tiny_vocab
     from tests.tiny_lfm2 import write_tiny_lfm2
+    from tests.tiny_qwen3next import write_tiny_qwen3next
 
     tokens = tiny_vocab()[0]
     byte_ids = {bytes([b]).decode("latin-1"): i for i, b in zip(range(3, 259), range(256))}
     output = [2] + [byte_ids[c] for c in TINY_LFM2_OUTPUT]  # EOS too: a reply may end early
     assert all(tokens[i] == c for c, i in zip(TINY_LFM2_OUTPUT, output[1:]))
-    path = Path(tmp) / "tiny-lfm2.gguf"
-    write_tiny_lfm2(path, seed=5, n_ctx=4096, output_ids=output)
+    path = Path(tmp) / f"{name}.gguf"
+    writer = write_tiny_lfm2 if name == "tiny-lfm2" else write_tiny_qwen3next
+    writer(path, seed=5, n_ctx=4096, output_ids=output)
     return open_model(str(path), max_positions=4096)
 
 
@@ -151,7 +155,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--pressure", action="store_true")
     ap.add_argument("--plot", default=None, help="write an SVG of time to first token per request here")
-    ap.add_argument("--model", default="smollm2", help="smollm2, tiny-lfm2 or a GGUF path")
+    ap.add_argument("--model", default="smollm2", help="smollm2, tiny-lfm2, tiny-qwen3next or a GGUF path")
     ap.add_argument("--state-checkpoint-every", type=int, default=8, help="hybrid models: see strata serve")
     args = ap.parse_args()
     model_dir = tempfile.TemporaryDirectory()

@@ -1,4 +1,5 @@
-"""State checkpoints in the conversation cache, on the tiny lfm2 (short-conv + attention) model.
+"""State checkpoints in the conversation cache, on the tiny hybrid models: lfm2 (short convs + attention) and
+qwen3next (gated DeltaNet + gated attention + MoE), every test on each.
 
 Through the engine loop with `check_integrity` after every admission and step: the cache never changes a
 token (on == off, also under device / host / disk pressure), it computes exactly the ideal where the
@@ -23,14 +24,21 @@ from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
 from tests.test_cache_workloads import HEAD_LEN, HEAD_SWAP, _agent_turns, _ideal, _random_turns
 from tests.tiny_lfm2 import write_tiny_lfm2
+from tests.tiny_qwen3next import write_tiny_qwen3next
 
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def lfm2(tmp_path_factory):
-    path = tmp_path_factory.mktemp("lfm2") / "tiny-lfm2.gguf"
-    write_tiny_lfm2(path, seed=4, n_ctx=1024)
+# qwen3next's DeltaNet layers at a size whose state (a checkpoint) costs one block of 4 tokens, as lfm2's does
+WRITERS = {"lfm2": lambda path: write_tiny_lfm2(path, seed=4, n_ctx=1024),
+           "qwen3next": lambda path: write_tiny_qwen3next(path, seed=4, n_ctx=1024, n_k_heads=1, n_v_heads=2,
+                                                          k_head_dim=4, v_head_dim=4)}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def hybrid(tmp_path_factory, request):
+    path = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf"
+    WRITERS[request.param](path)
     return load_model(path, NumpyBackend())[0], Tokenizer.from_gguf_fields(GGUFFile(path).fields)
 
 
@@ -40,13 +48,13 @@ def _disk(root, runner, blocks):
                     "float32", blocks)
 
 
-def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=None, disk_blocks=256, every=2,
+def _run(hybrid, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=None, disk_blocks=256, every=2,
          concurrency=1, history=None, chunk=8, hints=None, on_start=None, layer_split=(), groups=1,
          write_behind_mib_s=0.0):
     """Turns [(conversation, new user tokens, reply length)] through one engine loop. Returns (replies,
     [(prompt_len, cached, ideal)], per step [(request id, tokens computed, logits row, block table)], the loop,
     the conversations' histories)."""
-    model, tokenizer = lfm2
+    model, tokenizer = hybrid
     history = {} if history is None else history
     steps, out = [], {}
 
@@ -97,39 +105,39 @@ def _run(lfm2, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=No
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_cache_on_and_off_produce_identical_replies(lfm2, seed):
+def test_cache_on_and_off_produce_identical_replies(hybrid, seed):
     turns = _random_turns(seed)
-    on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3)
-    off, usage_off, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
+    on, usage, _, loop, _ = _run(hybrid, turns, concurrency=3)
+    off, usage_off, _, _, _ = _run(hybrid, turns, cache_on=False, concurrency=3)
     assert on == off and all(c == 0 for _, c, _ in usage_off)
     assert sum(c for _, c, _ in usage) > 0 and loop.cache.ckpt.stats["restored"] > 0
 
 
-def test_pipeline_stages_and_batch_groups_keep_each_sequence_s_state(lfm2):
+def test_pipeline_stages_and_batch_groups_keep_each_sequence_s_state(hybrid):
     """Three stages (each with its share of the state pools) and three groups in flight at once."""
     turns = _random_turns(3, count=15)
-    on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3, layer_split=(1, 3), groups=3)
-    off, _, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
+    on, usage, _, loop, _ = _run(hybrid, turns, concurrency=3, layer_split=(1, 3), groups=3)
+    off, _, _, _, _ = _run(hybrid, turns, cache_on=False, concurrency=3)
     assert on == off and sum(c for _, c, _ in usage) > 0
 
 
-def test_agent_workload_computes_exactly_the_ideal(lfm2):
+def test_agent_workload_computes_exactly_the_ideal(hybrid):
     """Continuing conversations, a toggling head and short one-offs: every reused prefix ends at a
     checkpoint (a reply's end), so nothing cached is recomputed."""
-    _, usage, _, loop, _ = _run(lfm2, _agent_turns(), concurrency=3)
+    _, usage, _, loop, _ = _run(hybrid, _agent_turns(), concurrency=3)
     assert [p - c for p, c, _ in usage] == [ideal for _, _, ideal in usage]
     assert loop.cache.stats["miss_no_checkpoint"] == 0
 
 
 @pytest.mark.parametrize("pressure", ["host", "disk", "write-behind"])
-def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(lfm2, pressure, tmp_path):
+def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(hybrid, pressure, tmp_path):
     turns = _random_turns(7, conversations=5, count=30)
     extra = dict(num_blocks=70, host_blocks=30) if pressure == "host" else \
         dict(num_blocks=70, host_blocks=8, disk_root=tmp_path, disk_blocks=400)
     if pressure == "write-behind":  # K/V files written while serving: a spill of such a block writes only
         extra.update(disk_blocks=120, write_behind_mib_s=10_000.0)  # its checkpoints' files
-    on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3, **extra)
-    off, _, _, _, _ = _run(lfm2, turns, cache_on=False, num_blocks=70, concurrency=3)
+    on, usage, _, loop, _ = _run(hybrid, turns, concurrency=3, **extra)
+    off, _, _, _, _ = _run(hybrid, turns, cache_on=False, num_blocks=70, concurrency=3)
     assert on == off
     stats, ckpt = loop.cache.stats, loop.cache.ckpt.stats
     assert stats["parks"] > 0 and stats["restores"] > 0 and ckpt["restored"] > 0
@@ -162,11 +170,11 @@ def _continuous_logits(model, num_blocks, tokens, first_steps, second_steps):
 
 
 @pytest.mark.parametrize("where", ["device", "host", "disk", "restart"])
-def test_logits_after_a_restored_checkpoint_equal_computing_from_scratch(lfm2, where, tmp_path):
+def test_logits_after_a_restored_checkpoint_equal_computing_from_scratch(hybrid, where, tmp_path):
     """Conversation 0's second turn restores the checkpoint at its first reply's end: from the device, after
     a park (other conversations fill the pool), after a spill to disk, or after a restart of the server.
     Its logits are bitwise those of one sequence that carried its state all along (_continuous_logits)."""
-    model, _ = lfm2
+    model, _ = hybrid
     first = [(0, list(range(20, 49)), 6)]
     others = [(c, list(range(60 + 10 * c, 100 + 10 * c)), 3) for c in (1, 2, 3, 4)]
     second = [(0, [5, 6, 7, 8, 9, 10, 11], 4)]
@@ -174,13 +182,13 @@ def test_logits_after_a_restored_checkpoint_equal_computing_from_scratch(lfm2, w
     setup = {"device": dict(), "host": dict(num_blocks=40, host_blocks=60),
              "disk": dict(num_blocks=40, host_blocks=4, **disk), "restart": disk}[where]
     if where == "restart":
-        _, _, steps1, _, history = _run(lfm2, first, **setup)
-        _, usage, steps2, loop, _ = _run(lfm2, second, history=history, **setup)
+        _, _, steps1, _, history = _run(hybrid, first, **setup)
+        _, usage, steps2, loop, _ = _run(hybrid, second, history=history, **setup)
         steps = steps1 + [(f"b{rid}", *rest) for rid, *rest in steps2]
         second_id = "bt0"
     else:
         turns = first + (others if where != "device" else []) + second
-        _, usage, steps, loop, history = _run(lfm2, turns, **setup)
+        _, usage, steps, loop, history = _run(hybrid, turns, **setup)
         second_id = f"t{len(turns) - 1}"
     prompt_len, cached, _ = usage[-1]
     assert cached == 29 + 6 - 1  # the first turn's prompt and reply, less the reply's last token
@@ -197,13 +205,13 @@ def test_logits_after_a_restored_checkpoint_equal_computing_from_scratch(lfm2, w
         np.testing.assert_array_equal(row, want)
 
 
-def test_a_miss_for_want_of_a_checkpoint_says_where_the_nearest_one_is(lfm2, caplog):
+def test_a_miss_for_want_of_a_checkpoint_says_where_the_nearest_one_is(hybrid, caplog):
     """Two prompts share 37 tokens; the first one's checkpoints are at 8, 16, ... (every 2 blocks of 4),
     its prompt end and its reply end: the second reuses 32 tokens and the log says why not 37."""
     shared = list(range(30, 67))
     turns = [(0, shared + [200, 201, 202, 203, 204], 2), (1, shared + [210, 211], 2)]
     with caplog.at_level(logging.INFO, logger="strata"):
-        _, usage, _, loop, _ = _run(lfm2, turns, every=2)
+        _, usage, _, loop, _ = _run(hybrid, turns, every=2)
     assert usage[1][1] == 32
     assert loop.cache.stats["miss_no_checkpoint"] == 1
     lines = [r.getMessage() for r in caplog.records if "state checkpoint" in r.getMessage()]
@@ -212,30 +220,30 @@ def test_a_miss_for_want_of_a_checkpoint_says_where_the_nearest_one_is(lfm2, cap
                      "--state-checkpoint-every keeps more)"]
 
 
-def test_where_a_prompt_leaves_a_cached_sequence_it_leaves_a_checkpoint(lfm2):
+def test_where_a_prompt_leaves_a_cached_sequence_it_leaves_a_checkpoint(hybrid):
     """The second prompt branches off the first at token 21, between checkpoints: it recomputes from the
     start but keeps the state at 21, so a third one branching there reuses exactly 21 tokens."""
     shared = list(range(40, 61))
     turns = [(c, shared + [100 + 10 * c + i for i in range(9)], 2) for c in range(3)]
-    _, usage, _, loop, _ = _run(lfm2, turns, every=0)
+    _, usage, _, loop, _ = _run(hybrid, turns, every=0)
     assert [c for _, c, _ in usage] == [0, 0, 21]
     assert loop.cache.stats["miss_no_checkpoint"] == 1
 
 
-def test_checkpoint_hints_of_a_request_are_kept(lfm2):
+def test_checkpoint_hints_of_a_request_are_kept(hybrid):
     """A request's checkpoint_positions (the API passes where its messages begin) become checkpoints."""
     first = list(range(40, 70))
     turns = [(0, first, 2), (1, first[:13] + [5, 6, 7], 2)]
-    _, usage, _, _, _ = _run(lfm2, turns, every=0, hints={0: (11,)})
+    _, usage, _, _, _ = _run(hybrid, turns, every=0, hints={0: (11,)})
     assert usage[1][1] == 11
 
 
-def test_the_message_start_token_of_a_chatml_template_marks_each_message(lfm2):
+def test_the_message_start_token_of_a_chatml_template_marks_each_message(hybrid):
     from api.checkpoint_hints import find_message_start_id, message_starts
     from engine.chat_template import ChatTemplate
     from tests.tiny_gguf import CHATML_TEMPLATE
 
-    tokenizer = lfm2[1]
+    tokenizer = hybrid[1]
     template = ChatTemplate(CHATML_TEMPLATE, "tiny-lfm2")
     start = find_message_start_id(template, tokenizer)
     assert start == tokenizer.encode("<|im_start|>", add_special=False)[0]
@@ -246,12 +254,12 @@ def test_the_message_start_token_of_a_chatml_template_marks_each_message(lfm2):
     assert message_starts(ids, None) == ()
 
 
-def test_the_same_prompt_again_computes_only_its_last_token_from_a_checkpoint_inside_a_chunk(lfm2):
+def test_the_same_prompt_again_computes_only_its_last_token_from_a_checkpoint_inside_a_chunk(hybrid):
     """The checkpoint at prompt_len - 1 is captured inside the last prefill chunk (chunks of 8: 24-28);
     the retry restores it, computes the last token alone and gets the first request's logits (up to the
     round-off of a 5-row step against a 1-row one)."""
     prompt = list(range(20, 49))
-    _, usage, steps, _, _ = _run(lfm2, [(0, prompt, 3), (1, prompt, 3)], every=0)
+    _, usage, steps, _, _ = _run(hybrid, [(0, prompt, 3), (1, prompt, 3)], every=0)
     assert usage[1][1] == len(prompt) - 1
     first = [row for rid, n, row, _ in steps if rid == "t0"][len(range(0, 29, 8)) - 1]
     retry = [(n, row) for rid, n, row, _ in steps if rid == "t1"]
@@ -259,20 +267,20 @@ def test_the_same_prompt_again_computes_only_its_last_token_from_a_checkpoint_in
     np.testing.assert_allclose(retry[0][1], first, atol=1e-5, rtol=1e-5)
 
 
-def test_a_request_that_fills_the_pool_goes_on_without_room_for_checkpoints(lfm2):
+def test_a_request_that_fills_the_pool_goes_on_without_room_for_checkpoints(hybrid):
     """30 prompt + 6 reply tokens in a pool of exactly 9 blocks of 4: no slot is left for a checkpoint, so
     the request is admitted and steps without one (it must not wait or preempt itself forever)."""
     turns = [(0, list(range(20, 50)), 6)]
-    on, usage, _, loop, _ = _run(lfm2, turns, num_blocks=9, every=1, hints={0: (4, 8, 12)})
-    off, _, _, _, _ = _run(lfm2, turns, num_blocks=9, cache_on=False)
+    on, usage, _, loop, _ = _run(hybrid, turns, num_blocks=9, every=1, hints={0: (4, 8, 12)})
+    off, _, _, _, _ = _run(hybrid, turns, num_blocks=9, cache_on=False)
     assert on == off and loop.num_preemptions == 0
 
 
-def test_a_corrupt_checkpoint_file_only_shortens_the_match(lfm2, tmp_path):
+def test_a_corrupt_checkpoint_file_only_shortens_the_match(hybrid, tmp_path):
     """After a restart the checkpoint files are corrupted (after the start-up scan): the second turn's
     match falls back to an earlier checkpoint (or none), recomputes the rest and replies as cache off."""
     first, second = [(0, list(range(20, 49)), 6)], [(0, [5, 6, 7, 8], 4)]
-    _, _, _, _, history = _run(lfm2, first, disk_root=tmp_path, every=2)
+    _, _, _, _, history = _run(hybrid, first, disk_root=tmp_path, every=2)
     saved = {conv: list(tokens) for conv, tokens in history.items()}
 
     def corrupt(loop):
@@ -283,8 +291,8 @@ def test_a_corrupt_checkpoint_file_only_shortens_the_match(lfm2, tmp_path):
             raw[-1] ^= 0xFF
             path.write_bytes(bytes(raw))
 
-    on, usage, _, loop, _ = _run(lfm2, second, disk_root=tmp_path, every=2, history=history, on_start=corrupt)
-    off, _, _, _, _ = _run(lfm2, second, cache_on=False, history=saved)
+    on, usage, _, loop, _ = _run(hybrid, second, disk_root=tmp_path, every=2, history=history, on_start=corrupt)
+    off, _, _, _, _ = _run(hybrid, second, cache_on=False, history=saved)
     assert on == off
     assert usage[0][1] == 0  # every checkpoint on the path was unreadable: nothing reusable
     assert loop.cache.ckpt.count("disk") == 0 and loop.cache.stats["disk_loads"] == 0

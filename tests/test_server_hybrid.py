@@ -1,11 +1,13 @@
-"""A hybrid model (tiny lfm2) through the HTTP API: the next turn of a conversation reuses the previous
-turn's prompt and reply from a state checkpoint, and /cache reports the checkpoints and their bytes."""
+"""A hybrid model (tiny lfm2, tiny qwen3next) through the HTTP API: the next turn of a conversation reuses the
+previous turn's prompt and reply from a state checkpoint, and /cache reports the checkpoints and their bytes."""
 import httpx
+import pytest
 
 from engine.loader import open_model
 from tests.server_harness import running_server
 from tests.tiny_gguf import tiny_vocab
 from tests.tiny_lfm2 import write_tiny_lfm2
+from tests.tiny_qwen3next import write_tiny_qwen3next
 
 OUTPUT_TEXT = "0123456789ABCDEF"  # tokens whose text re-encodes to themselves (no merges, valid UTF-8)
 
@@ -16,10 +18,11 @@ def _chat(url, messages):
     return reply["choices"][0]["message"]["content"], reply["usage"]
 
 
-def test_the_next_turn_reuses_the_last_one_from_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("writer", [write_tiny_lfm2, write_tiny_qwen3next], ids=["lfm2", "qwen3next"])
+def test_the_next_turn_reuses_the_last_one_from_a_checkpoint(tmp_path, writer):
     tokens = tiny_vocab()[0]
-    path = tmp_path / "tiny-lfm2.gguf"
-    write_tiny_lfm2(path, seed=5, n_ctx=1024, output_ids=[tokens.index(c) for c in OUTPUT_TEXT])
+    path = tmp_path / "tiny-hybrid.gguf"
+    writer(path, seed=5, n_ctx=1024, output_ids=[tokens.index(c) for c in OUTPUT_TEXT])
     loaded = open_model(str(path), max_positions=1024)
     with running_server(loaded, batch=2, ctx_size=512) as (url, state):
         messages = [{"role": "system", "content": "Answer in digits."}, {"role": "user", "content": "How many?"}]
