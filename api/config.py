@@ -63,6 +63,9 @@ class ServerConfig:
     ctx_size: int = _opt(8192, f"tokens of context per slot (>= {MIN_CTX_SIZE})")
     default_max_tokens: int = _opt(0, "reply budget of a request that sets none (most agents send none); 0: the "
                                       "room its context leaves, as llama-server's -n -1")
+    default_temperature: float | None = _opt(None, "sampling temperature of a request that sets none (agents such "
+                                                   "as Codex send none); unset: 1.0, as OpenAI and Anthropic",
+                                             metavar="T")
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
     kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy): start at --kv-cache-mib, grow up to this many MiB "
                                     "as requests need room, shrink on POST /cache/device-pool (0: a fixed pool)")
@@ -301,6 +304,8 @@ def _validate(cfg: ServerConfig) -> None:
          f"--max-queue must be >= 0 (got {cfg.max_queue}; 0 rejects requests when every slot is busy)")
     need(cfg.ctx_size >= MIN_CTX_SIZE, f"--ctx-size must be >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
     need(cfg.kv_cache_max_mib >= 0, f"--kv-cache-max-mib must be >= 0 (got {cfg.kv_cache_max_mib})")
+    need(cfg.default_temperature is None or 0.0 <= cfg.default_temperature <= 2.0,
+         f"--default-temperature must be in 0..2 (got {cfg.default_temperature})")
     need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens})")
     need(cfg.kv_cache_mib >= 0,
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")

@@ -112,7 +112,8 @@ async def create_message(state, http_request: HTTPRequest, request_id: str, raw:
     stops = tuple(body.stop_sequences or ())
 
     def params(max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+        temperature = body.temperature if body.temperature is not None else state.config.default_temperature
+        return SamplingParams(temperature=1.0 if temperature is None else temperature,
                               top_k=body.top_k or 0, top_p=body.top_p or 1.0, seed=state.config.seed,
                               max_tokens=max_tokens, stop=stops)
 

@@ -64,22 +64,28 @@ def codex_model_info(state) -> dict[str, Any]:
             "experimental_supported_tools": [], "input_modalities": ["text"]}
 
 
-def _echo(body: ResponsesRequest, parallel_by_default: bool) -> dict[str, Any]:
+def _echo(body: ResponsesRequest, parallel_by_default: bool, default_temperature: float | None) -> dict[str, Any]:
     """The request fields a Response object repeats (parallel_tool_calls as it applied)."""
     parallel = parallel_by_default if body.parallel_tool_calls is None else body.parallel_tool_calls
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": parallel, "previous_response_id": body.previous_response_id,
             "reasoning": {key: (body.reasoning or {}).get(key) for key in ("effort", "summary")},
-            "store": body.store, "temperature": 1.0 if body.temperature is None else body.temperature,
+            "store": body.store, "temperature": _temperature(body, default_temperature),
             "text": body.text or {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
             "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled",
             "metadata": body.metadata or {}, "prompt_cache_key": body.prompt_cache_key, "background": False}
 
 
-def _params(body: ResponsesRequest, default_seed: int | None) -> Callable[[int], SamplingParams]:
+def _temperature(body: ResponsesRequest, default: float | None) -> float:
+    """The request's temperature, else --default-temperature, else OpenAI's 1.0."""
+    return body.temperature if body.temperature is not None else (1.0 if default is None else default)
+
+
+def _params(body: ResponsesRequest, default_seed: int | None,
+            default_temperature: float | None) -> Callable[[int], SamplingParams]:
     def make(max_tokens: int) -> SamplingParams:
         seed = default_seed if body.seed is None else body.seed
-        return SamplingParams(temperature=1.0 if body.temperature is None else body.temperature,
+        return SamplingParams(temperature=_temperature(body, default_temperature),
                               top_p=1.0 if body.top_p is None else body.top_p, seed=seed, max_tokens=max_tokens)
     return make
 
@@ -95,11 +101,12 @@ async def create(state, http_request: HTTPRequest, request_id: str, raw: bytes) 
 
     def writer_for(custom_tool_names: frozenset[str]) -> ResponseWriter:
         return ResponseWriter("resp_" + request_id.removeprefix("req-"), body.model,
-                              _echo(body, state.protocol.tool_format.parallel_by_default), custom_tool_names)
+                              _echo(body, state.protocol.tool_format.parallel_by_default,
+                                    state.config.default_temperature), custom_tool_names)
 
     try:
         run = start_chat_turn(state, http_request, request_id, turn, requested_max_tokens=body.max_output_tokens,
-                              make_params=_params(body, state.config.seed), num_tools=len(body.tools or []))
+                              make_params=_params(body, state.config.seed, state.config.default_temperature), num_tools=len(body.tools or []))
     except APIError as exc:
         if not body.stream or exc.code != "context_length_exceeded":
             raise

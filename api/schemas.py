@@ -111,16 +111,19 @@ class SamplingFields(RequestBody):
         """Whether a streamed response ends with a usage chunk."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params_for(self, max_tokens: int, default_seed: int | None = None) -> SamplingParams:
+    def sampling_params_for(self, max_tokens: int, default_seed: int | None = None,
+                            default_temperature: float | None = None) -> SamplingParams:
         """Engine sampling settings with ``max_tokens`` as the server decided it (clamped to the context's
-        room). Raises APIError."""
-        return self._sampling(max_tokens, default_seed)
+        room); the server's defaults (``--seed``, ``--default-temperature``) fill what the client left out.
+        Raises APIError."""
+        return self._sampling(max_tokens, default_seed, default_temperature)
 
-    def _sampling(self, max_tokens: int, default_seed: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int, default_seed: int | None,
+                  default_temperature: float | None = None) -> SamplingParams:
         seed = default_seed if self.seed in (None, -1) else self.seed
         try:
             return SamplingParams(
-                temperature=_default(self.temperature, 1.0),
+                temperature=_default(self.temperature, _default(default_temperature, 1.0)),
                 top_k=max(0, _default(self.top_k, 0)),
                 top_p=_default(self.top_p, 1.0),
                 min_p=_default(self.min_p, 0.0),

@@ -267,3 +267,12 @@ def test_null_legacy_function_fields_are_accepted():
 def test_parallel_tool_calls_is_accepted_either_way():
     for value in (True, False):
         assert parse_body(ChatCompletionRequest, chat(parallel_tool_calls=value)).model == "m"
+
+
+def test_default_temperature_fills_only_an_unset_temperature():
+    unset = parse_body(ChatCompletionRequest, chat())
+    assert unset.sampling_params_for(8).temperature == 1.0  # OpenAI's default
+    assert unset.sampling_params_for(8, default_temperature=0.0).temperature == 0.0  # --default-temperature 0
+    explicit = parse_body(ChatCompletionRequest, chat(temperature=0.7))
+    assert explicit.sampling_params_for(8, default_temperature=0.0).temperature == 0.7
+    assert unset.parallel_tool_calls is None  # unsaid: the tool format's default applies

@@ -14,7 +14,7 @@ set -euo pipefail
 
 PORT=${1:?usage: codex.sh PORT WORKDIR [TASK]}
 WORKDIR=${2:?usage: codex.sh PORT WORKDIR [TASK]}
-TASK=${3:-'Use a tool to run `cat hello.txt`, then tell me what it says.'}
+TASK=${3:-'Use the exec_command tool to run `cat hello.txt`, then tell me what it says.'}
 SCRATCH=${CODEX_SCRATCH:-$(mktemp -d -t strata-codex.XXXXXX)}
 BASE="http://127.0.0.1:$PORT/v1"
 HERE=$(cd "$(dirname "$0")" && pwd)

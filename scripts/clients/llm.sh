@@ -22,8 +22,9 @@ def read_note(name: str) -> str:
     print("TOOL_EXECUTED read_note", name, flush=True)
     return "The note says: the meeting is at 3pm."
 '
-# --cl 2: one tool call and the answer after it (a 135M model would otherwise call again and again)
-out=$("$work/llm-venv/bin/llm" -m strata --functions "$functions" --td --cl 2 -o temperature 0 -o max_tokens 200 \
+# --cl 3: a call, the answer after it, one spare (llm 0.36 reports "Chain limit of 2 exceeded" after a
+# finished call-then-answer chain at --cl 2; a 135M model must not call again and again)
+out=$("$work/llm-venv/bin/llm" -m strata --functions "$functions" --td --cl 3 -o temperature 0 -o max_tokens 200 \
       "Use the read_note tool to read the note named meeting, then tell me what it says." </dev/null 2>&1) || true
 echo "$out"
 calls=$(grep -c "^Tool call: read_note" <<<"$out" || true)
