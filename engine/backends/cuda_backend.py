@@ -78,6 +78,7 @@ class CudaBackend(CudaOps):
         use_graphs = graphs if graphs is not None else os.environ.get(GRAPHS_ENV, "1") != "0"
         self.graphs = DecodeGraphs(self) if use_graphs else None
         self.kv = KVTransfers(self)
+        self.expert_cache = None  # cuda_expert_cache.ExpertCache, set before loading with --expert-cache-mib
         log.info("backend cuda stage %d on device %d (%s), wait=%s, graphs=%s", stage, self.device.ordinal,
                  self.device.name, self.waiter.mode, "on" if self.graphs else "off")
 
@@ -189,11 +190,9 @@ class CudaBackend(CudaOps):
 
     # -- mixture of experts (engine/backends/cuda_moe.py) --
     def upload_experts(self, gate, up, down, n_experts: int, biases=(None, None, None)) -> cuda_moe.CudaExperts:
-        """Stacked expert tensors (LinearParts of E * rows) as one device buffer each; biases (gate [E, F],
-        up [E, F], down [E, d] float32, or None) as given."""
-        bias = [None if b is None else self.upload(b) for b in biases]
-        return cuda_moe.CudaExperts(*(cuda_moe.upload_stacked(self, p, n_experts) for p in (gate, up, down)),
-                                    n_experts, *bias)
+        """Stacked expert tensors (LinearParts of E * rows) as one device buffer each, or into the expert cache
+        (--expert-cache-mib); biases (gate [E, F], up [E, F], down [E, d] float32, or None) as given."""
+        return cuda_moe.upload_experts(self, gate, up, down, n_experts, biases)
 
     def create_kv_pool(self, layout: KVLayout) -> CudaKVPool:
         return CudaKVPool(self, layout)
@@ -345,6 +344,8 @@ class CudaBackend(CudaOps):
         """
         self._recycle_staging(0)
         self.forget_step()
+        if self.expert_cache is not None:
+            self.expert_cache.at_step_start()  # a resize the budget asked for happens between steps only
         if batch is not None:
             max_blocks = blocks_needed_by(batch)
             arrays = step_arrays(batch, max_blocks)
