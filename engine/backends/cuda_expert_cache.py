@@ -30,7 +30,8 @@ import numpy as np
 
 from cuda_kernels.moe import plan_groups
 from engine.backends.cuda_arena import round_up
-from engine.backends.cuda_device import PinnedBuffer, check, driver
+from engine.backends import cuda_device
+from engine.backends.cuda_device import PinnedBuffer, check
 from engine.backends.cuda_expert_cache_slots import ExpertSlots
 
 log = logging.getLogger("strata.expert_cache")
@@ -42,13 +43,14 @@ LOG_INTERVAL_S = 30.0
 
 
 def parse_expert_cache_mib(spec) -> int | str | None:
-    """`--expert-cache-mib`: None (off: every expert resident), "auto", or a positive MiB count."""
+    """`--expert-cache-mib`: None (off: every expert resident), "auto", or a positive MiB count (a fraction
+    allowed: tiny test models have experts of a few KiB)."""
     if spec is None or spec == "":
         return None
     if str(spec).strip().lower() == "auto":
         return "auto"
     try:
-        mib = int(spec)
+        mib = float(spec)
     except ValueError:
         raise ValueError(f"--expert-cache-mib takes a MiB count or auto, got {spec!r}") from None
     if mib <= 0:
@@ -77,7 +79,8 @@ class CacheRound:
     """A round of one layer's step: its groups [g0, g1) and pairs [p0, p1) of the sorted pair plan."""
 
     experts: tuple
-    loads: tuple
+    loads: tuple  # (expert, slot)
+    evicted: tuple  # (layer, expert) keys the loads displace
     g0: int
     g1: int
     p0: int
@@ -135,11 +138,13 @@ class ExpertCache:
     def _create_slots(self) -> None:
         """At the first step (every layer registered): the slot count from the budget, the slots reserved."""
         slot_bytes = self.slot_bytes
-        if self.budget_mib == "auto":
+        if self._pending_slots is not None:  # asked for before the first step (the admission, or a test)
+            wanted, self._pending_slots = min(self.total_experts, self._pending_slots), None
+        elif self.budget_mib == "auto":
             room = self.device.arena.largest_free - AUTO_HEADROOM_BYTES
             wanted = min(self.total_experts, max(1, room // slot_bytes))
         else:
-            wanted = min(self.total_experts, self.budget_mib * MIB // slot_bytes)
+            wanted = min(self.total_experts, int(self.budget_mib * MIB) // slot_bytes)
             if wanted < 1:
                 raise ValueError(f"--expert-cache-mib {self.budget_mib} is smaller than one expert slot "
                                  f"({slot_bytes / MIB:.2f} MiB: gate, up and down of one expert)")
@@ -207,12 +212,6 @@ class ExpertCache:
             self._read_timings()
             plan = plan_groups(ids_host, group_rows)
             rounds = self.slots.plan(layer.index, np.unique(ids_host))
-            for r in rounds:
-                for key in r.evicted:
-                    self.layers[key[0]].table[:, key[1]] = 0
-                for expert, slot in r.loads:
-                    base = self._slot_address[slot]
-                    layer.table[:, expert] = [base + layer.slot_offsets[role] for role in ROLES]
         self._maybe_log()
         return [self._ranges(r, plan) for r in rounds]
 
@@ -223,7 +222,7 @@ class ExpertCache:
         g1 = int(np.searchsorted(group_expert, r.experts[-1], "right"))
         p0 = int(plan["group_start"][g0])
         p1 = int(plan["group_start"][g1 - 1] + plan["group_len"][g1 - 1])
-        return CacheRound(r.experts, r.loads, g0, g1, p0, p1)
+        return CacheRound(r.experts, r.loads, r.evicted, g0, g1, p0, p1)
 
     def load(self, backend, layer: ExpertLayer, r: CacheRound):
         """Queue the round's copies on the copy stream (the compute stream waits for them). Returns (role ->
@@ -231,7 +230,13 @@ class ExpertCache:
         caller keeps until the round's kernels are queued)."""
         start, end = (self._free_events.pop() if self._free_events else self.device.create_event(timing=True)
                       for _ in range(2))
-        check(driver.cuEventRecord(start, backend.stream), "cuEventRecord")
+        check(cuda_device.driver.cuEventRecord(start, backend.stream), "cuEventRecord")
+        with self._lock:  # the tables change here, round by round: a later round may reuse this one's slots
+            for key in r.evicted:
+                self.layers[key[0]].table[:, key[1]] = 0
+            for expert, slot in r.loads:
+                base = self._slot_address[slot]
+                layer.table[:, expert] = [base + layer.slot_offsets[role] for role in ROLES]
         with backend.on_copy_stream():
             for expert, slot in r.loads:
                 base = self._slot_address[slot]
@@ -242,7 +247,7 @@ class ExpertCache:
                     self.loaded_bytes += nbytes
             self.loads += len(r.loads)
             table = backend.upload_activation(layer.table)  # this round's table: a later round may change it
-        check(driver.cuEventRecord(end, backend.stream), "cuEventRecord")
+        check(cuda_device.driver.cuEventRecord(end, backend.stream), "cuEventRecord")
         with self._lock:
             self._timing.append((start, end))
         return {role: table.ptr + i * 8 * layer.n_experts for i, role in enumerate(ROLES)}, table
@@ -250,7 +255,7 @@ class ExpertCache:
     def _read_timings(self) -> None:
         """Add up the compute stream's waits for copies (complete: the caller has just synchronised)."""
         for start, end in self._timing:
-            ms = check(driver.cuEventElapsedTime(start, end), "cuEventElapsedTime")
+            ms = check(cuda_device.driver.cuEventElapsedTime(start, end), "cuEventElapsedTime")
             self.wait_seconds += float(ms) / 1e3
             self._free_events += [start, end]
         self._timing.clear()

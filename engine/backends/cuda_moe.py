@@ -125,7 +125,7 @@ def expert_ffn(backend, h, experts: CudaExperts, ids, weights, activation: str):
     act = backend.empty((n_pairs, ff))
     down = backend.empty((n_pairs, d))
     if experts.cache is None:  # every expert on the device: one round over the fixed grid (graph-capturable)
-        rounds = [CacheRound((), (), 0, n_groups, 0, n_pairs)]
+        rounds = [CacheRound((), (), (), 0, n_groups, 0, n_pairs)]
     else:  # routing read back, misses loaded round by round (cuda_expert_cache.py)
         rounds = experts.cache.begin(backend, experts.cache_layer, ids, group_rows)
     for r in rounds:

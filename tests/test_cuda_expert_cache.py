@@ -1,0 +1,160 @@
+"""The CUDA expert cache (engine/backends/cuda_expert_cache.py, --expert-cache-mib) on the emulated driver with the
+real kernel sources: greedy tokens with fewer device slots than experts (down to one: every layer then runs in
+rounds) equal all experts resident and numpy's; slots hold exactly the host arena's bytes of their expert; hit and
+miss counts exact on a scripted routing; the pinned arena holds the GGUF's expert bytes; a resize between steps."""
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from engine.backends.cuda_expert_cache import ROLES, configure_expert_cache, parse_expert_cache_mib
+from engine.backends.numpy_backend import NumpyBackend
+from engine.model import load_model
+from tests.test_cuda_backend import emulator_dir  # noqa: F401
+from tests.test_cuda_backend_emulated import _greedy
+from tests.tiny_moe_gguf import write_tiny_moe_gguf
+
+PROMPT = range(3, 15)  # 12 tokens: a moe_gemm prefill, then moe_matvec decode steps
+
+
+@pytest.fixture
+def make_backend(monkeypatch, emulator_dir):  # noqa: F811
+    from tests import fake_cuda_emulated
+
+    fake_cuda_emulated.install(monkeypatch, emulator_dir)
+    from engine.backends.cuda_backend import CudaBackend
+
+    made = []
+
+    def make(cache_slots=None):
+        backend = CudaBackend(graphs=True)
+        backend.poison = True
+        cache = None
+        if cache_slots is not None:
+            cache = configure_expert_cache(backend, "auto")
+            cache.request_resize(cache_slots)  # before the first step: the slot count it starts with
+        made.append(backend)
+        return backend, cache
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def _slot_bytes_match_the_arena(backend, cache):
+    """Every resident expert's slot holds its gate, up and down bytes from the host arena."""
+    for layer_index, expert in cache.slots.resident():
+        layer = cache.layers[layer_index]
+        for i, role in enumerate(ROLES):
+            offset, nbytes = layer.parts[role]
+            got = np.empty(nbytes, np.uint8)
+            backend.device.dtoh(got.ctypes.data, int(layer.table[i, expert]), nbytes, backend.stream)
+            want = layer.host.array[offset + expert * nbytes : offset + (expert + 1) * nbytes]
+            assert (got == want).all(), f"slot of layer {layer_index} expert {expert} {role} differs"
+
+
+@pytest.mark.parametrize("arch, quant, slots", [("qwen3moe", "Q8_0", 3), ("qwen3moe", "F32", 1),
+                                                ("gpt-oss", "MXFP4", 5)])
+def test_tokens_with_fewer_slots_than_experts_equal_all_resident_and_numpy(make_backend, tmp_path, arch, quant,
+                                                                           slots):
+    extra = dict(sliding_window=5, weight_scale=0.1) if arch == "gpt-oss" else {}
+    write_tiny_moe_gguf(tmp_path / "m.gguf", arch, seed=2, n_layer=2, router_scale=0.3, expert_quant=quant, **extra)
+    expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], PROMPT, steps=6)
+    resident, _ = make_backend()
+    assert _greedy(load_model(tmp_path / "m.gguf", resident)[0], PROMPT, steps=6)[0] == expected
+    backend, cache = make_backend(slots)
+    model = load_model(tmp_path / "m.gguf", backend)[0]
+    assert backend.graphs is None  # routing is read back each layer: no decode graphs
+    assert model.weights.layers[0].moe.device.gate.weight is None  # the experts live in the host arena
+    tokens, _ = _greedy(model, PROMPT, steps=6)
+    assert tokens == expected
+    s = cache.stats()
+    assert s["expert_cache_slots"] == slots < cache.total_experts == 16
+    assert s["expert_cache_loads"] == s["expert_cache_misses"] > 0
+    assert (s["expert_cache_hits"] > 0) == (slots > 1)  # one slot, two layers: every use is a load
+    expert_bytes = sum(cache.layers[0].parts[role][1] for role in ROLES)
+    assert s["expert_cache_loaded_bytes"] == s["expert_cache_loads"] * expert_bytes
+    cache.slots.check_integrity()
+    _slot_bytes_match_the_arena(backend, cache)
+
+
+def test_the_pinned_arena_holds_the_gguf_expert_tensors_bytes(make_backend, tmp_path):
+    write_tiny_moe_gguf(tmp_path / "m.gguf", "gpt-oss", seed=1, n_layer=2, expert_quant="MXFP4")
+    backend, cache = make_backend(2)
+    load_model(tmp_path / "m.gguf", backend)
+    tensors = GGUFReader(tmp_path / "m.gguf").tensors
+    want = sum(int(t.n_bytes) for t in tensors if "_exps.weight" in t.name)
+    assert cache.host_arena_bytes == want and len(cache.layers) == 2
+    first = cache.layers[0]
+    gate = next(t for t in tensors if t.name == "blk.0.ffn_gate_exps.weight")
+    assert bytes(first.host.array[: int(gate.n_bytes)]) == bytes(np.asarray(gate.data).view(np.uint8).reshape(-1))
+
+
+def test_hits_misses_and_tables_on_a_scripted_routing(make_backend, tmp_path):
+    """begin/load on the device with routings given by hand: exact counts per layer, loads and bytes, and each
+    round's slot table points at its experts' bytes."""
+    from engine.backends.cuda_expert_cache import ExpertCache
+
+    backend, _ = make_backend()
+    rng = np.random.default_rng(0)
+    cache = ExpertCache(backend.device, "auto")
+    n_experts, sizes = 4, {"gate": 96, "up": 96, "down": 80}  # bytes per expert
+    layers = [cache.register({r: rng.integers(0, 255, (n_experts, sizes[r]), dtype=np.uint8) for r in ROLES},
+                             n_experts) for _ in range(2)]
+    cache.request_resize(3)
+    script = [(0, [[0, 1]]), (1, [[2, 3]]), (0, [[1, 0], [1, 2]]), (1, [[3, 0]])]
+    for layer, ids in script:
+        ids = backend.upload_activation(np.array(ids, dtype=np.int32))
+        for r in cache.begin(backend, layers[layer], ids, group_rows=8):
+            tables, keep = cache.load(backend, layers[layer], r)
+            for i, role in enumerate(ROLES):
+                table = np.empty(n_experts, np.uint64)
+                backend.device.dtoh(table.ctypes.data, tables[role], 8 * n_experts, backend.stream)
+                offset, nbytes = layers[layer].parts[role]
+                for expert in r.experts:
+                    got = np.empty(nbytes, np.uint8)
+                    backend.device.dtoh(got.ctypes.data, int(table[expert]), nbytes, backend.stream)
+                    want = layers[layer].host.array[offset + expert * nbytes : offset + (expert + 1) * nbytes]
+                    assert (got == want).all()
+    # L0 {0,1}: 2 misses; L1 {2,3}: 2 misses (evicts (0,0)); L0 {0,1,2}: 3 > 3 slots? no: 3 slots, one round:
+    # 1 hit, 0 and 2 miss (evict (1,2), (1,3)); L1 {0,3}: 2 misses (evict (0,1), (0,0))
+    assert cache.stats()["expert_cache_layers"] == {0: (1, 4), 1: (0, 4)}
+    assert cache.loads == 8 and cache.loaded_bytes == 8 * sum(sizes.values())
+    assert cache.slots.resident() == [(0, 2), (1, 0), (1, 3)]
+
+
+def test_a_resize_asked_mid_step_applies_at_the_next_step_and_tokens_stay_equal(make_backend, tmp_path):
+    write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=3, n_layer=2, router_scale=0.3)
+    expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], PROMPT, steps=6)
+    backend, cache = make_backend(6)
+    model = load_model(tmp_path / "m.gguf", backend)[0]
+    seen = []  # (step, slots) at each layer's begin
+    steps = [0]
+    start, begin = cache.at_step_start, cache.begin
+
+    def at_step_start():
+        steps[0] += 1
+        start()
+
+    def layer_begin(*args, **kwargs):
+        rounds = begin(*args, **kwargs)
+        seen.append((steps[0], cache.num_slots))
+        if steps[0] == 2 and len(seen) == 3:  # the second step's first layer: a request arrives mid-step
+            cache.request_resize(2)
+        return rounds
+
+    cache.at_step_start, cache.begin = at_step_start, layer_begin
+    assert _greedy(model, PROMPT, steps=6)[0] == expected
+    assert seen[:6] == [(1, 6), (1, 6), (2, 6), (2, 6), (3, 2), (3, 2)]  # the step it arrived in kept 6 slots
+    assert cache.num_slots == 2 and len(cache.slots.resident()) == 2
+    cache.slots.check_integrity()
+    _slot_bytes_match_the_arena(backend, cache)
+
+
+def test_the_flag_parses_mib_or_auto_and_is_ignored_on_numpy():
+    assert parse_expert_cache_mib(None) is None and parse_expert_cache_mib("auto") == "auto"
+    assert parse_expert_cache_mib("2048") == 2048
+    with pytest.raises(ValueError, match="--expert-cache-mib takes a MiB count or auto"):
+        parse_expert_cache_mib("lots")
+    with pytest.raises(ValueError, match="must be positive"):
+        parse_expert_cache_mib("0")
+    assert configure_expert_cache(NumpyBackend(), "512") is None
