@@ -158,3 +158,36 @@ def test_the_flag_parses_mib_or_auto_and_is_ignored_on_numpy():
     with pytest.raises(ValueError, match="must be positive"):
         parse_expert_cache_mib("0")
     assert configure_expert_cache(NumpyBackend(), "512") is None
+
+
+def test_serve_takes_expert_cache_mib_as_mib_or_auto():
+    from api.config import load_config
+
+    assert load_config([], environ={}).expert_cache_mib == ""
+    assert load_config(["--expert-cache-mib", "auto"], environ={}).expert_cache_mib == "auto"
+    assert load_config([], environ={"STRATA_EXPERT_CACHE_MIB": "4096"}).expert_cache_mib == "4096"
+    with pytest.raises(ValueError, match="--expert-cache-mib takes a MiB count > 0 or auto"):
+        load_config(["--expert-cache-mib", "-5"], environ={})
+
+
+def test_metrics_name_every_figure_expert_cache(make_backend, tmp_path):
+    """/metrics after a run: uses by layer and result, bytes moved, slots; every new series says expert_cache."""
+    from scheduler.metrics import Metrics
+
+    write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3)
+    backend, cache = make_backend(4)
+    _greedy(load_model(tmp_path / "m.gguf", backend)[0], PROMPT, steps=3)
+    metrics = Metrics()
+    before = {m.name for m in metrics.registry.collect()}
+    metrics.watch_expert_cache(cache)
+    text = metrics.render().decode()
+    s = cache.stats()
+    hits0, misses0 = s["expert_cache_layers"][0]
+    assert f'strata_expert_cache_uses_total{{layer="0",result="hit"}} {float(hits0)}' in text
+    assert f'strata_expert_cache_uses_total{{layer="0",result="miss"}} {float(misses0)}' in text
+    assert f"strata_expert_cache_loaded_bytes_total {float(s['expert_cache_loaded_bytes'])}" in text
+    assert 'strata_expert_cache_slots{state="total"} 4.0' in text
+    added = {m.name for m in metrics.registry.collect()} - before
+    assert added and all(name.startswith("strata_expert_cache_") for name in added)
+    metrics.render()  # a second read adds nothing: counters follow the cache's totals
+    assert f'strata_expert_cache_uses_total{{layer="0",result="hit"}} {float(hits0)}' in metrics.render().decode()

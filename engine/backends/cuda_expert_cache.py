@@ -307,8 +307,5 @@ def configure_expert_cache(backend, spec) -> ExpertCache | None:
                  getattr(backend, "name", "?"))
         return None
     cache = ExpertCache(backend.device, budget)
-    backend.expert_cache = cache
-    if backend.graphs is not None:
-        log.info("expert cache: decode steps of MoE models are not captured in CUDA graphs (routing is read back)")
-        backend.graphs = None
+    backend.expert_cache = cache  # cuda_moe.upload_experts puts the experts of each MoE layer into it
     return cache

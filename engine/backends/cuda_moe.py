@@ -18,6 +18,7 @@ Each expert's weight is read once per group of its pairs (8 in moe_matvec, 64 in
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,7 @@ from engine.backends import cuda_linear
 from engine.backends.cuda_expert_cache import CacheRound
 from engine.quant_weights import _FALLBACK_DTYPES, LinearPart
 
+log = logging.getLogger("strata.cuda")
 _GATING = {"softmax": 0, "softmax_topk": 1}
 _ACTIVATIONS = {"silu": "gated_silu_f32", "gelu_tanh": "gated_gelu_tanh_f32", "swiglu_oai": "gated_swiglu_oai_f32"}
 
@@ -76,6 +78,9 @@ def upload_experts(backend, gate: LinearPart, up: LinearPart, down: LinearPart, 
         stacked = [_stacked(part, tensor_type, backend.upload_bytes(data, f"experts {part.name}"), n_experts)
                    for part, (tensor_type, data) in zip((gate, up, down), rows.values())]
         return CudaExperts(*stacked, n_experts, *bias)
+    if backend.graphs is not None:  # each MoE layer reads its routing back: a host round trip, not capturable
+        log.info("expert cache: decode steps are not captured in CUDA graphs (each MoE layer reads its routing back)")
+        backend.graphs = None
     layer = cache.register({role: data for role, (_, data) in rows.items()}, n_experts)
     stacked = [_stacked(part, tensor_type, None, n_experts) for part, (tensor_type, _) in zip((gate, up, down),
                                                                                                rows.values())]
