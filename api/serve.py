@@ -46,6 +46,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     # What the engine itself holds in host RAM: numpy keeps weights and KV there; cuda keeps them on the GPU.
     on_host = loaded.model.backend.name == "numpy"
     engine_host_bytes = loaded.info.weight_bytes + num_blocks * bytes_per_block if on_host else 0
+    expert_cache = getattr(loaded.model.backend, "expert_cache", None)  # --expert-cache-mib on cuda
+    engine_host_bytes += expert_cache.host_arena_bytes if expert_cache is not None else 0  # its pinned experts
     plan = plan_memory(engine_host_bytes, config.conversation_cache_mib, config.conversation_cache_min_free_mib,
                        bytes_per_block)
     admission = create_admission(plan, config.conversation_cache_commit == "at-start",
@@ -63,7 +65,6 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
              host["host_used_mib"], plan.machine.limit_bytes // 2**20, plan.machine.in_use_bytes // 2**20,
              plan.machine.source, extra={"fields": host})
     metrics = Metrics()
-    expert_cache = getattr(loaded.model.backend, "expert_cache", None)  # --expert-cache-mib on cuda
     if expert_cache is not None:
         metrics.watch_expert_cache(expert_cache)
         admission.register_budget("expert_cache", expert_cache)

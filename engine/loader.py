@@ -100,7 +100,7 @@ def open_model(
         backend_name = _backend_for_arch(GGUFFile(path).architecture, backend_name, path)
     backend = backend or create_backend(backend_name, cpu_weights=cpu_weights)
     if expert_cache_mib:  # before the weights load: the experts then go to the pinned host arena
-        from engine.backends.cuda_expert_cache import configure_expert_cache
+        from engine.backends.cuda_expert_cache_setup import configure_expert_cache
 
         configure_expert_cache(backend, expert_cache_mib)
     model, gguf, info = load_model(path, backend, max_positions)

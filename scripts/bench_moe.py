@@ -125,7 +125,7 @@ def bench_expert_cache(fractions: list[float], steps: int = 16) -> None:
     """Hits, loads and bytes per decode token of the CUDA expert cache on the emulator (see the docstring)."""
     import pytest
 
-    from engine.backends.cuda_expert_cache import configure_expert_cache
+    from engine.backends.cuda_expert_cache_setup import configure_expert_cache
     from engine.backends.numpy_backend import NumpyBackend
     from engine.model import load_model
     from tests import fake_cuda_emulated

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from engine.backends.cuda_expert_cache import ROLES, configure_expert_cache, parse_expert_cache_mib
+from engine.backends.cuda_expert_cache import ROLES
+from engine.backends.cuda_expert_cache_setup import configure_expert_cache, parse_expert_cache_mib
 from engine.backends.numpy_backend import NumpyBackend
 from engine.model import load_model
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
@@ -191,3 +192,41 @@ def test_metrics_name_every_figure_expert_cache(make_backend, tmp_path):
     assert added and all(name.startswith("strata_expert_cache_") for name in added)
     metrics.render()  # a second read adds nothing: counters follow the cache's totals
     assert f'strata_expert_cache_uses_total{{layer="0",result="hit"}} {float(hits0)}' in metrics.render().decode()
+
+
+def test_serve_counts_the_arena_as_engine_ram_and_wires_metrics_and_admission(make_backend, tmp_path,
+                                                                              monkeypatch):
+    from api.config import load_config
+    from api.serve import build_state
+    from engine.loader import open_model
+    from scheduler import admission, memory_admission
+
+    write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3, expert_quant="Q8_0")
+    backend, _ = make_backend()
+    loaded = open_model(str(tmp_path / "m.gguf"), backend=backend, fetch=False, expert_cache_mib="0.03")
+    cache = backend.expert_cache
+    registered, planned = {}, []
+    monkeypatch.setattr(memory_admission.MemoryAdmission, "register_budget",
+                        lambda self, name, budget: registered.update({name: budget}))
+    real_plan = admission.plan_memory
+    monkeypatch.setattr("api.serve.plan_memory", lambda engine_bytes, *a, **k: planned.append(engine_bytes)
+                        or real_plan(engine_bytes, *a, **k))
+    config = load_config(["--model", str(tmp_path / "m.gguf"), "--expert-cache-mib", "0.03", "--ctx-size", "64",
+                          "--batch", "1", "--backend", "cuda"], environ={})
+    state = build_state(config, loaded)
+    assert registered == {"expert_cache": cache} and planned == [cache.host_arena_bytes] and planned[0] > 0
+    _greedy(loaded.model, PROMPT, steps=2)
+    assert cache.num_slots == int(0.03 * 2**20) // cache.slot_bytes < cache.total_experts
+    assert "strata_expert_cache_slots" in state.metrics.render().decode()
+
+
+def test_auto_takes_every_expert_when_the_arena_has_room(make_backend, tmp_path, monkeypatch):
+    from engine.backends import cuda_expert_cache
+
+    monkeypatch.setattr(cuda_expert_cache, "AUTO_HEADROOM_BYTES", 0)
+    write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3)
+    backend, _ = make_backend()
+    cache = configure_expert_cache(backend, "auto")
+    _greedy(load_model(tmp_path / "m.gguf", backend)[0], PROMPT, steps=2)
+    assert cache.num_slots == cache.total_experts == 16
+    assert cache.loads == cache.stats()["expert_cache_misses"] <= 16  # only first uses load

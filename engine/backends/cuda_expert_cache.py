@@ -17,7 +17,8 @@ for them; the round's kernels follow. A layer needing more experts than there ar
 Decode steps with an expert cache are not captured in CUDA graphs (the read-back is a host round trip).
 
 Budget: `request_resize(num_slots)` (the memory admission's hook, scheduler/memory_admission.register_budget)
-takes effect at the next step start (`at_step_start`), never mid-step.
+takes effect at the next step start (`at_step_start`) at which no layer holds planned slots (`begin` .. `finish`),
+never mid-step. Per-layer counts are keyed by MoE layer ordinal (the order the layers were loaded in).
 """
 from __future__ import annotations
 
@@ -40,22 +41,6 @@ ROLES = ("gate", "up", "down")
 SLOT_ALIGN = 256  # each matrix of a slot starts aligned, whatever its rows' byte length
 AUTO_HEADROOM_BYTES = 512 * MIB  # `auto` leaves this much of the arena for activations and graphs
 LOG_INTERVAL_S = 30.0
-
-
-def parse_expert_cache_mib(spec) -> int | str | None:
-    """`--expert-cache-mib`: None (off: every expert resident), "auto", or a positive MiB count (a fraction
-    allowed: tiny test models have experts of a few KiB)."""
-    if spec is None or spec == "":
-        return None
-    if str(spec).strip().lower() == "auto":
-        return "auto"
-    try:
-        mib = float(spec)
-    except ValueError:
-        raise ValueError(f"--expert-cache-mib takes a MiB count or auto, got {spec!r}") from None
-    if mib <= 0:
-        raise ValueError(f"--expert-cache-mib must be positive (or auto), got {mib}")
-    return mib
 
 
 @dataclass
@@ -97,6 +82,7 @@ class ExpertCache:
         self.slots: ExpertSlots | None = None
         self._slot_address: dict[int, int] = {}
         self._pending_slots: int | None = None
+        self._active = 0  # layers between begin() and finish(): their planned slots must not move
         self._lock = threading.Lock()  # pipeline stages on one device share the cache
         self._users: set = set()  # backends that launched kernels reading slots (synchronised before a shrink)
         self._timing = []  # (start, end) events of compute-stream waits for copies, read after the next sync
@@ -172,8 +158,8 @@ class ExpertCache:
     def at_step_start(self) -> None:
         """Apply a pending resize (called by the backend between steps)."""
         with self._lock:
-            if self._pending_slots is None or self.slots is None:
-                return
+            if self._pending_slots is None or self.slots is None or self._active:
+                return  # nothing asked, no slots yet, or another stage's layer is using its slots: next time
             wanted, self._pending_slots = self._pending_slots, None
             for backend in self._users:  # kernels of an earlier step may still read a slot about to go
                 backend.synchronize_stream(backend.stream)
@@ -209,6 +195,7 @@ class ExpertCache:
             if self.slots is None:
                 self._create_slots()
             self._users.add(backend)
+            self._active += 1
             self._read_timings()
             plan = plan_groups(ids_host, group_rows)
             rounds = self.slots.plan(layer.index, np.unique(ids_host))
@@ -252,6 +239,12 @@ class ExpertCache:
             self._timing.append((start, end))
         return {role: table.ptr + i * 8 * layer.n_experts for i, role in enumerate(ROLES)}, table
 
+    def finish(self) -> None:
+        """The layer's kernels are queued: its slots may be resized again (at a step start)."""
+        with self._lock:
+            self._active -= 1
+            assert self._active >= 0, "finish() without begin()"
+
     def _read_timings(self) -> None:
         """Add up the compute stream's waits for copies (complete: the caller has just synchronised)."""
         for start, end in self._timing:
@@ -293,19 +286,3 @@ class ExpertCache:
                      100.0 * hits / (hits + misses), hits + misses, now - last_time, s["expert_cache_loads"],
                      s["expert_cache_loaded_bytes"] / MIB, s["expert_cache_wait_seconds"], extra={"fields": {
                          k: v for k, v in s.items() if k != "expert_cache_layers"}})
-
-
-def configure_expert_cache(backend, spec) -> ExpertCache | None:
-    """Give a backend an expert cache before its model loads (`--expert-cache-mib`); None when off. On a
-    backend other than cuda the flag changes nothing (numpy reads experts from host memory anyway), so it
-    is logged and ignored."""
-    budget = parse_expert_cache_mib(spec)
-    if budget is None:
-        return None
-    if getattr(backend, "name", None) != "cuda":
-        log.info("--expert-cache-mib %s ignored: the %s backend keeps every expert in host memory", spec,
-                 getattr(backend, "name", "?"))
-        return None
-    cache = ExpertCache(backend.device, budget)
-    backend.expert_cache = cache  # cuda_moe.upload_experts puts the experts of each MoE layer into it
-    return cache

@@ -126,31 +126,43 @@ def expert_ffn(backend, h, experts: CudaExperts, ids, weights, activation: str):
     backend.launch("moe_plan", ids=ids, n_pairs=n_pairs, k=k, E=E, max_groups=n_groups, group_rows=group_rows,
                    **plan)
     ff, d = experts.gate.out, experts.down.out
-    gate_up = backend.empty((n_pairs, 2 * ff))  # [pairs, gate | up]
-    act = backend.empty((n_pairs, ff))
-    down = backend.empty((n_pairs, d))
-    if experts.cache is None:  # every expert on the device: one round over the fixed grid (graph-capturable)
+    rows = {"gate_up": backend.empty((n_pairs, 2 * ff)), "act": backend.empty((n_pairs, ff)),
+            "down": backend.empty((n_pairs, d))}  # [pairs, gate | up], [pairs, F], [pairs, d] in sorted pair order
+    cache = experts.cache
+    if cache is None:  # every expert on the device: one round over the fixed grid (graph-capturable)
         rounds = [CacheRound((), (), (), 0, n_groups, 0, n_pairs)]
     else:  # routing read back, misses loaded round by round (cuda_expert_cache.py)
-        rounds = experts.cache.begin(backend, experts.cache_layer, ids, group_rows)
-    for r in rounds:
-        tables, keep = (None, None) if experts.cache is None else experts.cache.load(backend, experts.cache_layer, r)
-        g0, g1, p0, p1 = r.g0, r.g1, r.p0, r.p1
-        groups = dict(group_expert=plan["group_expert"].ptr + 4 * g0, group_start=plan["group_start"].ptr + 4 * g0,
-                      group_len=plan["group_len"].ptr + 4 * g0, n_groups=g1 - g0)
-        for column, role, bias in ((0, "gate", experts.gate_bias), (ff, "up", experts.up_bias)):
-            stacked = getattr(experts, role)
-            backend.launch(f"moe_{kind}_{stacked.suffix}", y=gate_up.ptr + 4 * column, x=h, bias=bias,
-                           pair_rows=plan["pair_rows"], out=ff, in_=stacked.in_dim, ld_y=2 * ff,
-                           **_weight_args(stacked, tables, role), **groups)
-        backend.launch(_ACTIVATIONS[activation], out=act.ptr + 4 * p0 * ff, gate_up=gate_up.ptr + 8 * p0 * ff,
-                       T=p1 - p0, F=ff)
-        backend.launch(f"moe_{kind}_{experts.down.suffix}", y=down, x=act, bias=experts.down_bias, pair_rows=None,
-                       out=d, in_=ff, ld_y=d, **_weight_args(experts.down, tables, "down"), **groups)
-        del keep  # the round's slot table may return to the workspace: its readers are queued
+        rounds = cache.begin(backend, experts.cache_layer, ids, group_rows)
+    try:
+        for r in rounds:
+            _run_round(backend, h, experts, plan, r, kind, activation, rows)
+    finally:
+        if cache is not None:
+            cache.finish()
     out = backend.empty((T, d))
-    backend.launch("moe_combine_f32", out=out, y=down, pair_of=plan["pair_of"], weights=weights, T=T, k=k, d=d)
+    backend.launch("moe_combine_f32", out=out, y=rows["down"], pair_of=plan["pair_of"], weights=weights, T=T, k=k,
+                   d=d)
     return out
+
+
+def _run_round(backend, h, experts: CudaExperts, plan: dict, r: CacheRound, kind: str, activation: str,
+               rows: dict) -> None:
+    """gate_up -> activation -> down for the groups [r.g0, r.g1) (pairs [r.p0, r.p1)), after the round's expert
+    copies when there is a cache."""
+    tables, keep = (None, None) if experts.cache is None else experts.cache.load(backend, experts.cache_layer, r)
+    ff, d = experts.gate.out, experts.down.out
+    groups = dict(group_expert=plan["group_expert"].ptr + 4 * r.g0, group_start=plan["group_start"].ptr + 4 * r.g0,
+                  group_len=plan["group_len"].ptr + 4 * r.g0, n_groups=r.g1 - r.g0)
+    for column, role, bias in ((0, "gate", experts.gate_bias), (ff, "up", experts.up_bias)):
+        stacked = getattr(experts, role)
+        backend.launch(f"moe_{kind}_{stacked.suffix}", y=rows["gate_up"].ptr + 4 * column, x=h, bias=bias,
+                       pair_rows=plan["pair_rows"], out=ff, in_=stacked.in_dim, ld_y=2 * ff,
+                       **_weight_args(stacked, tables, role), **groups)
+    backend.launch(_ACTIVATIONS[activation], out=rows["act"].ptr + 4 * r.p0 * ff,
+                   gate_up=rows["gate_up"].ptr + 8 * r.p0 * ff, T=r.p1 - r.p0, F=ff)
+    backend.launch(f"moe_{kind}_{experts.down.suffix}", y=rows["down"], x=rows["act"], bias=experts.down_bias,
+                   pair_rows=None, out=d, in_=ff, ld_y=d, **_weight_args(experts.down, tables, "down"), **groups)
+    del keep  # the round's slot table may go back to the workspace once its readers are queued
 
 
 def _weight_args(stacked: StackedWeight, tables, role: str) -> dict:
