@@ -105,7 +105,8 @@ def test_hits_misses_and_tables_on_a_scripted_routing(make_backend, tmp_path):
     script = [(0, [[0, 1]]), (1, [[2, 3]]), (0, [[1, 0], [1, 2]]), (1, [[3, 0]])]
     for layer, ids in script:
         ids = backend.upload_activation(np.array(ids, dtype=np.int32))
-        for r in cache.begin(backend, layers[layer], ids, group_rows=8):
+        rounds = cache.begin(backend, layers[layer], ids, group_rows=8)
+        for r in rounds:
             tables, keep = cache.load(backend, layers[layer], r)
             for i, role in enumerate(ROLES):
                 table = np.empty(n_experts, np.uint64)
@@ -116,6 +117,7 @@ def test_hits_misses_and_tables_on_a_scripted_routing(make_backend, tmp_path):
                     backend.device.dtoh(got.ctypes.data, int(table[expert]), nbytes, backend.stream)
                     want = layers[layer].host.array[offset + expert * nbytes : offset + (expert + 1) * nbytes]
                     assert (got == want).all()
+        cache.finish(backend, rounds)
     # L0 {0,1}: 2 misses; L1 {2,3}: 2 misses (evicts (0,0)); L0 {0,1,2}: 3 > 3 slots? no: 3 slots, one round:
     # 1 hit, 0 and 2 miss (evict (1,2), (1,3)); L1 {0,3}: 2 misses (evict (0,1), (0,0))
     assert cache.stats()["expert_cache_layers"] == {0: (1, 4), 1: (0, 4)}
@@ -230,3 +232,36 @@ def test_auto_takes_every_expert_when_the_arena_has_room(make_backend, tmp_path,
     _greedy(load_model(tmp_path / "m.gguf", backend)[0], PROMPT, steps=2)
     assert cache.num_slots == cache.total_experts == 16
     assert cache.loads == cache.stats()["expert_cache_misses"] <= 16  # only first uses load
+
+
+def test_served_on_two_stages_the_cached_layers_run_off_the_event_loop_and_match_numpy(make_backend, tmp_path):
+    """Through the server's pipeline (2 stages, 2 groups): each MoE layer's read-back waits on a worker thread,
+    never on the event loop's (CudaBackend.create_step_runner), and the tokens are numpy's."""
+    import asyncio
+    import threading
+
+    from engine.loader import open_model
+    from scheduler.request import Request, SamplingParams
+    from tests.reference_helpers import greedy_with_logits
+    from tests.test_cuda_step import _serve
+
+    write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3, expert_quant="Q8_0")
+    backend, _ = make_backend()
+    loaded = open_model(str(tmp_path / "m.gguf"), backend=backend, fetch=False, expert_cache_mib="0.03")
+    cache, threads = backend.expert_cache, set()
+    begin = cache.begin
+    cache.begin = lambda *a, **k: threads.add(threading.current_thread().name) or begin(*a, **k)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [list(PROMPT), [5, 9, 2, 7, 11, 4]]
+
+    async def work(state, client):
+        async def consume(i, prompt):
+            return [t async for d in state.engine.submit(Request(f"r{i}", prompt, params)) for t in d.token_ids]
+
+        return await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts)))
+
+    got = _serve(loaded, work, layer_split="1", batch=2, batch_groups="2")
+    reference = load_model(tmp_path / "m.gguf", NumpyBackend())[0]
+    assert got == [greedy_with_logits(reference, p, 4, chunk=16, kv_type="f16")[0] for p in prompts]
+    assert threads and threading.main_thread().name not in threads, threads
+    assert cache.stats()["expert_cache_misses"] > 0 and set(cache.stats()["expert_cache_layers"]) == {0, 1}

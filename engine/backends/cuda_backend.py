@@ -32,6 +32,7 @@ from engine.backends.cuda_kv import CudaHostPool, CudaKVPool, KVTransfers
 from engine.backends.cuda_step import DeviceHandoff, PinnedOutputs, StreamStepRunner
 from engine.backends.cuda_ops import CudaOps
 from engine.backends.cuda_wait import EventWaiter
+from engine.backends.step_runner import ThreadStepRunner
 from engine.batch import BatchMeta
 from engine.kv import KVLayout
 
@@ -88,8 +89,10 @@ class CudaBackend(CudaOps):
         weights, its own streams and workspace (stage 0 is this backend itself)."""
         if stage == self.stage:
             return self
-        return CudaBackend(self.device.ordinal, stage=stage, wait_mode=self.waiter.mode,
-                           graphs=self.graphs is not None)
+        backend = CudaBackend(self.device.ordinal, stage=stage, wait_mode=self.waiter.mode,
+                              graphs=self.graphs is not None)
+        backend.expert_cache = self.expert_cache  # the experts are shared, so is their cache
+        return backend
 
     def sibling(self) -> "CudaBackend":
         """Another handle on this device for another thread: the event loop moves cache blocks (park,
@@ -239,7 +242,10 @@ class CudaBackend(CudaOps):
 
     # -- streams and events ---------------------------------------------------------------------------
     def create_step_runner(self, worker):
-        """Pipeline stages launch this backend's steps from the event loop and await their events."""
+        """Pipeline stages launch this backend's steps from the event loop and await their events; with an
+        expert cache, on the stage's worker thread (each MoE layer waits for its routing read-back)."""
+        if self.expert_cache is not None:
+            return ThreadStepRunner(worker)
         return StreamStepRunner(self, worker)
 
     @property

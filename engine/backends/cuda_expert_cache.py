@@ -17,8 +17,9 @@ for them; the round's kernels follow. A layer needing more experts than there ar
 Decode steps with an expert cache are not captured in CUDA graphs (the read-back is a host round trip).
 
 Budget: `request_resize(num_slots)` (the memory admission's hook, scheduler/memory_admission.register_budget)
-takes effect at the next step start (`at_step_start`) at which no layer holds planned slots (`begin` .. `finish`),
-never mid-step. Per-layer counts are keyed by MoE layer ordinal (the order the layers were loaded in).
+takes effect at the next step start (`at_step_start`), never mid-step. Pipeline stages share the cache: one MoE
+layer at a time plans and queues (a lease from `begin` to `finish`), and a load into a slot another stage read
+last waits (on the copy stream) for that stage's fence event. Per-layer counts are keyed by MoE layer ordinal (the order the layers were loaded in).
 """
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class CacheRound:
     g1: int
     p0: int
     p1: int
+    slots: tuple = ()  # every slot the round reads
 
 
 class ExpertCache:
@@ -82,10 +84,14 @@ class ExpertCache:
         self.slots: ExpertSlots | None = None
         self._slot_address: dict[int, int] = {}
         self._pending_slots: int | None = None
-        self._active = 0  # layers between begin() and finish(): their planned slots must not move
-        self._lock = threading.Lock()  # pipeline stages on one device share the cache
+        self._lock = threading.Lock()  # the bookkeeping: pipeline stages on one device share the cache
+        # One MoE layer at a time plans and queues (begin .. finish): pipeline stages run on their own threads,
+        # and one's eviction must not pick a slot another has planned but not yet queued kernels for.
+        self._lease = threading.Lock()
         self._users: set = set()  # backends that launched kernels reading slots (synchronised before a shrink)
-        self._timing = []  # (start, end) events of compute-stream waits for copies, read after the next sync
+        self._fence: dict = {}  # backend -> event recorded after its latest cached layer's kernels
+        self._slot_user: dict[int, object] = {}  # slot -> the backend whose kernels read it last
+        self._timing: dict = {}  # backend -> [(start, end)] events of its compute stream's waits for copies
         self._free_events: list = []
         self.loads = self.loaded_bytes = 0
         self.wait_seconds = self.routing_sync_seconds = 0.0
@@ -156,13 +162,16 @@ class ExpertCache:
             self._pending_slots = num_slots
 
     def at_step_start(self) -> None:
-        """Apply a pending resize (called by the backend between steps)."""
-        with self._lock:
-            if self._pending_slots is None or self.slots is None or self._active:
-                return  # nothing asked, no slots yet, or another stage's layer is using its slots: next time
+        """Apply a pending resize (called by the backend between steps; waits for another stage's layer)."""
+        if self._pending_slots is None or self.slots is None:
+            return
+        with self._lease, self._lock:
             wanted, self._pending_slots = self._pending_slots, None
+            if wanted is None:
+                return
             for backend in self._users:  # kernels of an earlier step may still read a slot about to go
                 backend.synchronize_stream(backend.stream)
+            self._slot_user.clear()
             self._resize(wanted)
 
     def _resize(self, wanted: int) -> None:
@@ -191,15 +200,19 @@ class ExpertCache:
         self.device.dtoh(ids_host.ctypes.data, ids.ptr, ids_host.nbytes, backend.stream)
         backend.synchronize_stream(backend.stream)
         self.routing_sync_seconds += time.perf_counter() - started
-        with self._lock:
-            if self.slots is None:
-                self._create_slots()
-            self._users.add(backend)
-            self._active += 1
-            self._read_timings()
-            plan = plan_groups(ids_host, group_rows)
-            rounds = self.slots.plan(layer.index, np.unique(ids_host))
+        self._read_timings(backend)  # its stream is idle now
+        self._lease.acquire()  # released by finish()
+        try:
+            with self._lock:
+                if self.slots is None:
+                    self._create_slots()
+                self._users.add(backend)
+                rounds = self.slots.plan(layer.index, np.unique(ids_host))
+        except BaseException:
+            self._lease.release()
+            raise
         self._maybe_log()
+        plan = plan_groups(ids_host, group_rows)
         return [self._ranges(r, plan) for r in rounds]
 
     @staticmethod
@@ -209,7 +222,7 @@ class ExpertCache:
         g1 = int(np.searchsorted(group_expert, r.experts[-1], "right"))
         p0 = int(plan["group_start"][g0])
         p1 = int(plan["group_start"][g1 - 1] + plan["group_len"][g1 - 1])
-        return CacheRound(r.experts, r.loads, r.evicted, g0, g1, p0, p1)
+        return CacheRound(r.experts, r.loads, r.evicted, g0, g1, p0, p1, r.slots)
 
     def load(self, backend, layer: ExpertLayer, r: CacheRound):
         """Queue the round's copies on the copy stream (the compute stream waits for them). Returns (role ->
@@ -225,6 +238,10 @@ class ExpertCache:
                 base = self._slot_address[slot]
                 layer.table[:, expert] = [base + layer.slot_offsets[role] for role in ROLES]
         with backend.on_copy_stream():
+            for other in {self._slot_user.get(slot) for _, slot in r.loads} - {None, backend}:
+                # another stage's kernels read these slots last: its stream, not ours, orders them
+                check(cuda_device.driver.cuStreamWaitEvent(backend.copy_stream, self._fence[other], 0),
+                      "cuStreamWaitEvent")
             for expert, slot in r.loads:
                 base = self._slot_address[slot]
                 for role in ROLES:
@@ -236,22 +253,30 @@ class ExpertCache:
             table = backend.upload_activation(layer.table)  # this round's table: a later round may change it
         check(cuda_device.driver.cuEventRecord(end, backend.stream), "cuEventRecord")
         with self._lock:
-            self._timing.append((start, end))
+            self._timing.setdefault(backend, []).append((start, end))
         return {role: table.ptr + i * 8 * layer.n_experts for i, role in enumerate(ROLES)}, table
 
-    def finish(self) -> None:
-        """The layer's kernels are queued: its slots may be resized again (at a step start)."""
-        with self._lock:
-            self._active -= 1
-            assert self._active >= 0, "finish() without begin()"
+    def finish(self, backend, rounds) -> None:
+        """The layer's kernels are queued: fence its slots with an event on backend's stream (a later load by
+        another stage waits for it) and let the next layer plan."""
+        try:
+            with self._lock:
+                if backend not in self._fence:
+                    self._fence[backend] = self.device.create_event()
+                check(cuda_device.driver.cuEventRecord(self._fence[backend], backend.stream), "cuEventRecord")
+                for r in rounds:
+                    self._slot_user.update({slot: backend for slot in r.slots})
+        finally:
+            self._lease.release()
 
-    def _read_timings(self) -> None:
-        """Add up the compute stream's waits for copies (complete: the caller has just synchronised)."""
-        for start, end in self._timing:
-            ms = check(cuda_device.driver.cuEventElapsedTime(start, end), "cuEventElapsedTime")
-            self.wait_seconds += float(ms) / 1e3
-            self._free_events += [start, end]
-        self._timing.clear()
+    def _read_timings(self, backend) -> None:
+        """Add up backend's compute-stream waits for copies (complete: the caller has just synchronised)."""
+        with self._lock:
+            pairs = self._timing.pop(backend, [])
+            for start, end in pairs:
+                ms = check(cuda_device.driver.cuEventElapsedTime(start, end), "cuEventElapsedTime")
+                self.wait_seconds += float(ms) / 1e3
+                self._free_events += [start, end]
 
     # -- metrics ----------------------------------------------------------------------------------------------
     def stats(self) -> dict:

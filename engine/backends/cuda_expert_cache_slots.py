@@ -29,6 +29,7 @@ class Round:
     experts: tuple[int, ...]
     loads: tuple[tuple[int, int], ...]  # (expert, slot) to copy in before the round's kernels
     evicted: tuple[Key, ...]  # what those loads displaced, in eviction order
+    slots: tuple[int, ...] = ()  # the slot of each of `experts` (hits and loads)
 
 
 @dataclass
@@ -89,7 +90,8 @@ class ExpertSlots:
                 slot = heapq.heappop(self._free) if self._free else self._evict_one(needed, evicted)
                 self._lru[key] = slot
                 loads.append((expert, slot))
-            rounds.append(Round(tuple(chosen), tuple(loads), tuple(evicted)))
+            slots = tuple(self._lru[(layer, e)] for e in chosen)
+            rounds.append(Round(tuple(chosen), tuple(loads), tuple(evicted), slots))
         return rounds
 
     def _evict_one(self, needed: set, evicted: list) -> int:

@@ -138,7 +138,7 @@ def expert_ffn(backend, h, experts: CudaExperts, ids, weights, activation: str):
             _run_round(backend, h, experts, plan, r, kind, activation, rows)
     finally:
         if cache is not None:
-            cache.finish()
+            cache.finish(backend, rounds)
     out = backend.empty((T, d))
     backend.launch("moe_combine_f32", out=out, y=rows["down"], pair_of=plan["pair_of"], weights=weights, T=T, k=k,
                    d=d)
