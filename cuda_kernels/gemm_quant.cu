@@ -18,11 +18,9 @@ __device__ __forceinline__ void gemm(float* y, const unsigned char* W, const flo
     const int row0 = blockIdx.x * GEMM_BM, tok0 = blockIdx.y * GEMM_BN;
     const int n_rows = min(GEMM_BN, T - tok0);
     float acc[2][4][4];
-    gemm_tile_mma<Block>(acc, w_tile, x_tile, W, [&](int n) { return x + (size_t)(tok0 + n) * in; }, n_rows,
-                         row0, out, in);
-    gemm_tile_store(acc, row0, n_rows, out, [&](int r, int n, float value) {
-        y[(size_t)(tok0 + n) * ld_y + r] = value + (bias ? bias[r] : 0.0f);
-    });
+    gemm_tile_mma<Block>(acc, w_tile, x_tile, W, x, nullptr, tok0, n_rows, row0, out, in);
+    gemm_tile_store(acc, row0, n_rows, out, [=](int r) { return bias ? bias[r] : 0.0f; },
+                    [=](int r, int n, float value) { y[(size_t)(tok0 + n) * ld_y + r] = value; });
 }
 
 extern "C" __global__ void gemm_f32(float* y, const unsigned char* W, const float* x, const float* bias,
