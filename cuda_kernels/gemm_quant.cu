@@ -16,10 +16,9 @@ __device__ __forceinline__ void gemm(float* y, const unsigned char* W, const flo
     __shared__ __align__(16) unsigned short w_tile[GEMM_BM][GEMM_STRIDE];
     __shared__ __align__(16) unsigned short x_tile[GEMM_BN][GEMM_STRIDE];
     const int row0 = blockIdx.x * GEMM_BM, tok0 = blockIdx.y * GEMM_BN;
-    const int n_rows = min(GEMM_BN, T - tok0);
     float acc[2][4][4];
-    gemm_tile_mma<Block>(acc, w_tile, x_tile, W, x, nullptr, tok0, n_rows, row0, out, in);
-    gemm_tile_store(acc, row0, n_rows, out, [=](int r) { return bias ? bias[r] : 0.0f; },
+    gemm_tile_mma<Block>(acc, w_tile, x_tile, W, x, nullptr, tok0, T, row0, out, in);
+    gemm_tile_store(acc, row0, tok0, T, out, [=](int r) { return bias ? bias[r] : 0.0f; },
                     [=](int r, int n, float value) { y[(size_t)(tok0 + n) * ld_y + r] = value; });
 }
 

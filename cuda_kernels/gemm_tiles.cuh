@@ -8,7 +8,7 @@
 // 32 x 32 of it (2 m16 x 4 n8 fragments, 32 fp32 accumulators a lane). Per GEMM_BK = 64 step of k every
 // thread dequantises four 8-element weight chunks straight from the GGUF blocks into the fp16 shared tile,
 // converts eight float4 of x to fp16, and each warp runs 4 x 8 MMAs. Rows past `out` and tokens past the
-// tile's row count are zero-filled in the tiles and masked in the epilogue. The token rows are x rows
+// tile's rows are zero-filled in the tiles and masked in the epilogue. The token rows are x rows
 // `first + n` (gemm_<q>) or `rows[first + n]` (an expert's gathered pairs, moe_gemm_<q>) and the results go to
 // a caller's `store(r, n, value)`, so both kernels share the loads, the MMAs and the fragment layout and differ
 // only in where rows come from and go to. Needs sm_80+ (mma, f16x2 cvt).
@@ -55,10 +55,11 @@ __device__ __forceinline__ void load_weight_tile(unsigned short (*tile)[GEMM_STR
 }
 
 // Activation tile [GEMM_BN][GEMM_BK]: 16 float4 per token row, 8 a thread; consecutive threads read
-// consecutive 16 bytes of a row. Tile row n < n_rows is x row (rows ? rows[first + n] : first + n); the rest
-// are zeros. (Row indices rather than a row callback: a lambda here cost gemm_q4_k 32 more registers.)
+// consecutive 16 bytes of a row. Tile row n with first + n < row_end is x row rows[first + n] (rows null:
+// first + n); the rest are zeros. Spelled `first + n < row_end` on purpose: `n < row_end - first` (or a row
+// callback) costs gemm_q4_k 32 more registers on sm_80/sm_90 (ptxas 12.9).
 __device__ __forceinline__ void load_activation_tile(unsigned short (*tile)[GEMM_STRIDE], const float* x,
-                                                     const int* rows, int first, int n_rows, int k0, int in) {
+                                                     const int* rows, int first, int row_end, int k0, int in) {
     constexpr int VEC_PER_ROW = GEMM_BK / 4;
     static_assert(GEMM_BN * VEC_PER_ROW % GEMM_THREADS == 0, "whole float4s per thread");
 #pragma unroll
@@ -66,7 +67,7 @@ __device__ __forceinline__ void load_activation_tile(unsigned short (*tile)[GEMM
         const int i = threadIdx.x + j * GEMM_THREADS;
         const int n = i / VEC_PER_ROW, k = k0 + 4 * (i % VEC_PER_ROW);
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (n < n_rows && k < in) {
+        if (first + n < row_end && k < in) {
             const int row = rows ? rows[first + n] : first + n;
             v = *(const float4*)(x + (size_t)row * in + k);
         }
@@ -74,13 +75,13 @@ __device__ __forceinline__ void load_activation_tile(unsigned short (*tile)[GEMM
     }
 }
 
-// acc (this lane's 2 x 4 fragments of 4) = W[row0 .. row0 + GEMM_BM) . (the tile's n_rows x rows)^T over
-// all of in, x rows as in load_activation_tile. Every thread of the CTA must call it (it synchronises);
-// w_tile and x_tile are the caller's shared tiles.
+// acc (this lane's 2 x 4 fragments of 4) = W[row0 .. row0 + GEMM_BM) . (the tile's x rows)^T over all of
+// in, x rows first .. min(row_end, first + GEMM_BN) as in load_activation_tile. Every thread of the CTA must
+// call it (it synchronises); w_tile and x_tile are the caller's shared tiles.
 template <class Block>
 __device__ __forceinline__ void gemm_tile_mma(float (&acc)[2][4][4], unsigned short (*w_tile)[GEMM_STRIDE],
                                               unsigned short (*x_tile)[GEMM_STRIDE], const unsigned char* W,
-                                              const float* x, const int* rows, int first, int n_rows, int row0,
+                                              const float* x, const int* rows, int first, int row_end, int row0,
                                               int out, int in) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = lane >> 2, quad = lane & 3;  // PTX "groupID" and "threadID_in_group"
@@ -90,7 +91,7 @@ __device__ __forceinline__ void gemm_tile_mma(float (&acc)[2][4][4], unsigned sh
 
     for (int k0 = 0; k0 < in; k0 += GEMM_BK) {
         load_weight_tile<Block>(w_tile, W, row0, k0, out, in);
-        load_activation_tile(x_tile, x, rows, first, n_rows, k0, in);
+        load_activation_tile(x_tile, x, rows, first, row_end, k0, in);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < GEMM_BK; kk += 16) {
@@ -120,13 +121,13 @@ __device__ __forceinline__ void gemm_tile_mma(float (&acc)[2][4][4], unsigned sh
     }
 }
 
-// store(r, n, acc + row_bias(r)) for each of this lane's results with feature row r < out and tile row
-// n < n_rows; row_bias is read once per row, before that row's stores (a store through y may alias it).
+// store(r, n, acc + row_bias(r)) for each of this lane's results with feature row r < out and tile row n,
+// first + n < row_end (the rows load_activation_tile read); row_bias is read once per row, before that row's stores (a store through y may alias it).
 // Accumulator c[j] of fragment (mi, ni): feature row warp_m + 16 mi + group (+8 for j >= 2),
 // token warp_n + 8 ni + 2 quad (+1 for j odd).
 template <class RowBias, class Store>
-__device__ __forceinline__ void gemm_tile_store(const float (&acc)[2][4][4], int row0, int n_rows, int out,
-                                                RowBias row_bias, Store store) {
+__device__ __forceinline__ void gemm_tile_store(const float (&acc)[2][4][4], int row0, int first, int row_end,
+                                                int out, RowBias row_bias, Store store) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int group = lane >> 2, quad = lane & 3;
     const int warp_m = 32 * (warp & 1), warp_n = 32 * (warp >> 1);
@@ -142,7 +143,7 @@ __device__ __forceinline__ void gemm_tile_store(const float (&acc)[2][4][4], int
 #pragma unroll
                 for (int odd = 0; odd < 2; ++odd) {
                     const int n = warp_n + 8 * ni + 2 * quad + odd;
-                    if (n < n_rows) store(r, n, acc[mi][ni][2 * half + odd] + b_r);
+                    if (first + n < row_end) store(r, n, acc[mi][ni][2 * half + odd] + b_r);
                 }
             }
         }

@@ -184,9 +184,9 @@ __device__ __forceinline__ void moe_gemm(float* y, const unsigned char* W, const
     const size_t row_bytes = (size_t)(in / Block::QK) * Block::BYTES;
     const unsigned char* W_e = expert_weight(W, expert_ptr, expert, out, row_bytes);
     float acc[2][4][4];
-    gemm_tile_mma<Block>(acc, w_tile, x_tile, W_e, x, pair_rows, start, n_rows, row0, out, in);
+    gemm_tile_mma<Block>(acc, w_tile, x_tile, W_e, x, pair_rows, start, start + n_rows, row0, out, in);
     const float* b_e = bias ? bias + (size_t)expert * out : nullptr;
-    gemm_tile_store(acc, row0, n_rows, out, [&](int r) { return b_e ? b_e[r] : 0.0f; },
+    gemm_tile_store(acc, row0, start, start + n_rows, out, [&](int r) { return b_e ? b_e[r] : 0.0f; },
                     [&](int r, int n, float value) { y[(size_t)(start + n) * ld_y + r] = value; });
 }
 
