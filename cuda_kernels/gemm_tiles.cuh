@@ -122,7 +122,8 @@ __device__ __forceinline__ void gemm_tile_mma(float (&acc)[2][4][4], unsigned sh
 }
 
 // store(r, n, acc + row_bias(r)) for each of this lane's results with feature row r < out and tile row n,
-// first + n < row_end (the rows load_activation_tile read); row_bias is read once per row, before that row's stores (a store through y may alias it).
+// first + n < row_end (the rows load_activation_tile read); row_bias is read once per row, before that row's
+// stores (a store through y may alias it).
 // Accumulator c[j] of fragment (mi, ni): feature row warp_m + 16 mi + group (+8 for j >= 2),
 // token warp_n + 8 ni + 2 quad (+1 for j odd).
 template <class RowBias, class Store>

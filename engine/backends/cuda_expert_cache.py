@@ -19,7 +19,8 @@ Decode steps with an expert cache are not captured in CUDA graphs (the read-back
 Budget: `request_resize(num_slots)` (the memory admission's hook, scheduler/memory_admission.register_budget)
 takes effect at the next step start (`at_step_start`), never mid-step. Pipeline stages share the cache: one MoE
 layer at a time plans and queues (a lease from `begin` to `finish`), and a load into a slot another stage read
-last waits (on the copy stream) for that stage's fence event. Per-layer counts are keyed by MoE layer ordinal (the order the layers were loaded in).
+last waits (on the copy stream) for that stage's fence event. Per-layer counts are keyed by MoE layer ordinal
+(the order the layers were loaded in).
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from cuda_kernels.moe import plan_groups
-from engine.backends.cuda_arena import round_up
 from engine.backends import cuda_device
+from engine.backends.cuda_arena import round_up
 from engine.backends.cuda_device import PinnedBuffer, check
 from engine.backends.cuda_expert_cache_slots import ExpertSlots
 
@@ -281,6 +282,10 @@ class ExpertCache:
     # -- metrics ----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """expert_cache_* figures for /metrics and the log (counters since start; per layer hits/misses)."""
+        with self._lock:  # /metrics reads on the loop thread while a stage's worker plans
+            return self._stats()
+
+    def _stats(self) -> dict:
         counts = {} if self.slots is None else self.slots.counts
         hits = sum(c.hits for c in counts.values())
         misses = sum(c.misses for c in counts.values())
