@@ -10,6 +10,7 @@ from engine.backends.cuda_expert_cache import ROLES
 from engine.backends.cuda_expert_cache_setup import configure_expert_cache, parse_expert_cache_mib
 from engine.backends.numpy_backend import NumpyBackend
 from engine.model import load_model
+from tests.conftest import GPU
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
 from tests.test_cuda_backend_emulated import _greedy
 from tests.tiny_moe_gguf import write_tiny_moe_gguf
@@ -17,11 +18,20 @@ from tests.tiny_moe_gguf import write_tiny_moe_gguf
 PROMPT = range(3, 15)  # 12 tokens: a moe_gemm prefill, then moe_matvec decode steps
 
 
-@pytest.fixture
-def make_backend(monkeypatch, emulator_dir):  # noqa: F811
-    from tests import fake_cuda_emulated
+@pytest.fixture(params=["emulated", GPU])
+def make_backend(request, monkeypatch):
+    """Factory of CudaBackends (graphs on, activations poisoned with NaN) on the emulated kernels or on device 0;
+    with cache_slots, an expert cache that starts with that many slots."""
+    if request.param == "gpu":
+        from engine.backends.cuda_device import probe
 
-    fake_cuda_emulated.install(monkeypatch, emulator_dir)
+        available, reason = probe()
+        if not available:
+            pytest.skip(f"no CUDA device: {reason}")
+    else:
+        from tests import fake_cuda_emulated
+
+        fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
     from engine.backends.cuda_backend import CudaBackend
 
     made = []
