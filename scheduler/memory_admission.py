@@ -48,7 +48,8 @@ class MemoryAdmission:
 
     def register_budget(self, name: str, budget) -> None:
         """A tier the admission may resize between steps. The expert cache (engine/backends/cuda_expert_cache.py)
-        offers slot_bytes, num_slots, device_bytes and request_resize(num_slots), applied at its next step start."""
+        offers slot_bytes, num_slots, device_bytes, request_resize(num_slots), request_grow(n) and request_shrink(n),
+        applied at its next step start."""
         self.budgets[name] = budget
 
     def set_device_pool(self, min_blocks: int, reserved_blocks: int, segment_blocks: int) -> None:

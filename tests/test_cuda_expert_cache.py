@@ -151,8 +151,9 @@ def test_a_resize_asked_mid_step_applies_at_the_next_step_and_tokens_stay_equal(
     def layer_begin(*args, **kwargs):
         rounds = begin(*args, **kwargs)
         seen.append((steps[0], cache.num_slots))
-        if steps[0] == 2 and len(seen) == 3:  # the second step's first layer: a request arrives mid-step
-            cache.request_resize(2)
+        if steps[0] == 2 and len(seen) == 3:  # the second step's first layer: requests arrive mid-step
+            cache.request_shrink(5)
+            cache.request_grow(1)  # relative to the pending 1: 2 slots
         return rounds
 
     cache.at_step_start, cache.begin = at_step_start, layer_begin

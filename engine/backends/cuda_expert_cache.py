@@ -162,6 +162,18 @@ class ExpertCache:
         with self._lock:
             self._pending_slots = num_slots
 
+    def request_grow(self, n_slots: int) -> None:
+        """n_slots more than the current (or already requested) count, from the next step start."""
+        with self._lock:
+            base = self._pending_slots if self._pending_slots is not None else self.num_slots
+            self._pending_slots = base + n_slots
+
+    def request_shrink(self, n_slots: int) -> None:
+        """n_slots fewer (at least one left), from the next step start; evicts the least recently used."""
+        with self._lock:
+            base = self._pending_slots if self._pending_slots is not None else self.num_slots
+            self._pending_slots = max(1, base - n_slots)
+
     def at_step_start(self) -> None:
         """Apply a pending resize (called by the backend between steps; waits for another stage's layer)."""
         if self._pending_slots is None or self.slots is None:
