@@ -1,6 +1,7 @@
 """The MoE ops of the CUDA backend (engine/moe.py's route_experts / expert_ffn) on the kernels of moe.cu.
 
-A step stays on the device, with launch shapes fixed by (T, k, E), so it can be captured in a decode graph:
+Without an expert cache a step stays on the device, launch shapes fixed by (T, k, E), so it can be captured in a
+decode graph:
 
     logits [T, E] --moe_route_f32--> ids, weights [T, k] --moe_plan--> pair_rows, pair_of, groups (fixed grid)
     h [T, d] --moe_<kind> (gate rows, up rows: two launches into columns 0..F and F..2F of one y)--> [T*k, 2F]
