@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -69,6 +70,8 @@ class ServerConfig:
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
     kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy): start at --kv-cache-mib, grow up to this many MiB "
                                     "as requests need room, shrink on POST /cache/device-pool (0: a fixed pool)")
+    expert_cache_mib: str = _opt("", "MoE models on cuda: device MiB for hot experts, the rest in pinned host RAM "
+                                     "(auto: as many as fit; unset: every expert on the device)", metavar="MIB|auto")
     kv_type: str = _opt("auto", "how K/V is stored: f32, f16, or int8 (one float32 scale per token and head; "
                                 "about a quarter of f32's bytes); auto: f32 on numpy, the backend's default "
                                 "elsewhere", KV_TYPE_CHOICES)
@@ -309,6 +312,9 @@ def _validate(cfg: ServerConfig) -> None:
     need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens})")
     need(cfg.kv_cache_mib >= 0,
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
+    need(cfg.expert_cache_mib in ("", "auto") or re.fullmatch(r"\d+(\.\d+)?", cfg.expert_cache_mib) is not None
+         and float(cfg.expert_cache_mib) > 0, f"--expert-cache-mib takes a MiB count > 0 or auto (got "
+         f"{cfg.expert_cache_mib!r})")
     need(cfg.state_checkpoint_every >= 0,
          f"--state-checkpoint-every must be >= 0 blocks (got {cfg.state_checkpoint_every})")
     for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib",

@@ -32,7 +32,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     """Load the model (unless given) and wire runner, engine loop and metrics for one server."""
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
                                   max_positions=config.ctx_size, backend_name=config.backend,
-                                  cpu_weights=config.cpu_weights)
+                                  cpu_weights=config.cpu_weights, expert_cache_mib=config.expert_cache_mib)
     if config.ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
                     config.ctx_size, loaded.model.config.context_length)
@@ -46,6 +46,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     # What the engine itself holds in host RAM: numpy keeps weights and KV there; cuda keeps them on the GPU.
     on_host = loaded.model.backend.name == "numpy"
     engine_host_bytes = loaded.info.weight_bytes + num_blocks * bytes_per_block if on_host else 0
+    expert_cache = getattr(loaded.model.backend, "expert_cache", None)  # --expert-cache-mib on cuda
+    engine_host_bytes += expert_cache.host_arena_bytes if expert_cache is not None else 0  # its pinned experts
     plan = plan_memory(engine_host_bytes, config.conversation_cache_mib, config.conversation_cache_min_free_mib,
                        bytes_per_block)
     admission = create_admission(plan, config.conversation_cache_commit == "at-start",
@@ -63,6 +65,9 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
              host["host_used_mib"], plan.machine.limit_bytes // 2**20, plan.machine.in_use_bytes // 2**20,
              plan.machine.source, extra={"fields": host})
     metrics = Metrics()
+    if expert_cache is not None:
+        metrics.watch_expert_cache(expert_cache)
+        admission.register_budget("expert_cache", expert_cache)
     disk = _disk_tier(config, loaded, runner) if config.conversation_cache_dir else None
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
                         max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,

@@ -1,138 +1,25 @@
 // Quantised matrix products for prefill (large T) on tensor cores: y[t, r] = dot(dequant(W[r]), x[t]) + bias[r].
 //
-// Computed as y^T = W . x^T so that the weight is the row-major A operand and x the "col" B operand of
-// mma.sync.m16n8k16.row.col.f32.f16.f16.f32, both stored exactly as they sit in memory (rows of k).
-// A CTA owns a GEMM_BM x GEMM_BN tile of (output features x token rows); 4 warps in a 2 x 2 grid each own
-// 32 x 32 of it (2 m16 x 4 n8 fragments, 32 fp32 accumulators a lane). Per GEMM_BK = 64 step of k every
-// thread dequantises four 8-element weight chunks straight from the GGUF blocks into the fp16 shared tile,
-// converts eight float4 of x to fp16, and each warp runs 4 x 8 MMAs. Rows past `out` and tokens past `T` are zero-filled
-// in the tiles and masked in the epilogue, so any T and out work; `in` must be a multiple of the block size
-// (and of 8). fp16 inputs: weights and activations must stay within +-65504 (GGUF scales are fp16 anyway).
+// The tile (loads from the GGUF blocks, fp16 shared tiles, mma.sync, fragment layout) is gemm_tiles.cuh's,
+// shared with the grouped expert gemm of moe.cu; here grid y walks consecutive token rows of x.
+// Any T and out work; `in` must be a multiple of the block size (and of 8). fp16 inputs: weights and
+// activations must stay within +-65504 (GGUF scales are fp16 anyway).
 //
 // Launch: see cuda_kernels/gemm_quant.py (geometry). ABI: docs/CUDA_KERNELS.md. Needs sm_80+ (mma, f16x2 cvt).
 
 #include "gguf_blocks.cuh"  // the block decoders (expanded by cuda_kernels/registry.read_source)
-
-constexpr int GEMM_BM = 64;                // output features per CTA
-constexpr int GEMM_BN = 64;                // token rows per CTA
-constexpr int GEMM_BK = 64;                // k per shared-memory stage
-constexpr int GEMM_THREADS = 128;          // 4 warps, 2 x 2 over the tile
-constexpr int GEMM_STRIDE = GEMM_BK + 8;   // fp16 per tile row; the 8-half pad makes the fragment loads of the
-                                           // 8 lane groups hit 8 distinct 4-bank sets (no bank conflicts)
-
-__device__ __forceinline__ unsigned pack_f16x2(float low, float high) {
-    unsigned packed;  // cvt.rn.f16x2.f32 puts its first source in the upper half
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
-    return packed;
-}
-
-__device__ __forceinline__ void mma_f16_f32(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Weight tile [GEMM_BM][GEMM_BK] for k in [k0, k0 + GEMM_BK): 8 chunks of 8 per row, 4 chunks a thread.
-// Fixed trip counts let the compiler issue all of a thread's loads before the first decode needs one.
-template <class Block>
-__device__ __forceinline__ void load_weight_tile(unsigned short (*tile)[GEMM_STRIDE], const unsigned char* W,
-                                                 int row0, int k0, int out, int in) {
-    constexpr int CHUNKS_PER_ROW = GEMM_BK / 8;
-    static_assert(GEMM_BM * CHUNKS_PER_ROW % GEMM_THREADS == 0, "whole chunks per thread");
-    const size_t row_bytes = (size_t)(in / Block::QK) * Block::BYTES;
-#pragma unroll
-    for (int j = 0; j < GEMM_BM * CHUNKS_PER_ROW / GEMM_THREADS; ++j) {
-        const int i = threadIdx.x + j * GEMM_THREADS;
-        const int r = i / CHUNKS_PER_ROW, k = k0 + 8 * (i % CHUNKS_PER_ROW);
-        float w[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (row0 + r < out && k < in)
-            Block::decode8(W + (row0 + r) * row_bytes + (k / Block::QK) * Block::BYTES, (k % Block::QK) / 8, w);
-        *(uint4*)&tile[r][k - k0] = make_uint4(pack_f16x2(w[0], w[1]), pack_f16x2(w[2], w[3]),
-                                               pack_f16x2(w[4], w[5]), pack_f16x2(w[6], w[7]));
-    }
-}
-
-// Activation tile [GEMM_BN][GEMM_BK]: 16 float4 per token row, 8 a thread; consecutive threads read
-// consecutive 16 bytes of a row.
-__device__ __forceinline__ void load_activation_tile(unsigned short (*tile)[GEMM_STRIDE], const float* x,
-                                                     int tok0, int k0, int T, int in) {
-    constexpr int VEC_PER_ROW = GEMM_BK / 4;
-    static_assert(GEMM_BN * VEC_PER_ROW % GEMM_THREADS == 0, "whole float4s per thread");
-#pragma unroll
-    for (int j = 0; j < GEMM_BN * VEC_PER_ROW / GEMM_THREADS; ++j) {
-        const int i = threadIdx.x + j * GEMM_THREADS;
-        const int n = i / VEC_PER_ROW, k = k0 + 4 * (i % VEC_PER_ROW);
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (tok0 + n < T && k < in) v = *(const float4*)(x + (size_t)(tok0 + n) * in + k);
-        *(uint2*)&tile[n][k - k0] = make_uint2(pack_f16x2(v.x, v.y), pack_f16x2(v.z, v.w));
-    }
-}
+#include "gemm_tiles.cuh"   // the tensor-core tile (after gguf_blocks.cuh: it has no include guard)
 
 template <class Block>
 __device__ __forceinline__ void gemm(float* y, const unsigned char* W, const float* x, const float* bias,
                                      int T, int out, int in, int ld_y) {
     __shared__ __align__(16) unsigned short w_tile[GEMM_BM][GEMM_STRIDE];
     __shared__ __align__(16) unsigned short x_tile[GEMM_BN][GEMM_STRIDE];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int group = lane >> 2, quad = lane & 3;  // PTX "groupID" and "threadID_in_group"
     const int row0 = blockIdx.x * GEMM_BM, tok0 = blockIdx.y * GEMM_BN;
-    const int warp_m = 32 * (warp & 1), warp_n = 32 * (warp >> 1);
-
     float acc[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2 * 4 * 4; ++i) (&acc[0][0][0])[i] = 0.0f;
-
-    for (int k0 = 0; k0 < in; k0 += GEMM_BK) {
-        load_weight_tile<Block>(w_tile, W, row0, k0, out, in);
-        load_activation_tile(x_tile, x, tok0, k0, T, in);
-        __syncthreads();
-#pragma unroll
-        for (int kk = 0; kk < GEMM_BK; kk += 16) {
-            // Fragments as in the PTX ISA (m16n8k16, .f16): A reg j holds row group (+8 for j odd) and
-            // k 2*quad (+8 for j >= 2); B reg j holds k 2*quad (+8 for j = 1) of column group.
-            unsigned a[2][4], b[4][2];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                const int r = warp_m + 16 * mi + group;
-                a[mi][0] = *(const unsigned*)&w_tile[r][kk + 2 * quad];
-                a[mi][1] = *(const unsigned*)&w_tile[r + 8][kk + 2 * quad];
-                a[mi][2] = *(const unsigned*)&w_tile[r][kk + 2 * quad + 8];
-                a[mi][3] = *(const unsigned*)&w_tile[r + 8][kk + 2 * quad + 8];
-            }
-#pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-                const int n = warp_n + 8 * ni + group;
-                b[ni][0] = *(const unsigned*)&x_tile[n][kk + 2 * quad];
-                b[ni][1] = *(const unsigned*)&x_tile[n][kk + 2 * quad + 8];
-            }
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-                for (int ni = 0; ni < 4; ++ni) mma_f16_f32(acc[mi][ni], a[mi], b[ni]);
-        }
-        __syncthreads();  // the next stage overwrites the tiles
-    }
-
-    // Accumulator c[j] of fragment (mi, ni): feature row warp_m + 16 mi + group (+8 for j >= 2),
-    // token warp_n + 8 ni + 2 quad (+1 for j odd).
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = row0 + warp_m + 16 * mi + group + 8 * half;
-            if (r >= out) continue;
-            const float b_r = bias ? bias[r] : 0.0f;
-#pragma unroll
-            for (int ni = 0; ni < 4; ++ni) {
-#pragma unroll
-                for (int odd = 0; odd < 2; ++odd) {
-                    const int t = tok0 + warp_n + 8 * ni + 2 * quad + odd;
-                    if (t < T) y[(size_t)t * ld_y + r] = acc[mi][ni][2 * half + odd] + b_r;
-                }
-            }
-        }
-    }
+    gemm_tile_mma<Block>(acc, w_tile, x_tile, W, x, nullptr, tok0, T, row0, out, in);
+    gemm_tile_store(acc, row0, tok0, T, out, [=](int r) { return bias ? bias[r] : 0.0f; },
+                    [=](int r, int n, float value) { y[(size_t)(tok0 + n) * ld_y + r] = value; });
 }
 
 extern "C" __global__ void gemm_f32(float* y, const unsigned char* W, const float* x, const float* bias,

@@ -1,22 +1,27 @@
-// Mixture-of-experts kernels: top-k routing, the grouped expert matvec (decode), gpt-oss's clamped SwiGLU and
-// the weighted combine of each token's k expert outputs. The numpy reference is engine/backends/numpy_moe.py.
+// Mixture-of-experts kernels: top-k routing, the grouped expert matvec (decode) and gemm (prefill), gpt-oss's
+// clamped SwiGLU and the weighted combine of each token's k expert outputs. The numpy reference is
+// engine/backends/numpy_moe.py.
 //
 //   logits [T, E] --moe_route_f32--> ids [T, k], weights [T, k]
-//   host (cuda_kernels/moe.plan_groups): the T*k (token, slot) pairs sorted by expert, cut into groups of at most
-//   MOE_GROUP_ROWS pairs of one expert:  pair p -> x row pair_rows[p];  group g = pairs start[g] .. + len[g] - 1
-//   x [T, in] --moe_matvec_<q>--> y [n_pairs, out]   (row p = W[expert of p] . x[pair_rows[p]] + bias[expert])
+//   moe_plan (or cuda_kernels/moe.plan_groups on the host): the T*k (token, slot) pairs sorted by expert, cut into
+//   groups of at most group_rows pairs of one expert (8 for moe_matvec, GEMM_BN = 64 for moe_gemm):
+//   pair p -> x row pair_rows[p];  group g = pairs start[g] .. + len[g] - 1
+//   x [T, in] --moe_matvec_<q> / moe_gemm_<q>--> y [n_pairs, out]  (row p = W_e . x[pair_rows[p]] + bias[e])
+//   where W_e, expert e's [out, in] matrix, is at expert_ptr[e] when the expert cache gives a slot table
+//   (engine/backends/cuda_expert_cache.py), else at W + e * out * row_bytes (all experts stacked as in the GGUF)
 //   y_down [n_pairs, d] --moe_combine_f32--> out[t] = sum_j weights[t, j] * y_down[pair_of[t * k + j]]
 //
 // Launch: cuda_kernels/moe.py (geometry). ABI: docs/CUDA_KERNELS.md.
 
 #include "gguf_blocks.cuh"
+#include "gemm_tiles.cuh"  // the tile of gemm_<q>, reused by moe_gemm_<q> (after gguf_blocks.cuh)
 
 constexpr int MOE_ROUTE_WARPS = 4;       // rows (tokens) per CTA, one warp each
 constexpr int MOE_MAX_PER_LANE = 8;      // E <= 256 experts: each lane holds experts lane, lane + 32, ...
 constexpr int MOE_MAX_K = 16;
 constexpr int MOE_WARPS_PER_CTA = 4;     // moe_matvec: as matvec_<q>, 4 warps of 4 rows
 constexpr int MOE_ROWS_PER_WARP = 4;
-constexpr int MOE_GROUP_ROWS = 8;        // pairs per group: accumulators per row and lane
+constexpr int MOE_GROUP_ROWS = 8;        // moe_matvec: pairs per group, accumulators per row and lane
 static_assert(MOE_ROWS_PER_WARP * MOE_GROUP_ROWS == 32, "one lane per (row, pair) writes the results");
 #define MOE_NEG_INF (__int_as_float(0xff800000))  // -inf; math.h's INFINITY needs a header
 
@@ -78,13 +83,22 @@ extern "C" __global__ void moe_route_f32(int* ids, float* weights, const float* 
     }
 }
 
+// Expert e's [out, in] matrix: through the expert cache's slot table when there is one, else stacked in W.
+__device__ __forceinline__ const unsigned char* expert_weight(const unsigned char* W,
+                                                             const unsigned long long* expert_ptr, int expert,
+                                                             int out, size_t row_bytes) {
+    return expert_ptr ? (const unsigned char*)expert_ptr[expert] : W + (size_t)expert * out * row_bytes;
+}
+
 // y[p, r] = dot(dequant(W[e][r]), x[pair_rows[p]]) + bias[e * out + r] for the pairs p of group g (expert
 // e = group_expert[g]). W holds the E experts' [out, in] matrices back to back in their GGUF blocks (the
-// stacked GGUF tensor as stored). A null pair_rows reads x row p for pair p (the down projection, whose
+// stacked GGUF tensor as stored), or expert_ptr[e] points at expert e's matrix (a device slot). A null
+// pair_rows reads x row p for pair p (the down projection, whose
 // input rows are already in pair order). Grid (ceil(out / 16), n_groups); the structure of matvec_<q>, with the
 // token rows of x gathered through pair_rows, so an expert's weight is read once for all its pairs.
 template <class Block>
-__device__ __forceinline__ void moe_matvec(float* y, const unsigned char* W, const float* x, const float* bias,
+__device__ __forceinline__ void moe_matvec(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+                                           const float* x, const float* bias,
                                            const int* group_expert, const int* group_start, const int* group_len,
                                            const int* pair_rows, int out, int in, int ld_y) {
     constexpr int CHUNKS_PER_BLOCK = Block::QK / 8;
@@ -96,7 +110,7 @@ __device__ __forceinline__ void moe_matvec(float* y, const unsigned char* W, con
     if (T == 0) return;  // a spare group of moe_plan's fixed-size grid (graph-capturable launches)
     const int expert = group_expert[g], start = group_start[g];
     const size_t row_bytes = (size_t)(in / Block::QK) * Block::BYTES;
-    const unsigned char* w_rows = W + ((size_t)expert * out + row0) * row_bytes;
+    const unsigned char* w_rows = expert_weight(W, expert_ptr, expert, out, row_bytes) + row0 * row_bytes;
     const int n_chunks = in / 8;
 
     const float* xs[MOE_GROUP_ROWS];
@@ -151,65 +165,143 @@ __device__ __forceinline__ void moe_matvec(float* y, const unsigned char* W, con
         y[(size_t)(start + t) * ld_y + row0 + r] = mine + (bias ? bias[(size_t)expert * out + row0 + r] : 0.0f);
 }
 
-// One extern "C" wrapper per type, spelled out: cuda_kernels/registry discovers kernels by their declarations.
-extern "C" __global__ void moe_matvec_f32(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockF32>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+// The grouped gemm (prefill): for group g (expert e = group_expert[g], pairs start .. start + len - 1 with
+// len <= GEMM_BN), y[start + n, r] = W_e[r] . x[pair_rows[start + n]] + bias[e * out + r], on gemm_<q>'s
+// tensor-core tile (gemm_tiles.cuh): one CTA per (GEMM_BM output rows, group), so each expert's weight tile is
+// read once per group of up to 64 of its pairs instead of once per 8 as in moe_matvec. Grid
+// (ceil(out / GEMM_BM), n_groups); a group of length 0 (moe_plan's spare groups) leaves at once.
+template <class Block>
+__device__ __forceinline__ void moe_gemm(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+                                         const float* x, const float* bias, const int* group_expert,
+                                         const int* group_start, const int* group_len, const int* pair_rows,
+                                         int out, int in, int ld_y) {
+    __shared__ __align__(16) unsigned short w_tile[GEMM_BM][GEMM_STRIDE];
+    __shared__ __align__(16) unsigned short x_tile[GEMM_BN][GEMM_STRIDE];
+    const int g = blockIdx.y;
+    const int n_rows = min(group_len[g], GEMM_BN);
+    if (n_rows <= 0) return;  // the whole CTA leaves before any barrier
+    const int expert = group_expert[g], start = group_start[g], row0 = blockIdx.x * GEMM_BM;
+    const size_t row_bytes = (size_t)(in / Block::QK) * Block::BYTES;
+    const unsigned char* W_e = expert_weight(W, expert_ptr, expert, out, row_bytes);
+    float acc[2][4][4];
+    gemm_tile_mma<Block>(acc, w_tile, x_tile, W_e, x, pair_rows, start, start + n_rows, row0, out, in);
+    const float* b_e = bias ? bias + (size_t)expert * out : nullptr;
+    gemm_tile_store(acc, row0, start, start + n_rows, out, [&](int r) { return b_e ? b_e[r] : 0.0f; },
+                    [&](int r, int n, float value) { y[(size_t)(start + n) * ld_y + r] = value; });
 }
-extern "C" __global__ void moe_matvec_f16(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockF16>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+
+// One extern "C" wrapper per type and family, spelled out: cuda_kernels/registry discovers kernels by their
+// declarations.
+extern "C" __global__ void moe_matvec_f32(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockF32>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
-extern "C" __global__ void moe_matvec_bf16(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockBF16>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+extern "C" __global__ void moe_matvec_f16(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockF16>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
-extern "C" __global__ void moe_matvec_q4_0(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockQ4_0>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+extern "C" __global__ void moe_matvec_bf16(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockBF16>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
-extern "C" __global__ void moe_matvec_q4_1(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockQ4_1>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+extern "C" __global__ void moe_matvec_q4_0(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockQ4_0>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
-extern "C" __global__ void moe_matvec_q5_0(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockQ5_0>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+extern "C" __global__ void moe_matvec_q4_1(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockQ4_1>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
-extern "C" __global__ void moe_matvec_q8_0(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockQ8_0>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+extern "C" __global__ void moe_matvec_q5_0(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockQ5_0>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
-extern "C" __global__ void moe_matvec_q4_k(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockQ4_K>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+extern "C" __global__ void moe_matvec_q8_0(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockQ8_0>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
-extern "C" __global__ void moe_matvec_q6_k(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockQ6_K>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+extern "C" __global__ void moe_matvec_q4_k(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockQ4_K>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
-extern "C" __global__ void moe_matvec_mxfp4(float* y, const unsigned char* W, const float* x, const float* bias,
-        const int* group_expert, const int* group_start, const int* group_len, const int* pair_rows, int n_groups,
-        int out, int in, int ld_y) {
-    moe_matvec<BlockMXFP4>(y, W, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+extern "C" __global__ void moe_matvec_q6_k(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockQ6_K>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_matvec_mxfp4(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_matvec<BlockMXFP4>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_f32(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockF32>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_f16(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockF16>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_bf16(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockBF16>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_q4_0(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockQ4_0>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_q4_1(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockQ4_1>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_q5_0(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockQ5_0>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_q8_0(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockQ8_0>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_q4_k(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockQ4_K>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_q6_k(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockQ6_K>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
+}
+extern "C" __global__ void moe_gemm_mxfp4(float* y, const unsigned char* W, const unsigned long long* expert_ptr,
+        const float* x, const float* bias, const int* group_expert, const int* group_start, const int* group_len,
+        const int* pair_rows, int n_groups, int out, int in, int ld_y) {
+    moe_gemm<BlockMXFP4>(y, W, expert_ptr, x, bias, group_expert, group_start, group_len, pair_rows, out, in, ld_y);
 }
 
 // The host plan (cuda_kernels/moe.plan_groups) on the device, so a decode step needs no copy back of the ids:
 // one CTA, thread e owns expert e. It counts its pairs, thread 0 scans the counts (E <= 256: serial is cheap),
 // then thread e walks the pairs in order, placing its own at offset[e] + rank (stable: the same order as the
-// host's stable argsort) and writing its groups of at most MOE_GROUP_ROWS. Groups past the used ones, up to
-// max_groups (what moe_matvec's grid was sized for), get length 0.
+// host's stable argsort) and writing its groups of at most group_rows (MOE_GROUP_ROWS for moe_matvec, GEMM_BN
+// for moe_gemm). Groups past the used ones, up to max_groups (what the grouped kernel's grid was sized for),
+// get length 0.
 extern "C" __global__ void moe_plan(int* pair_rows, int* pair_of, int* group_expert, int* group_start,
-                                    int* group_len, const int* ids, int n_pairs, int k, int E, int max_groups) {
+                                    int* group_len, const int* ids, int n_pairs, int k, int E, int max_groups,
+                                    int group_rows) {
     __shared__ int count[256], offset[256], group_base[257];
     const int e = threadIdx.x;
     if (e < E) {
@@ -224,7 +316,7 @@ extern "C" __global__ void moe_plan(int* pair_rows, int* pair_of, int* group_exp
             offset[x] = pos;
             group_base[x] = groups;
             pos += count[x];
-            groups += (count[x] + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS;
+            groups += (count[x] + group_rows - 1) / group_rows;
         }
         group_base[E] = groups;
     }
@@ -237,11 +329,11 @@ extern "C" __global__ void moe_plan(int* pair_rows, int* pair_of, int* group_exp
             pair_of[p] = offset[e] + rank;
             ++rank;
         }
-        for (int j = 0; j * MOE_GROUP_ROWS < count[e]; ++j) {
+        for (int j = 0; j * group_rows < count[e]; ++j) {
             const int g = group_base[e] + j;
             group_expert[g] = e;
-            group_start[g] = offset[e] + j * MOE_GROUP_ROWS;
-            group_len[g] = min(MOE_GROUP_ROWS, count[e] - j * MOE_GROUP_ROWS);
+            group_start[g] = offset[e] + j * group_rows;
+            group_len[g] = min(group_rows, count[e] - j * group_rows);
         }
     }
     for (int g = group_base[E] + e; g < max_groups; g += blockDim.x) {

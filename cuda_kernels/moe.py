@@ -1,7 +1,9 @@
-"""Launch geometry of moe.cu, and the host side of the grouped expert matvec: pairs sorted into groups.
+"""Launch geometry of moe.cu, and the host side of the grouped expert products: pairs sorted into groups.
 
-moe_route_f32: one warp per token row, 4 rows a CTA. moe_plan: one CTA of 256 threads (thread e: expert e). moe_matvec_<q>: matvec_<q>'s CTA (4 warps of 4 output
-rows) on grid (ceil(out / 16), n_groups). gated_swiglu_oai_f32, moe_combine_f32: one thread per output element.
+moe_route_f32: one warp per token row, 4 rows a CTA. moe_plan: one CTA of 256 threads (thread e: expert e).
+moe_matvec_<q>: matvec_<q>'s CTA (4 warps of 4 output rows) on grid (ceil(out / 16), n_groups), groups of <= 8
+pairs. moe_gemm_<q>: gemm_<q>'s CTA (128 threads, a 64 x 64 tile) on grid (ceil(out / 64), n_groups), groups of
+<= 64 pairs. gated_swiglu_oai_f32, moe_combine_f32: one thread per output element.
 """
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ MOE_ROUTE_WARPS = 4      # must match moe.cu
 MOE_MAX_EXPERTS = 256    # 32 lanes x MOE_MAX_PER_LANE
 MOE_MAX_K = 16
 MOE_ROWS_PER_CTA = 16    # MOE_WARPS_PER_CTA x MOE_ROWS_PER_WARP
-MOE_GROUP_ROWS = 8       # pairs per group
+MOE_GROUP_ROWS = 8       # pairs per group of moe_matvec
+MOE_GEMM_GROUP_ROWS = 64  # pairs per group of moe_gemm (its tile's GEMM_BN)
+MOE_GEMM_ROWS_PER_CTA = 64  # GEMM_BM
 
 
 def geometry(kernel: str, **ints: int):
@@ -24,15 +28,18 @@ def geometry(kernel: str, **ints: int):
             raise ValueError(f"moe_route_f32 takes 1 <= k <= min(E, {MOE_MAX_K}) and E <= {MOE_MAX_EXPERTS}, "
                              f"got E={E} k={k}")
         return (max(1, cdiv(ints["T"], MOE_ROUTE_WARPS)), 1, 1), (32 * MOE_ROUTE_WARPS, 1, 1), 0
-    if kernel.startswith("moe_matvec_"):
+    if kernel.startswith(("moe_matvec_", "moe_gemm_")):
         in_dim = ints.get("in_", ints.get("in", 0))  # the emulator passes in_, tests/kernel_gpu.py in
         if ints["out"] <= 0 or in_dim <= 0 or ints["ld_y"] < ints["out"]:
             raise ValueError(f"{kernel}: need out > 0, in > 0 and ld_y >= out, got {ints}")
-        return (cdiv(ints["out"], MOE_ROWS_PER_CTA), max(1, ints["n_groups"]), 1), (128, 1, 1), 0
+        rows = MOE_ROWS_PER_CTA if kernel.startswith("moe_matvec_") else MOE_GEMM_ROWS_PER_CTA
+        return (cdiv(ints["out"], rows), max(1, ints["n_groups"]), 1), (128, 1, 1), 0
     if kernel == "moe_plan":
-        if not 1 <= ints["E"] <= MOE_MAX_EXPERTS or ints["max_groups"] < max_groups(ints["n_pairs"], ints["E"]):
-            raise ValueError(f"moe_plan needs 1 <= E <= {MOE_MAX_EXPERTS} and max_groups >= "
-                             f"max_groups(n_pairs, E), got {ints}")
+        group_rows = ints["group_rows"]
+        if not (1 <= ints["E"] <= MOE_MAX_EXPERTS and group_rows in (MOE_GROUP_ROWS, MOE_GEMM_GROUP_ROWS)
+                and ints["max_groups"] >= max_groups(ints["n_pairs"], ints["E"], group_rows)):
+            raise ValueError(f"moe_plan needs 1 <= E <= {MOE_MAX_EXPERTS}, group_rows 8 or 64 and max_groups >= "
+                             f"max_groups(n_pairs, E, group_rows), got {ints}")
         return (1, 1, 1), (MOE_MAX_EXPERTS, 1, 1), 0
     if kernel == "gated_swiglu_oai_f32":
         return flat_geometry(ints["T"] * ints["F"])
@@ -41,14 +48,15 @@ def geometry(kernel: str, **ints: int):
     raise unknown_kernel("moe.cu", kernel)
 
 
-def max_groups(n_pairs: int, n_experts: int) -> int:
+def max_groups(n_pairs: int, n_experts: int, group_rows: int = MOE_GROUP_ROWS) -> int:
     """The most groups n_pairs pairs can form: every expert may leave one partial group."""
-    return min(n_pairs, cdiv(n_pairs, MOE_GROUP_ROWS) + n_experts)
+    return min(n_pairs, cdiv(n_pairs, group_rows) + n_experts)
 
 
 def plan_groups(ids: np.ndarray, group_rows: int = MOE_GROUP_ROWS) -> dict[str, np.ndarray]:
     """The (token, slot) pairs of ids [T, k] sorted by expert (stable) and cut into groups of at most
-    group_rows pairs of one expert, as int32 arrays for moe_matvec_<q> and moe_combine_f32:
+    group_rows pairs of one expert (8 for moe_matvec_<q>, 64 for moe_gemm_<q>), as int32 arrays for those
+    kernels and moe_combine_f32:
 
         pair_rows [T*k]   token (x row) of sorted pair p
         pair_of   [T*k]   sorted position of pair t * k + j (the inverse permutation)

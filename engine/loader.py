@@ -91,6 +91,7 @@ def open_model(
     fetch: bool = True,
     backend_name: str = "numpy",
     cpu_weights: str = "quantized",
+    expert_cache_mib: str | None = None,
 ) -> LoadedModel:
     """Resolve (fetching if needed), load and wrap a model on `backend` (default: create_backend(backend_name,
     cpu_weights=cpu_weights)). Raises ValueError on unsupported files."""
@@ -98,6 +99,10 @@ def open_model(
     if backend is None and backend_name in ("auto", "cuda"):
         backend_name = _backend_for_arch(GGUFFile(path).architecture, backend_name, path)
     backend = backend or create_backend(backend_name, cpu_weights=cpu_weights)
+    if expert_cache_mib:  # before the weights load: the experts then go to the pinned host arena
+        from engine.backends.cuda_expert_cache_setup import configure_expert_cache
+
+        configure_expert_cache(backend, expert_cache_mib)
     model, gguf, info = load_model(path, backend, max_positions)
     tokenizer = Tokenizer.from_gguf_fields(gguf.fields)
     template = ChatTemplate.from_gguf_fields(gguf.fields, model.config.arch, chat_template_path)

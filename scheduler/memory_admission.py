@@ -44,6 +44,13 @@ class MemoryAdmission:
         self.device_ceiling_blocks = 0  # the pool grows up to this many blocks (0: it never grows)
         self.device_min_blocks = 0
         self.device_segment_blocks = 1
+        self.budgets: dict[str, object] = {}  # other tiers sized between steps (register_budget)
+
+    def register_budget(self, name: str, budget) -> None:
+        """A tier the admission may resize between steps. The expert cache (engine/backends/cuda_expert_cache.py)
+        offers slot_bytes, num_slots, device_bytes, request_resize(num_slots), request_grow(n) and request_shrink(n),
+        applied at its next step start."""
+        self.budgets[name] = budget
 
     def set_device_pool(self, min_blocks: int, reserved_blocks: int, segment_blocks: int) -> None:
         """An elastic device pool of min_blocks .. reserved_blocks, growing by segment_blocks."""

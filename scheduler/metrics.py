@@ -41,6 +41,13 @@ class Metrics:
                                           registry=r)
         self.cache_move_bytes = Counter("strata_cache_move_bytes", "Bytes of blocks moved", ["op"], registry=r)
         self._last_cache_stats: dict[str, float] = {}
+        self._expert_cache = None  # scheduler/expert_cache_metrics.ExpertCacheMetrics (--expert-cache-mib)
+
+    def watch_expert_cache(self, cache) -> None:
+        """Export a cuda expert cache's expert_cache_* figures, read at every render."""
+        from scheduler.expert_cache_metrics import ExpertCacheMetrics
+
+        self._expert_cache = ExpertCacheMetrics(self.registry, cache)
 
     def observe_cache(self, usage: dict[str, int]) -> None:
         """Mirror the cache's usage figures (from PrefixCache.usage()) into gauges and counters."""
@@ -66,4 +73,6 @@ class Metrics:
         self._last_cache_stats[key] = value
 
     def render(self) -> bytes:
+        if self._expert_cache is not None:
+            self._expert_cache.observe()
         return generate_latest(self.registry)

@@ -1,7 +1,17 @@
-"""numpy tok/s of a small random-weight MoE: prefill and batched decode, for several expert counts.
+"""numpy tok/s of a small random-weight MoE: prefill and batched decode, for several expert counts; with
+--expert-cache, the CUDA expert cache's behaviour on the kernel emulator instead.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_moe.py [--arch qwen3moe] [--experts 16,64]
         [--top-k 4] [--weights f32,quantized] [--expert-quant Q8_0|MXFP4|F16] [--repeats 3] [--threads 1]
+    OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_moe.py --expert-cache [--cache-fractions 0.25,0.5,1]
+
+--expert-cache: a tiny gpt-oss (4 layers, 16 experts, top-2, Q8_0 experts) on tests/fake_cuda_emulated.py (the
+real kernel sources under g++), two workloads: "hot set" (router bias +4 on experts 0..3 of each layer: 16 of
+the 64 experts take nearly every token) and "uniform" (no bias). For each cache size (a fraction of all 64
+experts) one 24-token prefill then 16 greedy decode steps; per decode token: expert uses, hits, loads and
+bytes copied host -> device; and whether the tokens equal the numpy backend's. The emulator times nothing
+meaningful (its copies are memmoves, its events report 1 us): only counts. A GPU section (decode tok/s of a
+Qwen3-30B-A3B-shaped model at 25/50/100% of the experts) is not written: no GPU here.
 
 The model is written by tests/tiny_moe_gguf.py into a temporary directory: d=256, 4 layers, 8/2 heads of
 32, experts of F=128 (--expert-quant blocks, Q8_0 elsewhere, for --weights quantized; else F32). Decode at batch B runs B sequences
@@ -92,6 +102,64 @@ def run(arch: str, n_experts: int, top_k: int, weights: str, repeats: int, direc
     return row
 
 
+CACHE_SHAPE = dict(n_layer=4, n_expert=16, n_expert_used=2, expert_quant="Q8_0", router_scale=0.3, weight_scale=0.1)
+
+
+def _greedy_on(model, prompt: list[int], steps: int, on_prefill_done=lambda: None) -> list[int]:
+    import numpy as np
+
+    runner = ModelRunner(model, num_blocks=8, block_size=16)
+    seq = Sequence(list(prompt))
+    runner.ensure_blocks(seq, len(prompt) + steps)
+    logits = runner.step([(seq, len(prompt))])
+    on_prefill_done()
+    out = []
+    for _ in range(steps):
+        out.append(int(np.argmax(logits[-1])))
+        seq.token_ids.append(out[-1])
+        logits = runner.step([(seq, 1)])
+    return out
+
+
+def bench_expert_cache(fractions: list[float], steps: int = 16) -> None:
+    """Hits, loads and bytes per decode token of the CUDA expert cache on the emulator (see the docstring)."""
+    import pytest
+
+    from engine.backends.cuda_expert_cache_setup import configure_expert_cache
+    from engine.backends.numpy_backend import NumpyBackend
+    from engine.model import load_model
+    from tests import fake_cuda_emulated
+
+    print("| workload | slots (of 64) | decode expert uses/token | hits/token | loads/token | KiB moved/token | "
+          "hit rate | prefill loads | tokens == numpy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    prompt = _prompt(24, 5)
+    with tempfile.TemporaryDirectory() as directory, pytest.MonkeyPatch.context() as mp:
+        fake_cuda_emulated.install(mp, Path(directory))
+        from engine.backends.cuda_backend import CudaBackend
+
+        for workload, hot in (("hot set (4 of 16 per layer)", 4), ("uniform", 0)):
+            path = Path(directory) / f"m{hot}.gguf"
+            write_tiny_moe_gguf(path, "gpt-oss", seed=4, hot_experts=hot, **CACHE_SHAPE)
+            expected = _greedy_on(load_model(path, NumpyBackend())[0], prompt, steps)
+            for fraction in fractions:
+                backend = CudaBackend(graphs=False)
+                cache = configure_expert_cache(backend, "auto")
+                cache.request_resize(max(1, round(fraction * 64)))
+                after_prefill = {}
+                tokens = _greedy_on(load_model(path, backend)[0], prompt, steps,
+                                    lambda: after_prefill.update(cache.stats()))
+                s, p = cache.stats(), after_prefill
+                hits = s["expert_cache_hits"] - p["expert_cache_hits"]
+                loads = s["expert_cache_loads"] - p["expert_cache_loads"]
+                moved = (s["expert_cache_loaded_bytes"] - p["expert_cache_loaded_bytes"]) / 1024
+                print(f"| {workload} | {cache.num_slots} | {(hits + loads) / steps:.1f} | {hits / steps:.1f} | "
+                      f"{loads / steps:.1f} | {moved / steps:.1f} | {hits / max(1, hits + loads):.0%} | "
+                      f"{p['expert_cache_loads']} | {tokens == expected} |", flush=True)
+                backend.close()
+    print(f"\nshape {CACHE_SHAPE}, prompt 24 tokens, {steps} decode steps; slot = one expert's gate+up+down")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", default="qwen3moe", choices=("qwen3moe", "gpt-oss"))
@@ -102,8 +170,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--expert-quant", default="Q8_0", choices=("Q8_0", "MXFP4", "F16"),
                         help="expert tensors' type with --weights quantized (attention and head: Q8_0)")
+    parser.add_argument("--expert-cache", action="store_true", help="the CUDA expert cache on the kernel emulator")
+    parser.add_argument("--cache-fractions", default="0.25,0.5,1", help="cache sizes as fractions of all experts")
     args = parser.parse_args()
     limit_threads(args.threads)
+    if args.expert_cache:
+        bench_expert_cache([float(f) for f in args.cache_fractions.split(",")])
+        return 0
     header = ["arch", "experts", "top-k", "weights", "prefill 256 tok/s"]
     header += [f"decode B={b} tok/s (experts/layer)" for b in BATCHES]
     print("| " + " | ".join(header) + " |")

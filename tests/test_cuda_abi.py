@@ -31,8 +31,10 @@ def test_every_kernel_signature_matches_the_doc():
     rows = _doc_rows()
     for kernel, signature in cuda_abi.SIGNATURES.items():
         assert cuda_abi.parse_signature(signature) == cuda_abi.parse_signature(rows[kernel]), kernel
-    assert set(rows) - set(cuda_abi.SIGNATURES) == {"matvec_<q>", "gemm_<q>", "moe_matvec_<q>"}
+    assert set(rows) - set(cuda_abi.SIGNATURES) == {"matvec_<q>", "gemm_<q>", "moe_matvec_<q>",
+                                                       "moe_gemm_<q>"}
     assert cuda_abi.params("moe_matvec_q4_k") == cuda_abi.parse_signature(rows["moe_matvec_<q>"])
+    assert cuda_abi.params("moe_gemm_mxfp4") == cuda_abi.parse_signature(rows["moe_gemm_<q>"])
 
 
 def test_quant_signature_is_the_doc_table_plus_ld_y_after_in():

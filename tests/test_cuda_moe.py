@@ -1,6 +1,6 @@
 """MoE models on the CUDA backend, on the real kernel sources run on the CPU (tests/fake_cuda_emulated.py) and,
 marked `cuda`, on a GPU where there is one:
-the device MoE path (moe_route_f32 -> moe_plan -> moe_matvec gate/up -> activation -> moe_matvec down ->
+the device MoE path (moe_route_f32 -> moe_plan -> moe_matvec/moe_gemm gate/up -> activation -> down ->
 moe_combine_f32, engine/backends/cuda_moe.py) gives the numpy backend's tokens and logits, for qwen3moe and
 for gpt-oss (attention sinks, biased experts, MXFP4)."""
 import pytest
@@ -53,7 +53,8 @@ def test_qwen3moe_greedy_tokens_on_the_device_moe_path_equal_numpy(emu, tmp_path
     _close(first, expected_first, GEMM)
     assert tokens == expected
     launched = _launched(emu)
-    assert launched is None or MOE_KERNELS | {f"moe_matvec_{expert_quant.lower()}", "gated_silu_f32"} <= launched
+    assert launched is None or MOE_KERNELS | {f"moe_matvec_{expert_quant.lower()}", f"moe_gemm_{expert_quant.lower()}",
+                                              "gated_silu_f32"} <= launched  # gemm: the 12-token prefill
 
 
 @pytest.mark.parametrize("expert_quant", ["F32", "MXFP4"])

@@ -55,7 +55,8 @@ def _grouped_matvec(runner, suffix, raw, x, ids, bias, out, in_dim):
     plan = plan_groups(ids)
     n_pairs, ld_y = ids.size, out + 3
     y = np.full((n_pairs, ld_y), np.nan, dtype=np.float32)
-    runner.launch(f"moe_matvec_{suffix}", y=y, W=raw.reshape(-1), x=np.ascontiguousarray(x), bias=bias,
+    runner.launch(f"moe_matvec_{suffix}", y=y, W=raw.reshape(-1), expert_ptr=None, x=np.ascontiguousarray(x),
+                  bias=bias,
                   group_expert=plan["group_expert"], group_start=plan["group_start"], group_len=plan["group_len"],
                   pair_rows=plan["pair_rows"], n_groups=len(plan["group_len"]), out=out, ld_y=ld_y, **{"in": in_dim})
     assert np.isnan(y[:, out:]).all(), "wrote past its out columns"
@@ -118,7 +119,8 @@ def test_the_kernel_chain_equals_the_numpy_expert_ffn(kernel_runner, activation)
     # down: the pairs are already in sorted order, so each pair's row is its own x row
     plan_down = dict(plan, pair_rows=np.arange(T * k, dtype=np.int32))
     y_down = np.full((T * k, d), np.nan, dtype=np.float32)
-    runner.launch("moe_matvec_f32", y=y_down, W=down.view(np.uint8).reshape(-1), x=act, bias=down_bias,
+    runner.launch("moe_matvec_f32", y=y_down, W=down.view(np.uint8).reshape(-1), expert_ptr=None, x=act,
+                  bias=down_bias,
                   group_expert=plan_down["group_expert"], group_start=plan_down["group_start"],
                   group_len=plan_down["group_len"], pair_rows=plan_down["pair_rows"],
                   n_groups=len(plan_down["group_len"]), out=d, ld_y=d, **{"in": ff})
@@ -130,18 +132,20 @@ def test_the_kernel_chain_equals_the_numpy_expert_ffn(kernel_runner, activation)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("T, k, E", [(1, 2, 8), (13, 3, 5), (64, 8, 128), (40, 4, 256)])
-def test_device_plan_equals_the_host_plan_and_zeroes_spare_groups(kernel_runner, T, k, E):
+@pytest.mark.parametrize("T, k, E, group_rows", [(1, 2, 8, 8), (13, 3, 5, 8), (64, 8, 128, 8), (40, 4, 256, 8),
+                                                 (70, 2, 3, 64), (64, 8, 128, 64)])
+def test_device_plan_equals_the_host_plan_and_zeroes_spare_groups(kernel_runner, T, k, E, group_rows):
     from cuda_kernels.moe import max_groups
 
     rng = np.random.default_rng(T * k)
     ids = np.stack([rng.choice(E, size=k, replace=False) for _ in range(T)]).astype(np.int32)
     ids[: T // 2, 0] = 0  # a popular expert: several groups of 8
-    n, spare = T * k, max_groups(T * k, E)
+    n, spare = T * k, max_groups(T * k, E, group_rows)
     got = {name: np.full(size, -7, dtype=np.int32) for name, size in (
         ("pair_rows", n), ("pair_of", n), ("group_expert", spare), ("group_start", spare), ("group_len", spare))}
-    kernel_runner("moe").launch("moe_plan", ids=ids, n_pairs=n, k=k, E=E, max_groups=spare, **got)
-    want = plan_groups(ids)
+    kernel_runner("moe").launch("moe_plan", ids=ids, n_pairs=n, k=k, E=E, max_groups=spare, group_rows=group_rows,
+                                **got)
+    want = plan_groups(ids, group_rows)
     used = len(want["group_len"])
     for name in ("pair_rows", "pair_of"):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
@@ -155,7 +159,7 @@ def test_grouped_matvec_skips_empty_groups(kernel_runner):
     raw, dense = _stacked("Q8_0", 3, 16, 64, rng)
     x = rng.standard_normal((2, 64)).astype(np.float32)
     y = np.full((2, 16), np.nan, dtype=np.float32)
-    kernel_runner("moe").launch("moe_matvec_q8_0", y=y, W=raw.reshape(-1), x=x, bias=None,
+    kernel_runner("moe").launch("moe_matvec_q8_0", y=y, W=raw.reshape(-1), expert_ptr=None, x=x, bias=None,
                                 group_expert=np.array([2, 0], np.int32), group_start=np.array([0, 0], np.int32),
                                 group_len=np.array([2, 0], np.int32), pair_rows=np.array([1, 0], np.int32),
                                 n_groups=2, out=16, ld_y=16, **{"in": 64})
@@ -167,7 +171,7 @@ def test_grouped_matvec_without_pair_rows_reads_x_in_pair_order(kernel_runner):
     raw, dense = _stacked("F32", 2, 8, 32, rng)
     x = rng.standard_normal((3, 32)).astype(np.float32)
     y = np.full((3, 8), np.nan, dtype=np.float32)
-    kernel_runner("moe").launch("moe_matvec_f32", y=y, W=raw.reshape(-1), x=x, bias=None,
+    kernel_runner("moe").launch("moe_matvec_f32", y=y, W=raw.reshape(-1), expert_ptr=None, x=x, bias=None,
                                 group_expert=np.array([1, 0], np.int32), group_start=np.array([0, 2], np.int32),
                                 group_len=np.array([2, 1], np.int32), pair_rows=None, n_groups=2, out=8, ld_y=8,
                                 **{"in": 32})

@@ -69,6 +69,7 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     tests use 0.6 so its SwiGLU clamp at 7.0 is reached), ``embd_scale`` (0.1), ``norm_scale`` (0.1),
     gpt-oss only: ``sliding_window`` (8), ``yarn_factor`` (4.0), ``yarn_orig_ctx`` (64), ``sink_scale``
     (1.0), ``fused_gate_up`` (False: one ffn_gate_up_exps tensor instead of gate and up, same values),
+    ``hot_experts`` (0; N: experts 0..N-1 get +4 router bias, a hot set),
     ``harmony`` (False: add HARMONY_TOKENS as control tokens, <|return|> as EOS and
     HARMONY_TEMPLATE); ``chat_template`` (ChatML, or HARMONY_TEMPLATE), ``extra_metadata`` ({key: value}, int -> uint32, float -> float32,
     bool, str; keys written verbatim, for tests of unsupported variants).
@@ -94,6 +95,7 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     sink_scale = o.pop("sink_scale", 1.0) if is_oss else None
     harmony = bool(o.pop("harmony", False))
     fused_gate_up = bool(o.pop("fused_gate_up", False))
+    hot_experts = int(o.pop("hot_experts", 0)) if is_oss else 0  # router bias +4 on experts 0..hot-1
     chat_template = o.pop("chat_template", HARMONY_TEMPLATE if harmony else CHATML_TEMPLATE)
     extra = o.pop("extra_metadata", {})
     if o:
@@ -138,6 +140,7 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
         t[p + "ffn_down_exps.weight"] = mat(n_expert, n_embd, n_ff_exp, scale=xscale)
         if is_oss:
             t[p + "ffn_gate_inp.bias"] = mat(n_expert, scale=0.1)
+            t[p + "ffn_gate_inp.bias"][:hot_experts] += 4.0  # a hot set (scripts/bench_moe.py's expert cache)
             t[p + "ffn_gate_exps.bias"] = mat(n_expert, n_ff_exp, scale=0.1)
             t[p + "ffn_up_exps.bias"] = mat(n_expert, n_ff_exp, scale=0.1)
             t[p + "ffn_down_exps.bias"] = mat(n_expert, n_embd, scale=0.1)

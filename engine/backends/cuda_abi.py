@@ -60,15 +60,16 @@ SIGNATURES: dict[str, str] = {
     "scatter_kv_blocks_f32": _KV_BLOCKS,
     "moe_route_f32": "int* ids, float* weights, const float* logits, int T, int E, int k, int gating, int normalize",
     "moe_plan": ("int* pair_rows, int* pair_of, int* group_expert, int* group_start, int* group_len, const int* ids, "
-                 "int n_pairs, int k, int E, int max_groups"),
+                 "int n_pairs, int k, int E, int max_groups, int group_rows"),
     "gated_swiglu_oai_f32": _GATED,
     "moe_combine_f32": "float* out, const float* y, const int* pair_of, const float* weights, int T, int k, int d",
     "sample_f32": ("int* out_ids, const float* logits, int rows, int vocab, const float* temperature, "
                    "const int* top_k, const float* top_p, const float* min_p, const unsigned long long* seeds, "
                    "const int* counters, const int* allowed_mask, int mask_words, const int* mask_rows"),
 }
-# moe_matvec_<q> (moe.cu): one signature for every type, as in the doc's table.
-MOE_MATVEC_SIGNATURE = ("float* y, const unsigned char* W, const float* x, const float* bias, const int* group_expert, "
+# moe_matvec_<q> / moe_gemm_<q> (moe.cu): one signature for every type and both, as in the doc's table.
+MOE_MATVEC_SIGNATURE = ("float* y, const unsigned char* W, const unsigned long long* expert_ptr, const float* x, "
+                        "const float* bias, const int* group_expert, "
                         "const int* group_start, const int* group_len, const int* pair_rows, int n_groups, int out, "
                         "int in, int ld_y")
 # matvec_<q> / gemm_<q>: the table's signature plus `int ld_y` after `in` (the paragraph under that table).
@@ -80,7 +81,7 @@ QUANT_SUFFIXES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", 
 def signature(kernel: str) -> str:
     if kernel in SIGNATURES:
         return SIGNATURES[kernel]
-    if kernel.startswith("moe_matvec_"):
+    if kernel.startswith(("moe_matvec_", "moe_gemm_")):
         return MOE_MATVEC_SIGNATURE
     prefix, _, suffix = kernel.partition("_")
     if prefix in ("matvec", "gemm") and suffix:

@@ -32,6 +32,7 @@ from engine.backends.cuda_kv import CudaHostPool, CudaKVPool, KVTransfers
 from engine.backends.cuda_step import DeviceHandoff, PinnedOutputs, StreamStepRunner
 from engine.backends.cuda_ops import CudaOps
 from engine.backends.cuda_wait import EventWaiter
+from engine.backends.step_runner import ThreadStepRunner
 from engine.batch import BatchMeta
 from engine.kv import KVLayout
 
@@ -78,6 +79,7 @@ class CudaBackend(CudaOps):
         use_graphs = graphs if graphs is not None else os.environ.get(GRAPHS_ENV, "1") != "0"
         self.graphs = DecodeGraphs(self) if use_graphs else None
         self.kv = KVTransfers(self)
+        self.expert_cache = None  # cuda_expert_cache.ExpertCache, set before loading with --expert-cache-mib
         log.info("backend cuda stage %d on device %d (%s), wait=%s, graphs=%s", stage, self.device.ordinal,
                  self.device.name, self.waiter.mode, "on" if self.graphs else "off")
 
@@ -87,8 +89,10 @@ class CudaBackend(CudaOps):
         weights, its own streams and workspace (stage 0 is this backend itself)."""
         if stage == self.stage:
             return self
-        return CudaBackend(self.device.ordinal, stage=stage, wait_mode=self.waiter.mode,
-                           graphs=self.graphs is not None)
+        backend = CudaBackend(self.device.ordinal, stage=stage, wait_mode=self.waiter.mode,
+                              graphs=self.graphs is not None)
+        backend.expert_cache = self.expert_cache  # the experts are shared, so is their cache
+        return backend
 
     def sibling(self) -> "CudaBackend":
         """Another handle on this device for another thread: the event loop moves cache blocks (park,
@@ -189,11 +193,9 @@ class CudaBackend(CudaOps):
 
     # -- mixture of experts (engine/backends/cuda_moe.py) --
     def upload_experts(self, gate, up, down, n_experts: int, biases=(None, None, None)) -> cuda_moe.CudaExperts:
-        """Stacked expert tensors (LinearParts of E * rows) as one device buffer each; biases (gate [E, F],
-        up [E, F], down [E, d] float32, or None) as given."""
-        bias = [None if b is None else self.upload(b) for b in biases]
-        return cuda_moe.CudaExperts(*(cuda_moe.upload_stacked(self, p, n_experts) for p in (gate, up, down)),
-                                    n_experts, *bias)
+        """Stacked expert tensors (LinearParts of E * rows) as one device buffer each, or into the expert cache
+        (--expert-cache-mib); biases (gate [E, F], up [E, F], down [E, d] float32, or None) as given."""
+        return cuda_moe.upload_experts(self, gate, up, down, n_experts, biases)
 
     def create_kv_pool(self, layout: KVLayout) -> CudaKVPool:
         return CudaKVPool(self, layout)
@@ -240,7 +242,10 @@ class CudaBackend(CudaOps):
 
     # -- streams and events ---------------------------------------------------------------------------
     def create_step_runner(self, worker):
-        """Pipeline stages launch this backend's steps from the event loop and await their events."""
+        """Pipeline stages launch this backend's steps from the event loop and await their events; with an
+        expert cache, on the stage's worker thread (each MoE layer waits for its routing read-back)."""
+        if self.expert_cache is not None:
+            return ThreadStepRunner(worker)
         return StreamStepRunner(self, worker)
 
     @property
@@ -345,6 +350,8 @@ class CudaBackend(CudaOps):
         """
         self._recycle_staging(0)
         self.forget_step()
+        if self.expert_cache is not None:
+            self.expert_cache.at_step_start()  # a resize the budget asked for happens between steps only
         if batch is not None:
             max_blocks = blocks_needed_by(batch)
             arrays = step_arrays(batch, max_blocks)
