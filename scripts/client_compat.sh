@@ -32,9 +32,10 @@ mkdir -p "$scratch"
 log="$scratch/server.log"
 # Agents' system prompts and tool lists are 10K-25K tokens: a 32K context, a small host tier. Codex and
 # Claude Code send no output limit; a 135M model that rambles would write 20K+ tokens, so 512 by default.
+# Codex sends no temperature either: 0 by default here, so a run can be repeated token for token.
 .venv/bin/strata serve --model "$model" --port "$port" --ctx-size 32768 --batch 2 \
   --conversation-cache-mib 512 --default-max-tokens "${DEFAULT_MAX_TOKENS:-512}" \
-  --tool-call-format "$tool_format" --log-format json >"$log" 2>&1 &
+  --tool-call-format "$tool_format" --default-temperature "${DEFAULT_TEMPERATURE:-0}" --log-format json >"$log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 for _ in $(seq 120); do
