@@ -154,13 +154,24 @@ class FakeKernelSet:
         assert err == OK, f"{kernel} launched from a thread without a current context"
 
 
+def driver_modules() -> tuple:
+    """Every backend module that calls the driver through its own `driver` name (one list for every fake)."""
+    from engine.backends import cuda_device, cuda_graphs, cuda_launch, cuda_streams
+
+    return (cuda_device, cuda_graphs, cuda_launch, cuda_streams)
+
+
+def patch_driver(monkeypatch, fake) -> None:
+    for module in driver_modules():
+        monkeypatch.setattr(module, "driver", fake)
+
+
 def install(monkeypatch) -> FakeDriver:
     """Route every CUDA module of the backend to a fresh FakeDriver and FakeKernelSet."""
-    from engine.backends import cuda_backend, cuda_device, cuda_graphs, cuda_launch
+    from engine.backends import cuda_device
 
     fake = FakeDriver()
-    for module in (cuda_device, cuda_backend, cuda_graphs, cuda_launch):
-        monkeypatch.setattr(module, "driver", fake)
+    patch_driver(monkeypatch, fake)
     monkeypatch.setattr(cuda_device, "_devices", {})
     monkeypatch.setattr(cuda_device.Device, "kernel_set", lambda self: self.__dict__.setdefault(
         "_fake_kernels", FakeKernelSet(fake)))

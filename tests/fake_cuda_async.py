@@ -167,11 +167,10 @@ class _SlowKernelSet(fake_cuda.FakeKernelSet):
 
 def install(monkeypatch, kernel_delay_s: float = 0.0) -> AsyncStreamsDriver:
     """fake_cuda.install with an AsyncStreamsDriver (and kernels slowed by kernel_delay_s)."""
-    from engine.backends import cuda_backend, cuda_device, cuda_graphs, cuda_launch
+    from engine.backends import cuda_device
 
     fake = AsyncStreamsDriver(kernel_delay_s)
-    for module in (cuda_device, cuda_backend, cuda_graphs, cuda_launch):
-        monkeypatch.setattr(module, "driver", fake)
+    fake_cuda.patch_driver(monkeypatch, fake)
     monkeypatch.setattr(cuda_device, "_devices", {})
     monkeypatch.setattr(cuda_device.Device, "kernel_set", lambda self: self.__dict__.setdefault(
         "_fake_kernels", _SlowKernelSet(fake)))
