@@ -63,7 +63,7 @@ class ServerConfig:
     default_max_tokens: int = _opt(0, "reply budget of a request that sets none (most agents send none); 0: the "
                                       "room its context leaves, as llama-server's -n -1")
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
-    kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy): start at --kv-cache-mib, grow up to this many MiB "
+    kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy, cuda): start at --kv-cache-mib, grow up to this many MiB "
                                     "as requests need room, shrink on POST /cache/device-pool (0: a fixed pool)")
     kv_type: str = _opt("auto", "how K/V is stored: f32, f16, or int8 (one float32 scale per token and head; "
                                 "about a quarter of f32's bytes); auto: f32 on numpy, the backend's default "

@@ -51,7 +51,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     admission = create_admission(plan, config.conversation_cache_commit == "at-start",
                                  config.conversation_cache_min_free_mib)
     runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=admission.host_committed_blocks,
-                         layer_split=config.layer_cuts, kv_type=kv_type)
+                         layer_split=config.layer_cuts, kv_type=kv_type, device_blocks=min_blocks)
     groups = config.groups_for(len(runner.stages))
     if len(runner.stages) > 1 or groups > 1:
         log.info("pipeline: %s; %d batch groups of slots move through them staggered",
@@ -88,12 +88,10 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
 def _elastic_pool(config: ServerConfig, loaded: LoadedModel, num_blocks: int, bytes_per_block: int):
     """(starting size or None for a fixed pool, ids to reserve). With --kv-cache-max-mib the pool starts at
     the size --kv-cache-mib / --batch * --ctx-size give and grows up to the maximum as requests need room;
-    numpy's pages are committed as they are touched, so the reserve costs nothing until used."""
+    numpy's pages are committed as they are touched, and CUDA maps physical chunks into one reserved address
+    range as the pool grows (engine/backends/cuda_kv_elastic.py), so the reserve costs nothing until used."""
     if not config.kv_cache_max_mib:
         return None, num_blocks
-    if loaded.model.backend.name != "numpy":
-        raise ValueError("--kv-cache-max-mib (an elastic KV pool) works on the numpy backend only for now; "
-                         "on CUDA leave it unset and size the pool with --kv-cache-mib")
     reserved = int(config.kv_cache_max_mib * 2**20) // bytes_per_block
     if reserved < num_blocks:
         raise ValueError(f"--kv-cache-max-mib {config.kv_cache_max_mib} is below the starting pool of "

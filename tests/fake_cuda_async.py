@@ -92,6 +92,8 @@ class AsyncStreamsDriver(FakeDriver):
 
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):
         self.copy_log.append("HtoD")
+        if self.unmapped((dst, n), (src, n)):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         if self._is_pinned(int(src)):  # read in stream order (a graph replays it with new inputs)
             return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         data = ctypes.string_at(int(src), n)  # pageable: read now, the source may be a temporary
@@ -99,6 +101,8 @@ class AsyncStreamsDriver(FakeDriver):
 
     def cuMemcpyDtoHAsync(self, dst, src, n, stream):
         self.copy_log.append("DtoH")
+        if self.unmapped((dst, n), (src, n)):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         result = self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         if not self._is_pinned(int(dst)) and stream not in self.capturing:
             self._block("cuMemcpyDtoHAsync(pageable)")
@@ -107,6 +111,8 @@ class AsyncStreamsDriver(FakeDriver):
 
     def cuMemcpyDtoDAsync(self, dst, src, n, stream):
         self.copy_log.append("DtoD")
+        if self.unmapped((dst, n), (src, n)):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
 
     def _drain(self, stream) -> None:
@@ -144,6 +150,12 @@ class AsyncStreamsDriver(FakeDriver):
     def cuGraphLaunch(self, graph_exec, stream):
         for work in graph_exec:
             self._run(stream, work)
+        return (OK,)
+
+    def cuCtxSynchronize(self):
+        self._block("cuCtxSynchronize")
+        for stream in list(self._streams):
+            self._drain(stream)
         return (OK,)
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ DOC_KERNELS = (
 # Odd sizes everywhere, so no grid comes out exact by luck. H is a multiple of KVH (GQA).
 ODD_INTS = dict(
     T=7, d=37, n=1001, rows=13, in_cols=99, col_start=5, out_cols=33, H=9, KVH=3, hd=80, rope_dims=46,
-    num_slots=45, max_blocks=5, block_size=9, window=0, chunk_keys=17, n_chunks=3, F=131, n_rows=3,
+    num_slots=45, seg_rows=0, max_blocks=5, block_size=9, window=0, chunk_keys=17, n_chunks=3, F=131, n_rows=3,
     n_pairs=3, planes=11, block_elems=9 * 80, vocab=4099, mask_words=129,
 )
 FLAT_ELEMENTS = {

@@ -106,7 +106,7 @@ def test_store_kv_writes_slots_and_skips_negative_ones(kernel_runner):
     slots = np.append(batch.slot_mapping[:3], -1).astype(np.int64)  # the last row is padding
     pool_k, pool_v = np.zeros((2, 15, 7), np.float32), np.zeros((2, 15, 7), np.float32)
     kernel_runner("kv_blocks").launch("store_kv_f32", pool_layer_k=pool_k, pool_layer_v=pool_v, k=k, v=v,
-                                         slots=slots, T=4, KVH=2, hd=7, num_slots=15)
+                                         slots=slots, T=4, KVH=2, hd=7, num_slots=15, seg_rows=0)
     pool.k[0][:, batch.slot_mapping[3]] = 0  # the reference stored the row the kernel skipped
     pool.v[0][:, batch.slot_mapping[3]] = 0
     np.testing.assert_array_equal(pool_k, pool.k[0])

@@ -27,6 +27,7 @@ from engine.backends.cuda_array import DeviceArray
 from engine.backends.cuda_device import PinnedBuffer, get_device
 from engine.backends.cuda_graphs import DecodeGraphs
 from engine.backends.cuda_kv import CudaHostPool, CudaKVPool, KVTransfers
+from engine.backends.cuda_kv_elastic import ElasticKVPool
 from engine.backends.cuda_memory import STAGING_BYTES, WORKSPACE_REGION_BYTES, CudaMemory
 from engine.backends.cuda_ops import CudaOps
 from engine.backends.cuda_step import DeviceHandoff, PinnedOutputs
@@ -141,16 +142,21 @@ class CudaBackend(CudaMemory, CudaStreams, CudaStepIndex, CudaOps):
         return cuda_moe.CudaExperts(*(cuda_moe.upload_stacked(self, p, n_experts) for p in (gate, up, down)),
                                     n_experts, *bias)
 
-    def create_kv_pool(self, layout: KVLayout) -> CudaKVPool:
-        return CudaKVPool(self, layout)
+    def create_kv_pool(self, layout: KVLayout, mapped_blocks: int | None = None):
+        """A fixed pool of layout.num_blocks (arena memory), or with mapped_blocks an elastic one: every id
+        reserved, the first mapped_blocks backed, `release_kv_blocks` resizing it (cuda_kv_elastic.py)."""
+        if mapped_blocks is None:
+            return CudaKVPool(self, layout)
+        return ElasticKVPool(self, layout, mapped_blocks)
 
     def create_host_pool(self, layout: KVLayout) -> CudaHostPool:
         self.device.ensure_current()  # pinned memory belongs to the context current in this thread
         return CudaHostPool(layout)
 
     def release_kv_blocks(self, pool, num_blocks: int) -> None:
-        raise NotImplementedError("an elastic KV pool on CUDA (cuMemAddressReserve / cuMemMap) is not built yet; "
-                                  "leave --kv-cache-max-mib unset")
+        """The cache's pool is num_blocks now (grown or shrunk): an elastic pool maps or unmaps chunks to
+        match (new memory zeroed on this backend's stream); a fixed one keeps its memory."""
+        pool.resize(num_blocks, self)
 
     def grow_host_pool(self, host_pool: CudaHostPool, num_blocks: int) -> None:
         self.device.ensure_current()

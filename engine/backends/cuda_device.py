@@ -209,6 +209,11 @@ class Device:
         self.ensure_current()
         check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
+    def synchronize_context(self) -> None:
+        """Wait for all work queued on this device by every stream (before memory is unmapped under it)."""
+        self.ensure_current()
+        check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+
     def kernel_set(self):
         """The loaded kernel modules of this device (compiled for its arch on first use)."""
         if self.kernels is None:

@@ -75,7 +75,7 @@ class CudaOps:
         T, KVH, hd = k.shape
         self.launch(f"store_kv_{pool.layout.kv_type}", pool_layer_k=pool.layer_k(layer), pool_layer_v=pool.layer_v(layer), k=k, v=v,
                     slots=self._index(batch.slot_mapping, np.int64), T=T, KVH=KVH, hd=hd,
-                    num_slots=pool.layout.num_slots)
+                    num_slots=pool.seg_slots, seg_rows=pool.seg_rows)
 
     def attention(self, q, pool, layer: int, batch: BatchMeta, scale: float, window: int, sinks=None):
         T, H, hd = q.shape
@@ -85,7 +85,7 @@ class CudaOps:
         args = dict(out=out, q=q, pool_k=pool.layer_k(layer), pool_v=pool.layer_v(layer), token_seq=token_seq,
                     token_pos=self._index(batch.positions, np.int32), block_tables=block_tables,
                     max_blocks=max_blocks, T=T, H=H, KVH=lay.n_kv_heads, hd=hd, block_size=lay.block_size,
-                    num_slots=lay.num_slots, scale=scale, window=window)
+                    num_slots=pool.seg_slots, seg_rows=pool.seg_rows, scale=scale, window=window)
         # Chunks over the widest key range the step can read (the table, or the window): the kernel's own
         # rule, since its grid has that many; a chunk past a query's own position is empty.
         n_chunks = attention_geometry.num_chunks(max_blocks, lay.block_size, CHUNK_KEYS, window)
