@@ -217,38 +217,62 @@ def test_a_pool_the_device_cannot_back_says_which_setting_to_change(cuda):
     pool.close()
 
 
-def test_seed_002_on_the_cuda_pool_gives_the_numpy_tokens(cuda, tmp_path):
-    """Seed 002's sequence (tests/test_device_pool.py) on the CUDA backend's elastic pool: the pool grows
-    by mapping, shrinks to 8 blocks by unmapping (the blocks above moved down or parked first), and the long
-    conversation's next turn reuses every computed token with the tokens of the numpy backend."""
+def _tiny_llama(cuda, tmp_path):
+    """(CUDA model, numpy model, tokenizer) of seed 3's tiny llama, the CUDA one recording every size its
+    elastic pools are given (4-block segments, so a shrink of these small pools unmaps memory)."""
     from engine.backends.cuda_kv_elastic import ElasticKVPool
     from engine.gguf_file import GGUFFile
     from engine.model import load_model
     from engine.tokenizer import Tokenizer
-    from tests.test_device_pool import seed_002_sequence
     from tests.tiny_gguf import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "m.gguf", "llama", seed=3, n_ctx=512)
     tokenizer = Tokenizer.from_gguf_fields(GGUFFile(tmp_path / "m.gguf").fields)
     if cuda.test_driver is not None:
         cuda.test_driver.vmm_granularity = PAGE
-    sizes = []  # every size the elastic pool was given
+    cuda.kv_segment_blocks = SEG
+    cuda.pool_sizes = []
     create = cuda.create_kv_pool
 
     def recording(layout, mapped_blocks=None):
         pool = create(layout, mapped_blocks)
         assert isinstance(pool, ElasticKVPool)
         resize = pool.resize
-        pool.resize = lambda n, caller=None: (sizes.append(n), resize(n, caller))
+        pool.resize = lambda n, caller=None: (resize(n, caller), cuda.pool_sizes.append((n, pool.nbytes)))
         return pool
 
     cuda.create_kv_pool = recording
-    model = load_model(tmp_path / "m.gguf", cuda)[0]
+    return (load_model(tmp_path / "m.gguf", cuda)[0], load_model(tmp_path / "m.gguf", NumpyBackend())[0],
+            tokenizer)
+
+
+def test_seed_002_on_the_cuda_pool_gives_the_numpy_tokens(cuda, tmp_path):
+    """Seed 002's sequence (tests/test_device_pool.py) on the CUDA backend's elastic pool: the pool grows
+    by mapping, shrinks to 8 blocks by unmapping (the blocks above moved down or parked first), and the long
+    conversation's next turn reuses every computed token with the tokens of the numpy backend."""
+    from tests.test_device_pool import seed_002_sequence
+
+    model, numpy_model, tokenizer = _tiny_llama(cuda, tmp_path)
     reply2, cached, first_turn = seed_002_sequence(model, tokenizer, True, device_blocks=8)
+    sizes = [n for n, _ in cuda.pool_sizes]
     shrink = sizes.index(8)
-    assert max(sizes[:shrink]) > 8 and sizes[shrink:] and cached == first_turn - 1  # grew, shrank, grew
-    numpy_model = load_model(tmp_path / "m.gguf", NumpyBackend())[0]
+    assert max(sizes[:shrink]) > 8 and sizes[shrink + 1:] and cached == first_turn - 1  # grew, shrank, grew
+    mapped = [nbytes for _, nbytes in cuda.pool_sizes]
+    assert cuda.test_driver is None or mapped[shrink] < max(mapped[:shrink])  # the shrink gave chunks back
     assert reply2 == seed_002_sequence(numpy_model, tokenizer, False)[0]
+
+
+def test_blocks_moved_down_into_kept_segments_keep_their_bytes_on_cuda(cuda, tmp_path):
+    """The shrink plan's relocations (device copies into free ids below the target) run before the chunks
+    above are unmapped: the moved conversation's next turn reuses it with the numpy backend's tokens."""
+    from tests.test_device_pool import moved_down_sequence
+
+    model, numpy_model, tokenizer = _tiny_llama(cuda, tmp_path)
+    reply2, cached, relocated, first_turn = moved_down_sequence(model, tokenizer, True, device_blocks=8)
+    assert relocated >= 4 and cached == first_turn - 1 and cuda.pool_sizes[-1][0] == 10
+    mapped = [nbytes for _, nbytes in cuda.pool_sizes]
+    assert cuda.test_driver is None or mapped[-1] < max(mapped)  # the shrink gave chunks back
+    assert reply2 == moved_down_sequence(numpy_model, tokenizer, False)[0]
 
 
 def test_the_fakes_replace_the_driver_in_every_module_that_calls_it():

@@ -27,7 +27,7 @@ from engine.backends.cuda_array import DeviceArray
 from engine.backends.cuda_device import PinnedBuffer, get_device
 from engine.backends.cuda_graphs import DecodeGraphs
 from engine.backends.cuda_kv import CudaHostPool, CudaKVPool, KVTransfers
-from engine.backends.cuda_kv_elastic import ElasticKVPool
+from engine.backends.cuda_kv_elastic import SEGMENT_BLOCKS, ElasticKVPool
 from engine.backends.cuda_memory import STAGING_BYTES, WORKSPACE_REGION_BYTES, CudaMemory
 from engine.backends.cuda_ops import CudaOps
 from engine.backends.cuda_step import DeviceHandoff, PinnedOutputs
@@ -79,6 +79,7 @@ class CudaBackend(CudaMemory, CudaStreams, CudaStepIndex, CudaOps):
         use_graphs = graphs if graphs is not None else os.environ.get(GRAPHS_ENV, "1") != "0"
         self.graphs = DecodeGraphs(self) if use_graphs else None
         self.kv = KVTransfers(self)
+        self.kv_segment_blocks = SEGMENT_BLOCKS  # an elastic pool's layout segment (tests make it small)
         log.info("backend cuda stage %d on device %d (%s), wait=%s, graphs=%s", stage, self.device.ordinal,
                  self.device.name, self.waiter.mode, "on" if self.graphs else "off")
 
@@ -147,7 +148,7 @@ class CudaBackend(CudaMemory, CudaStreams, CudaStepIndex, CudaOps):
         reserved, the first mapped_blocks backed, `release_kv_blocks` resizing it (cuda_kv_elastic.py)."""
         if mapped_blocks is None:
             return CudaKVPool(self, layout)
-        return ElasticKVPool(self, layout, mapped_blocks)
+        return ElasticKVPool(self, layout, mapped_blocks, self.kv_segment_blocks)
 
     def create_host_pool(self, layout: KVLayout) -> CudaHostPool:
         self.device.ensure_current()  # pinned memory belongs to the context current in this thread
