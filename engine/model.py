@@ -121,8 +121,8 @@ def load_model(path: str | Path, backend: Backend, max_positions: int | None = N
     started = time.perf_counter()
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf.fields, vocab_size=gguf.tensor_shape("token_embd.weight")[0])
-    if config.is_hybrid and getattr(backend, "name", "numpy") != "numpy":
-        raise ValueError(f"{Path(path).name}: {config.arch} (short convolutions) runs on the numpy backend only")
+    if config.is_hybrid and getattr(backend, "name", "numpy") != "numpy" and not hasattr(backend, "short_conv"):
+        raise ValueError(f"{Path(path).name}: {config.arch} (short convolutions) needs a backend with short_conv")
     positions = max_positions or config.context_length
     weights = load_weights(gguf, config, backend, positions)
     weight_bytes = _count_bytes(weights)

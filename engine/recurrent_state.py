@@ -32,7 +32,8 @@ class RecurrentStates:
             return
         for stage in stages:
             layers = tuple(i for i in stage.layers if config.layer_is_recurrent[i])
-            stage.state_pool = ConvStatePool(layers, config.conv_kernel, config.d_model)
+            create = getattr(stage.backend, "create_state_pool", ConvStatePool)  # cuda: on the device
+            stage.state_pool = create(layers, config.conv_kernel, config.d_model)
         self.shape = (len(config.recurrent_layers), config.conv_kernel - 1, config.d_model)
 
     @property

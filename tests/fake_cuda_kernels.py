@@ -5,6 +5,7 @@ Used by tests/fake_cuda.py. Each takes (kernel name, {argument: value}) with poi
 from __future__ import annotations
 
 import ctypes
+import types
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -15,6 +16,7 @@ from cuda_kernels.attention import num_chunks
 from engine.kv import KV_TYPES
 from engine.kv_quant import decode_rows, encode_rows
 from tests.fake_cuda_vmm import check_access
+
 
 def view(ptr, count: int, dtype=np.float32) -> np.ndarray:
     """count elements of dtype at a real address, as a writable numpy array; a range that touches an unmapped
@@ -49,6 +51,31 @@ def _add_rms_norm(_, a):
 
 def _add(_, a):
     view(a["out"], a["n"])[:] = view(a["a"], a["n"]) + view(a["b"], a["n"])
+
+
+def _mul(_, a):
+    view(a["out"], a["n"])[:] = view(a["a"], a["n"]) * view(a["b"], a["n"])
+
+
+def _short_conv(_, a):
+    """short_conv_f32 (short_conv.cu) through engine/short_conv.numpy_short_conv on a stand-in pool."""
+    from engine.short_conv import ConvStatePool, numpy_short_conv
+
+    n, d, L = a["n_seqs"], a["d"], a["L"]
+    start, length = view(a["seq_start"], n, np.int32), view(a["seq_len"], n, np.int32)
+    pos, slot = view(a["start_pos"], n, np.int32), view(a["state_slot"], n, np.int32)
+    T = int((start + length).max())
+    slots = int(slot.max()) + 1
+    pool = ConvStatePool((0,), L, d, num_slots=slots)
+    states = view(a["states"], slots * (L - 1) * d).reshape(slots, L - 1, d)
+    pool.conv[0] = states  # in place, as the kernel
+    seqs = [types.SimpleNamespace(query_start=int(s), query_len=int(q), start_pos=int(p), state_slot=int(k),
+                                  context_len=int(p + q)) for s, q, p, k in zip(start, length, pos, slot)]
+    out = numpy_short_conv(view(a["u"], T * d).reshape(T, d), view(a["w"], d * L).reshape(d, L), pool, 0,
+                           types.SimpleNamespace(seqs=seqs))
+    rows = view(a["out"], T * d).reshape(T, d)
+    for s in seqs:
+        rows[s.query_start : s.query_start + s.query_len] = out[s.query_start : s.query_start + s.query_len]
 
 
 def _split_columns(_, a):
@@ -215,6 +242,7 @@ def _quant_linear(kernel, a):
 
 KERNELS = {
     "embedding_f32": _embedding, "rms_norm_f32": _rms_norm, "add_rms_norm_f32": _add_rms_norm, "add_f32": _add,
+    "mul_f32": _mul, "short_conv_f32": _short_conv,
     "split_columns_f32": _split_columns, "rope_neox_f32": _rope, "rope_norm_f32": _rope, "store_kv_f32": _store_kv,
     "paged_attention_f32": _paged_attention, "paged_attention_split_f32": _paged_attention_split,
     "store_kv_f16": _store_kv, "store_kv_int8": _store_kv, "paged_attention_f16": _paged_attention,

@@ -12,7 +12,7 @@ from cuda_kernels.sampling import philox4x32_10, philox_uniform
 
 # The kernels of docs/CUDA_KERNELS.md's "Kernels" table (other sources may add more).
 DOC_KERNELS = (
-    "embedding_f32", "rms_norm_f32", "add_rms_norm_f32", "add_f32", "split_columns_f32", "rope_neox_f32",
+    "embedding_f32", "rms_norm_f32", "add_rms_norm_f32", "add_f32", "mul_f32", "split_columns_f32", "rope_neox_f32",
     "rope_norm_f32", "store_kv_f32", "paged_attention_f32", "paged_attention_split_f32",
     "attention_combine_f32", "gated_silu_f32", "gated_gelu_tanh_f32", "gather_rows_f32", "copy_kv_blocks_f32",
     "gather_kv_blocks_f32", "scatter_kv_blocks_f32", "sample_f32",
@@ -24,7 +24,7 @@ ODD_INTS = dict(
     n_pairs=3, planes=11, block_elems=9 * 80, vocab=4099, mask_words=129,
 )
 FLAT_ELEMENTS = {
-    "embedding_f32": 7 * 37, "add_f32": 1001, "split_columns_f32": 7 * 33, "gather_rows_f32": 3 * 37,
+    "embedding_f32": 7 * 37, "add_f32": 1001, "mul_f32": 1001, "split_columns_f32": 7 * 33, "gather_rows_f32": 3 * 37,
     "gated_silu_f32": 7 * 131, "gated_gelu_tanh_f32": 7 * 131, "rope_neox_f32": 7 * 9 * 23,
     "rope_norm_f32": 7 * 9 * 23, "store_kv_f32": 7 * 3 * 80,
 }

@@ -32,6 +32,8 @@ def test_add_split_and_gather_match_numpy(kernel_runner):
     out = np.zeros(1001, np.float32)
     lib.launch("add_f32", out=out, a=a, b=b, n=1001)
     np.testing.assert_array_equal(out, a + b)
+    lib.launch("mul_f32", out=out, a=a, b=b, n=1001)
+    np.testing.assert_array_equal(out, a * b)  # lfm2's gates (engine/short_conv.py multiplies in numpy)
     x = rand(7, 99)
     part = np.zeros((7, 33), np.float32)
     lib.launch("split_columns_f32", out=part, x=x, T=7, in_cols=99, col_start=40, out_cols=33)

@@ -31,6 +31,7 @@ SIGNATURES: dict[str, str] = {
     "add_rms_norm_f32": ("float* sum_out, float* norm_out, const float* x, const float* delta, const float* w, "
                          "int rows, int n, float eps"),
     "add_f32": "float* out, const float* a, const float* b, int n",
+    "mul_f32": "float* out, const float* a, const float* b, int n",
     "split_columns_f32": "float* out, const float* x, int T, int in_cols, int col_start, int out_cols",
     "rope_neox_f32": _ROPE,
     "rope_norm_f32": _ROPE,

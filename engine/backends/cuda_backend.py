@@ -24,6 +24,7 @@ import numpy as np
 from engine.backends import cuda_linear, cuda_moe
 from engine.backends.cuda_arena import GrowingPool
 from engine.backends.cuda_array import DeviceArray
+from engine.backends.cuda_conv_state import CudaConvStatePool
 from engine.backends.cuda_device import PinnedBuffer, get_device
 from engine.backends.cuda_graphs import DecodeGraphs
 from engine.backends.cuda_kv import CudaHostPool, CudaKVPool, KVTransfers
@@ -149,6 +150,10 @@ class CudaBackend(CudaMemory, CudaStreams, CudaStepIndex, CudaOps):
         if mapped_blocks is None:
             return CudaKVPool(self, layout)
         return ElasticKVPool(self, layout, mapped_blocks, self.kv_segment_blocks)
+
+    def create_state_pool(self, layers: tuple[int, ...], kernel: int, d_model: int) -> CudaConvStatePool:
+        """lfm2: the short-conv states of a stage's recurrent layers, on the device (cuda_conv_state.py)."""
+        return CudaConvStatePool(self, layers, kernel, d_model)
 
     def create_host_pool(self, layout: KVLayout) -> CudaHostPool:
         self.device.ensure_current()  # pinned memory belongs to the context current in this thread

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels import attention as attention_geometry
-from engine.backends import cuda_linear, cuda_moe
+from engine.backends import cuda_conv_state, cuda_linear, cuda_moe
 from engine.batch import BatchMeta
 
 CHUNK_KEYS = 512  # keys per flash-decoding chunk of paged_attention_split_f32
@@ -50,6 +50,23 @@ class CudaOps:
         out = self.empty(a.shape)
         self.launch("add_f32", out=out, a=a, b=b, n=a.size)
         return out
+
+    def mul(self, a, b):
+        assert a.shape == b.shape, f"mul: {a.shape} * {b.shape}"
+        out = self.empty(a.shape)
+        self.launch("mul_f32", out=out, a=a, b=b, n=a.size)
+        return out
+
+    def columns(self, x, start: int, count: int):
+        T, in_cols = x.shape
+        out = self.empty((T, count))  # [T, count]: columns start .. start + count of x
+        self.launch("split_columns_f32", out=out, x=x, T=T, in_cols=in_cols, col_start=start, out_cols=count)
+        return out
+
+    def short_conv(self, u, kernel, pool, layer: int, batch: BatchMeta):
+        """lfm2's causal conv (engine/short_conv.numpy_short_conv): u [T, d] -> [T, d], each sequence's state
+        row read and rolled on the device (cuda_conv_state.CudaConvStatePool); captures first."""
+        return cuda_conv_state.short_conv(self, u, kernel, pool, layer, batch)
 
     def linear(self, x, weight, bias=None):
         return cuda_linear.launch_linear(self, x, weight, bias)  # [T, in] -> [T, out]
