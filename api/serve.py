@@ -16,6 +16,7 @@ from api.checkpoint_hints import find_message_start_id
 from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
+from engine.backends.cuda_device import leave_outside_arena
 from engine.loader import LoadedModel, open_model
 from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type
 from engine.sequence import ModelRunner
@@ -30,6 +31,8 @@ STEP_GRACE_S = 30.0  # after --shutdown-timeout-s, time for the engine step in f
 
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
     """Load the model (unless given) and wire runner, engine loop and metrics for one server."""
+    if loaded is None and config.kv_cache_max_mib:  # cuda: the elastic pool's chunks come from outside the arena
+        leave_outside_arena(int(config.kv_cache_max_mib * 2**20))
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
                                   max_positions=config.ctx_size, backend_name=config.backend,
                                   cpu_weights=config.cpu_weights)

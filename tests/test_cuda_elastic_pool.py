@@ -287,3 +287,21 @@ def test_the_fakes_replace_the_driver_in_every_module_that_calls_it():
     binding = re.compile(r"^from engine\.backends\.cuda_device import .*\bdriver\b", re.M)
     callers = {p.stem for p in backends.glob("cuda_*.py") if binding.search(p.read_text())}
     assert callers <= {m.__name__.rsplit(".", 1)[1] for m in driver_modules()}
+
+
+def test_the_default_arena_leaves_the_elastic_pool_its_room(monkeypatch):
+    """serve.build_state calls leave_outside_arena(--kv-cache-max-mib) before the device opens: the arena's
+    default size (90% of the free memory) shrinks by that much, so the pool's chunks can be created."""
+    from engine.backends import cuda_device
+    from tests import fake_cuda
+
+    fake_cuda.install(monkeypatch)
+    monkeypatch.delenv(cuda_device.ARENA_ENV)
+    monkeypatch.setattr(cuda_device, "_outside_arena", {"bytes": 0})
+    free = fake_cuda.ARENA_BYTES  # what the fake's cuMemGetInfo reports free
+    cuda_device.leave_outside_arena(100 * 2**20)
+    assert cuda_device.get_device(0).arena_bytes == int(free * 0.9 - 100 * 2**20) // 2**20 * 2**20
+    monkeypatch.setattr(cuda_device, "_devices", {})
+    cuda_device.leave_outside_arena(free)
+    with pytest.raises(ValueError, match="--kv-cache-max-mib"):
+        cuda_device.get_device(0)
