@@ -161,7 +161,8 @@ __device__ void paged_attention(float* out, const float* q, Rows pool_k, Rows po
 template <typename Rows>
 __device__ void paged_attention_split(const float* q, Rows pool_k, Rows pool_v, const int* token_seq,
                                       const int* token_pos, const int* block_tables, int max_blocks, int T, int H,
-                                      int KVH, int hd, int block_size, int num_slots, int seg_rows, float scale, int window,
+                                      int KVH, int hd, int block_size, int num_slots, int seg_rows, float scale,
+                                      int window,
                                       float* part_out, float* part_max, float* part_sum, int chunk_keys) {
     __shared__ float acc[ATTN_MAX_HD];
     const int t = blockIdx.x / H;

@@ -305,3 +305,51 @@ def test_the_default_arena_leaves_the_elastic_pool_its_room(monkeypatch):
     cuda_device.leave_outside_arena(free)
     with pytest.raises(ValueError, match="--kv-cache-max-mib"):
         cuda_device.get_device(0)
+
+
+def test_a_cuda_server_grows_its_pool_and_shrinks_it_on_request(tmp_path, monkeypatch):
+    """api/serve.build_state with --kv-cache-max-mib on the CUDA backend (the fake driver): the pool starts
+    elastic at one slot's 8 blocks, grows by mapping chunks as two conversations arrive, shrinks on POST
+    /cache/device-pool by unmapping them (nothing dropped), and the first conversation's next turn reuses it
+    with the tokens of the same server on numpy."""
+    from engine.backends.cuda_backend import CudaBackend
+    from engine.loader import open_model
+    from engine.sampling import SamplingParams
+    from scheduler.request import Request
+    from tests import fake_cuda
+    from tests.fake_cuda_vmm import FakeVmm
+    from tests.test_cuda_step import _serve
+    from tests.tiny_gguf import write_tiny_gguf
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "llama", seed=3, n_ctx=512)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [[(7 * i + k) % 200 + 20 for i in range(100)] for k in (0, 1)]  # 7 blocks each: the second grows
+
+    def serve(loaded):
+        async def work(state, client):
+            async def turn(rid, prompt):
+                deltas = [d async for d in state.engine.submit(Request(rid, prompt, params))]
+                return [t for d in deltas for t in d.token_ids], deltas[-1].usage.cached_tokens
+
+            replies = [await turn(f"c{k}", p) for k, p in enumerate(prompts)]
+            grown = (await client.get("/cache")).json()
+            shrunk = (await client.post("/cache/device-pool", json={"max_blocks": 8})).json()
+            await client.post("/cache/device-pool", json={"max_blocks": 10_000})  # the ceiling back up
+            again = await turn("c0-2", prompts[0] + replies[0][0] + [9, 8])
+            return replies, again, grown, shrunk, (await client.get("/cache")).json()
+
+        return _serve(loaded, work, ctx_size=128, kv_cache_max_mib=1, conversation_cache_mib=1)
+
+    want = serve(open_model(str(path), backend=NumpyBackend()))
+    fake = fake_cuda.install(monkeypatch)
+    monkeypatch.setattr(FakeVmm, "vmm_granularity", PAGE)  # a chunk per 64-block segment of this tiny model
+    backend = CudaBackend(graphs=False)
+    loaded = open_model(str(path), backend=backend)
+    replies, again, grown, shrunk, after = got = serve(loaded)
+    assert grown["device_total"] > 8 and grown["device_grows"] >= 1 and grown["parks"] == 0
+    assert shrunk["device_blocks"] == 8 and not shrunk["stopped_by"] and after["dropped_blocks"] == 0
+    assert again[1] == len(prompts[0]) + len(replies[0][0]) - 1  # every computed token of turn one reused
+    assert got[:2] == want[:2]
+    calls = [c[0] for c in fake._vmm_state().calls]
+    assert calls.count("map") >= 2 and "unmap" in calls[calls.index("map") + 1:]  # grew by a chunk, gave it back

@@ -153,3 +153,37 @@ def test_turns_through_the_engine_loop_reuse_checkpoints_and_give_numpy_tokens(m
     got, want = asyncio.run(run(models[0])), asyncio.run(run(models[1]))
     assert got == want
     assert all(cached > 0 for _, cached in got[1].values())  # the second turns reused their checkpoints
+
+
+def test_lfm2_served_with_steps_launched_from_the_loop_gives_numpy_tokens(tmp_path, monkeypatch):
+    """The server's path (api/serve.build_state): steps launched from the event loop in deferred-host mode on
+    streams that really run later (tests/fake_cuda_async.py), so a captured checkpoint's DtoD copy, the
+    kernel's in-place state update and the host reads of states are ordered only by the stream and its
+    awaited event. The second turn reuses its checkpointed prefix; both turns give numpy's tokens."""
+    from engine.backends.cuda_backend import CudaBackend
+    from engine.loader import open_model
+    from tests import fake_cuda_async
+    from tests.test_cuda_step import _serve
+
+    path = tmp_path / "lfm2.gguf"
+    write_tiny_lfm2(path, seed=4, n_ctx=256)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    def turns(loaded):
+        async def work(state, client):
+            out, prompt = [], list(PROMPT)
+            for turn in range(2):
+                deltas = [d async for d in state.engine.submit(Request(f"t{turn}", prompt, params))]
+                out.append(([t for d in deltas for t in d.token_ids], deltas[-1].usage.cached_tokens))
+                prompt = prompt + out[-1][0] + [40, 41]
+            return out
+
+        return _serve(loaded, work, ctx_size=128, prefill_chunk=6, conversation_cache_mib=1)
+
+    want = turns(open_model(str(path), backend=NumpyBackend()))
+    driver = fake_cuda_async.install(monkeypatch, kernel_delay_s=0.0005)
+    try:
+        got = turns(open_model(str(path), backend=CudaBackend()))
+    finally:
+        driver.close()
+    assert got == want and got[1][1] > 0
