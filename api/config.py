@@ -68,7 +68,7 @@ class ServerConfig:
                                                    "as Codex send none); unset: 1.0, as OpenAI and Anthropic",
                                              metavar="T")
     kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
-    kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy): start at --kv-cache-mib, grow up to this many MiB "
+    kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy, cuda): start at --kv-cache-mib, grow up to this many MiB "
                                     "as requests need room, shrink on POST /cache/device-pool (0: a fixed pool)")
     expert_cache_mib: str = _opt("", "MoE models on cuda: device MiB for hot experts, the rest in pinned host RAM "
                                      "(auto: as many as fit; unset: every expert on the device)", metavar="MIB|auto")

@@ -16,6 +16,7 @@ from api.checkpoint_hints import find_message_start_id
 from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
+from engine.backends.cuda_device import leave_outside_arena
 from engine.loader import LoadedModel, open_model
 from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type
 from engine.sequence import ModelRunner
@@ -30,6 +31,8 @@ STEP_GRACE_S = 30.0  # after --shutdown-timeout-s, time for the engine step in f
 
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
     """Load the model (unless given) and wire runner, engine loop and metrics for one server."""
+    if loaded is None and config.kv_cache_max_mib:  # cuda: the elastic pool's chunks come from outside the arena
+        leave_outside_arena(int(config.kv_cache_max_mib * 2**20))
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
                                   max_positions=config.ctx_size, backend_name=config.backend,
                                   cpu_weights=config.cpu_weights, expert_cache_mib=config.expert_cache_mib)
@@ -53,7 +56,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     admission = create_admission(plan, config.conversation_cache_commit == "at-start",
                                  config.conversation_cache_min_free_mib)
     runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=admission.host_committed_blocks,
-                         layer_split=config.layer_cuts, kv_type=kv_type)
+                         layer_split=config.layer_cuts, kv_type=kv_type, device_blocks=min_blocks)
     groups = config.groups_for(len(runner.stages))
     if len(runner.stages) > 1 or groups > 1:
         log.info("pipeline: %s; %d batch groups of slots move through them staggered",
@@ -93,12 +96,10 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
 def _elastic_pool(config: ServerConfig, loaded: LoadedModel, num_blocks: int, bytes_per_block: int):
     """(starting size or None for a fixed pool, ids to reserve). With --kv-cache-max-mib the pool starts at
     the size --kv-cache-mib / --batch * --ctx-size give and grows up to the maximum as requests need room;
-    numpy's pages are committed as they are touched, so the reserve costs nothing until used."""
+    numpy's pages are committed as they are touched, and CUDA maps physical chunks into one reserved address
+    range as the pool grows (engine/backends/cuda_kv_elastic.py), so the reserve costs nothing until used."""
     if not config.kv_cache_max_mib:
         return None, num_blocks
-    if loaded.model.backend.name != "numpy":
-        raise ValueError("--kv-cache-max-mib (an elastic KV pool) works on the numpy backend only for now; "
-                         "on CUDA leave it unset and size the pool with --kv-cache-mib")
     reserved = int(config.kv_cache_max_mib * 2**20) // bytes_per_block
     if reserved < num_blocks:
         raise ValueError(f"--kv-cache-max-mib {config.kv_cache_max_mib} is below the starting pool of "

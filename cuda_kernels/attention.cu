@@ -30,7 +30,9 @@ __device__ __forceinline__ float part_weight(float m, float m_all) {
 }
 
 // One layer's K or V rows in the pool, by --kv-type (engine/kv_quant.py): value(row, d) and the row's scale
-// (1 for the float types, so their products are exactly the f32 kernel's). row = kv_head * num_slots + slot.
+// (1 for the float types, so their products are exactly the f32 kernel's).
+// row = segment * seg_rows + kv_head * num_slots + slot % num_slots, segment = slot / num_slots (num_slots: one
+// segment's slots, every slot of a fixed pool; seg_rows: the rows from one segment to the next, kv_blocks.cu).
 struct RowsF32 {
     const float* base;
     int hd;
@@ -69,7 +71,7 @@ struct BlockResult {
 template <typename Rows>
 __device__ BlockResult attend_keys(const float* q, Rows pool_k, Rows pool_v, const int* token_seq,
                                    const int* block_tables, int max_blocks, int t, int h, int H, int KVH, int hd,
-                                   int block_size, int num_slots, float scale, int key_begin, int key_end,
+                                   int block_size, int num_slots, int seg_rows, float scale, int key_begin, int key_end,
                                    float* acc_out) {
     __shared__ float warp_acc[ATTN_WARPS][ATTN_MAX_HD];
     __shared__ float warp_m[ATTN_WARPS], warp_l[ATTN_WARPS];
@@ -77,7 +79,7 @@ __device__ BlockResult attend_keys(const float* q, Rows pool_k, Rows pool_v, con
     const int warp = threadIdx.x >> 5;
     const int kv_head = h / (H / KVH);  // GQA: a group of H / KVH query heads shares one KV head
     const int* table = block_tables + (long long)token_seq[t] * max_blocks;
-    const long long head_rows = (long long)kv_head * num_slots;
+    const long long head_rows = (long long)kv_head * num_slots;  // in segment 0; a later one is seg_rows on
 
     float q_reg[ATTN_PER_LANE], acc[ATTN_PER_LANE];
     const float* q_row = q + ((long long)t * H + h) * hd;
@@ -90,7 +92,8 @@ __device__ BlockResult attend_keys(const float* q, Rows pool_k, Rows pool_v, con
     float m = NEG_INF, l = 0.0f;
     for (int j = key_begin + warp; j < key_end; j += ATTN_WARPS) {
         const long long slot = (long long)table[j / block_size] * block_size + j % block_size;
-        const long long row = head_rows + slot;
+        const long long segment = slot / num_slots;
+        const long long row = segment * seg_rows + head_rows + (slot - segment * num_slots);
         float partial = 0.0f;
 #pragma unroll
         for (int i = 0; i < ATTN_PER_LANE; ++i) {
@@ -141,14 +144,14 @@ __device__ __forceinline__ int first_key(int pos, int window) {
 template <typename Rows>
 __device__ void paged_attention(float* out, const float* q, Rows pool_k, Rows pool_v, const int* token_seq,
                                 const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH,
-                                int hd, int block_size, int num_slots, float scale, int window) {
+                                int hd, int block_size, int num_slots, int seg_rows, float scale, int window) {
     __shared__ float acc[ATTN_MAX_HD];
     const int t = blockIdx.x / H;
     const int h = blockIdx.x - t * H;
     if (t >= T) return;
     const int pos = token_pos[t];
     const BlockResult r = attend_keys(q, pool_k, pool_v, token_seq, block_tables, max_blocks, t, h, H, KVH, hd,
-                                      block_size, num_slots, scale, first_key(pos, window), pos + 1, acc);
+                                      block_size, num_slots, seg_rows, scale, first_key(pos, window), pos + 1, acc);
     float* out_row = out + ((long long)t * H + h) * hd;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) out_row[d] = acc[d] / r.l;
 }
@@ -158,7 +161,8 @@ __device__ void paged_attention(float* out, const float* q, Rows pool_k, Rows po
 template <typename Rows>
 __device__ void paged_attention_split(const float* q, Rows pool_k, Rows pool_v, const int* token_seq,
                                       const int* token_pos, const int* block_tables, int max_blocks, int T, int H,
-                                      int KVH, int hd, int block_size, int num_slots, float scale, int window,
+                                      int KVH, int hd, int block_size, int num_slots, int seg_rows, float scale,
+                                      int window,
                                       float* part_out, float* part_max, float* part_sum, int chunk_keys) {
     __shared__ float acc[ATTN_MAX_HD];
     const int t = blockIdx.x / H;
@@ -169,7 +173,7 @@ __device__ void paged_attention_split(const float* q, Rows pool_k, Rows pool_v, 
     const int key_begin = (int)min(chunk_begin, (long long)pos + 1);
     const int key_end = (int)min(chunk_begin + chunk_keys, (long long)pos + 1);
     const BlockResult r = attend_keys(q, pool_k, pool_v, token_seq, block_tables, max_blocks, t, h, H, KVH, hd,
-                                      block_size, num_slots, scale, key_begin, key_end, acc);
+                                      block_size, num_slots, seg_rows, scale, key_begin, key_end, acc);
     const long long part = (long long)blockIdx.x * gridDim.y + blockIdx.y;
     for (int d = threadIdx.x; d < hd; d += blockDim.x) part_out[part * hd + d] = acc[d];
     if (threadIdx.x == 0) {
@@ -183,54 +187,54 @@ __device__ void paged_attention_split(const float* q, Rows pool_k, Rows pool_v, 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
 paged_attention_f32(float* out, const float* q, const float* pool_k, const float* pool_v, const int* token_seq,
                     const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd,
-                    int block_size, int num_slots, float scale, int window) {
+                    int block_size, int num_slots, int seg_rows, float scale, int window) {
     paged_attention(out, q, RowsF32{pool_k, hd}, RowsF32{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks, T,
-                    H, KVH, hd, block_size, num_slots, scale, window);
+                    H, KVH, hd, block_size, num_slots, seg_rows, scale, window);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
 paged_attention_split_f32(float* out, const float* q, const float* pool_k, const float* pool_v,
                           const int* token_seq, const int* token_pos, const int* block_tables, int max_blocks, int T,
-                          int H, int KVH, int hd, int block_size, int num_slots, float scale, int window,
+                          int H, int KVH, int hd, int block_size, int num_slots, int seg_rows, float scale, int window,
                           float* part_out, float* part_max, float* part_sum, int chunk_keys) {
     paged_attention_split(q, RowsF32{pool_k, hd}, RowsF32{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks,
-                          T, H, KVH, hd, block_size, num_slots, scale, window, part_out, part_max, part_sum,
+                          T, H, KVH, hd, block_size, num_slots, seg_rows, scale, window, part_out, part_max, part_sum,
                           chunk_keys);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
 paged_attention_f16(float* out, const float* q, const unsigned short* pool_k, const unsigned short* pool_v, const int* token_seq,
                     const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd,
-                    int block_size, int num_slots, float scale, int window) {
+                    int block_size, int num_slots, int seg_rows, float scale, int window) {
     paged_attention(out, q, RowsF16{pool_k, hd}, RowsF16{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks, T,
-                    H, KVH, hd, block_size, num_slots, scale, window);
+                    H, KVH, hd, block_size, num_slots, seg_rows, scale, window);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
 paged_attention_split_f16(float* out, const float* q, const unsigned short* pool_k, const unsigned short* pool_v,
                           const int* token_seq, const int* token_pos, const int* block_tables, int max_blocks, int T,
-                          int H, int KVH, int hd, int block_size, int num_slots, float scale, int window,
+                          int H, int KVH, int hd, int block_size, int num_slots, int seg_rows, float scale, int window,
                           float* part_out, float* part_max, float* part_sum, int chunk_keys) {
     paged_attention_split(q, RowsF16{pool_k, hd}, RowsF16{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks,
-                          T, H, KVH, hd, block_size, num_slots, scale, window, part_out, part_max, part_sum,
+                          T, H, KVH, hd, block_size, num_slots, seg_rows, scale, window, part_out, part_max, part_sum,
                           chunk_keys);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
 paged_attention_int8(float* out, const float* q, const signed char* pool_k, const signed char* pool_v, const int* token_seq,
                     const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd,
-                    int block_size, int num_slots, float scale, int window) {
+                    int block_size, int num_slots, int seg_rows, float scale, int window) {
     paged_attention(out, q, RowsInt8{pool_k, hd}, RowsInt8{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks, T,
-                    H, KVH, hd, block_size, num_slots, scale, window);
+                    H, KVH, hd, block_size, num_slots, seg_rows, scale, window);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)
 paged_attention_split_int8(float* out, const float* q, const signed char* pool_k, const signed char* pool_v,
                           const int* token_seq, const int* token_pos, const int* block_tables, int max_blocks, int T,
-                          int H, int KVH, int hd, int block_size, int num_slots, float scale, int window,
+                          int H, int KVH, int hd, int block_size, int num_slots, int seg_rows, float scale, int window,
                           float* part_out, float* part_max, float* part_sum, int chunk_keys) {
     paged_attention_split(q, RowsInt8{pool_k, hd}, RowsInt8{pool_v, hd}, token_seq, token_pos, block_tables, max_blocks,
-                          T, H, KVH, hd, block_size, num_slots, scale, window, part_out, part_max, part_sum,
+                          T, H, KVH, hd, block_size, num_slots, seg_rows, scale, window, part_out, part_max, part_sum,
                           chunk_keys);
 }
 

@@ -24,6 +24,12 @@ extern "C" __global__ void add_f32(float* out, const float* a, const float* b, i
     if (i < n) out[i] = a[i] + b[i];
 }
 
+// out = a * b, elementwise over n floats (lfm2's B * x and C * y gates; out may alias a or b)
+extern "C" __global__ void mul_f32(float* out, const float* a, const float* b, int n) {
+    const long long i = flat_index();
+    if (i < n) out[i] = a[i] * b[i];
+}
+
 // out[t, :] = x[t, col_start : col_start + out_cols]: one part (Q, K or V) of a fused projection, made contiguous
 extern "C" __global__ void split_columns_f32(float* out, const float* x, int T, int in_cols, int col_start, int out_cols) {
     const long long i = flat_index();

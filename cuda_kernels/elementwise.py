@@ -6,6 +6,7 @@ from cuda_kernels.launch import flat_geometry, unknown_kernel
 _ELEMENTS = {  # kernel -> number of output elements, from its int arguments
     "embedding_f32": lambda a: a["T"] * a["d"],
     "add_f32": lambda a: a["n"],
+    "mul_f32": lambda a: a["n"],
     "split_columns_f32": lambda a: a["T"] * a["out_cols"],
     "gather_rows_f32": lambda a: a["n_rows"] * a["d"],
     "gated_silu_f32": lambda a: a["T"] * a["F"],

@@ -5,15 +5,27 @@
 //
 //   plane p:  | block 0 | block 1 | ... | block num_blocks-1 |     (num_slots * hd floats)
 //
+// An elastic pool (engine/backends/cuda_kv_elastic.py) is segment-major: segments of num_slots slots, each
+// [layers, 2, KVH, num_slots, hd] (a fixed pool is one segment), seg_rows = layers * 2 * KVH * num_slots rows
+// apart, so a run of segments is one contiguous range of memory that physical chunks map and unmap:
+//
+//   pool:  | segment 0: plane 0 [num_slots rows] | plane 1 | ... | segment 1: plane 0 | plane 1 | ... |
+//
 // Block moves see the pool as 32-bit words, whatever the --kv-type: for f16 / int8 rows the backend passes
 // `hd` = row words (row bytes / 4) and block_elems = block_size * row words, so one kernel moves every type.
 // Block moves copy float4 when block_elems % 4 == 0 (every real head size), else single floats, with a
 // grid-stride loop so one launch covers any number of blocks (cuda_kernels/kv_blocks.py).
 
-// pool_layer_{k,v} are one layer's [KVH, num_slots, hd]; k, v are [T, KVH, hd]; slots are int64.
+// Row of (KV head h, slot) counted from a layer's pool_layer_{k,v}: a later segment's slots are seg_rows on.
+__device__ __forceinline__ long long kv_row(int h, long long slot, int num_slots, int seg_rows) {
+    const long long segment = slot / num_slots;
+    return segment * seg_rows + (long long)h * num_slots + (slot - segment * num_slots);
+}
+
+// pool_layer_{k,v} are one layer's [KVH, num_slots, hd] of segment 0; k, v are [T, KVH, hd]; slots are int64.
 // A negative slot (a padding row) is skipped.
 extern "C" __global__ void store_kv_f32(float* pool_layer_k, float* pool_layer_v, const float* k, const float* v,
-                                        const long long* slots, int T, int KVH, int hd, int num_slots) {
+                                        const long long* slots, int T, int KVH, int hd, int num_slots, int seg_rows) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long long)T * KVH * hd) return;
     const long long row = i / hd;  // t * KVH + h
@@ -22,7 +34,7 @@ extern "C" __global__ void store_kv_f32(float* pool_layer_k, float* pool_layer_v
     const int h = (int)(row - (long long)t * KVH);
     const long long slot = slots[t];
     if (slot < 0) return;
-    const long long dst = ((long long)h * num_slots + slot) * hd + d;
+    const long long dst = kv_row(h, slot, num_slots, seg_rows) * hd + d;
     pool_layer_k[dst] = k[i];
     pool_layer_v[dst] = v[i];
 }
@@ -35,7 +47,7 @@ extern "C" __global__ void store_kv_f32(float* pool_layer_k, float* pool_layer_v
 // One thread per pair of elements: pool_layer_{k,v} [KVH, num_slots, hd] halves.
 extern "C" __global__ void store_kv_f16(unsigned short* pool_layer_k, unsigned short* pool_layer_v, const float* k,
                                         const float* v, const long long* slots, int T, int KVH, int hd,
-                                        int num_slots) {
+                                        int num_slots, int seg_rows) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;  // pair index
     const int pairs = hd / 2;
     if (i >= (long long)T * KVH * pairs) return;
@@ -46,7 +58,7 @@ extern "C" __global__ void store_kv_f16(unsigned short* pool_layer_k, unsigned s
     const long long slot = slots[t];
     if (slot < 0) return;
     const long long src = row * hd + d;
-    const long long dst = ((long long)h * num_slots + slot) * hd + d;
+    const long long dst = kv_row(h, slot, num_slots, seg_rows) * hd + d;
     unsigned packed_k, packed_v;  // the first source lands in the upper half: element d + 1
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed_k) : "f"(k[src + 1]), "f"(k[src]));
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed_v) : "f"(v[src + 1]), "f"(v[src]));
@@ -72,22 +84,27 @@ __device__ __forceinline__ void quantize_row(signed char* dst, const float* x, i
 // One warp per (t, h) row, 4 rows a 128-thread block: pool_layer_{k,v} [KVH, num_slots, hd + 4] bytes.
 extern "C" __global__ void store_kv_int8(signed char* pool_layer_k, signed char* pool_layer_v, const float* k,
                                          const float* v, const long long* slots, int T, int KVH, int hd,
-                                         int num_slots) {
+                                         int num_slots, int seg_rows) {
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;  // t * KVH + h
     if (row >= (long long)T * KVH) return;
     const int t = (int)(row / KVH);
     const int h = (int)(row - (long long)t * KVH);
     const long long slot = slots[t];
     if (slot < 0) return;
-    const long long dst = ((long long)h * num_slots + slot) * (hd + 4);
+    const long long dst = kv_row(h, slot, num_slots, seg_rows) * (hd + 4);
     quantize_row(pool_layer_k + dst, k + row * hd, hd, threadIdx.x & 31);
     quantize_row(pool_layer_v + dst, v + row * hd, hd, threadIdx.x & 31);
 }
 
-// Where element `e` of block `block` in plane `plane` lives in the pool, in units of `vec` floats.
-__device__ __forceinline__ long long pool_index(int plane, int block, long long e, int num_slots, int hd,
+// Where element `e` of block `block` in plane `plane` (of `planes`) lives in the pool, in units of `vec` floats.
+// num_slots is one segment's (all of them in a fixed pool): a block of segment s is s * planes planes on.
+__device__ __forceinline__ long long pool_index(int plane, int planes, int block, long long e, int num_slots, int hd,
                                                 int block_elems, int vec) {
-    return ((long long)plane * num_slots * hd + (long long)block * block_elems) / vec + e;
+    const int seg_blocks = (int)((long long)num_slots * hd / block_elems);
+    const int segment = block / seg_blocks;
+    const long long plane_words = (long long)num_slots * hd;
+    return (((long long)segment * planes + plane) * plane_words
+            + (long long)(block - segment * seg_blocks) * block_elems) / vec + e;
 }
 
 // Visits every (item, plane, element) of `n` blocks in every plane: fn(item, plane, element, flat index),
@@ -111,8 +128,8 @@ __device__ void copy_blocks(T* pool, const int* src_blocks, const int* dst_block
                             int num_slots, int block_elems, int hd) {
     const int vec = sizeof(T) / sizeof(float);
     for_each_block_element(n_pairs, planes, block_elems, vec, [&](int pair, int plane, long long e, long long) {
-        pool[pool_index(plane, dst_blocks[pair], e, num_slots, hd, block_elems, vec)] =
-            pool[pool_index(plane, src_blocks[pair], e, num_slots, hd, block_elems, vec)];
+        pool[pool_index(plane, planes, dst_blocks[pair], e, num_slots, hd, block_elems, vec)] =
+            pool[pool_index(plane, planes, src_blocks[pair], e, num_slots, hd, block_elems, vec)];
     });
 }
 
@@ -132,7 +149,7 @@ __device__ void move_blocks(T* staging, T* pool, const int* blocks, int n, int p
                             int block_elems, int hd, bool is_gather) {
     const int vec = sizeof(T) / sizeof(float);
     for_each_block_element(n, planes, block_elems, vec, [&](int item, int plane, long long e, long long flat) {
-        const long long at = pool_index(plane, blocks[item], e, num_slots, hd, block_elems, vec);
+        const long long at = pool_index(plane, planes, blocks[item], e, num_slots, hd, block_elems, vec);
         if (is_gather)
             staging[flat] = pool[at];
         else

@@ -34,7 +34,7 @@ class RecurrentStates:
             return
         for stage in stages:
             layers = tuple(i for i in stage.layers if config.layer_is_recurrent[i])
-            stage.state_pool = _state_pool(config, layers)
+            stage.state_pool = _state_pool(config, layers, stage.backend)
         if config.delta_net is not None:  # qwen3next: conv rows and the delta-rule matrix, flattened
             self.shape = (len(config.recurrent_layers), 1, config.delta_net.state_floats)
         else:
@@ -104,7 +104,8 @@ class RecurrentStates:
             start += count
 
 
-def _state_pool(config: ModelConfig, layers: tuple[int, ...]):
+def _state_pool(config: ModelConfig, layers: tuple[int, ...], backend):
     if config.delta_net is not None:
         return DeltaNetStatePool(layers, config.delta_net)
-    return ConvStatePool(layers, config.conv_kernel, config.d_model)
+    create = getattr(backend, "create_state_pool", ConvStatePool)  # cuda: on the device
+    return create(layers, config.conv_kernel, config.d_model)

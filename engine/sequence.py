@@ -44,8 +44,11 @@ class ModelRunner:
     """
 
     def __init__(self, model: Model, num_blocks: int, block_size: int = BLOCK_SIZE, host_blocks: int = 0,
-                 layer_split: tuple[int, ...] = (), kv_type: str = "f32"):
+                 layer_split: tuple[int, ...] = (), kv_type: str = "f32", device_blocks: int | None = None):
+        """device_blocks: an elastic pool's starting size (num_blocks ids reserved, this many backed; the
+        engine loop's device_min_blocks); None for a fixed pool of num_blocks."""
         self.model = model
+        self.device_blocks = device_blocks
         self.block_size = block_size
         # whole model: accounting, disk tier; kv_type is resolved (engine/kv.resolve_kv_type), never "auto"
         self.layout = layout_for(model.config, num_blocks, block_size, kv_type)
@@ -78,7 +81,9 @@ class ModelRunner:
         host_pool = backend.create_host_pool(replace(layout, num_blocks=host_blocks))
         # Block moves run on the event loop while the stage's worker may be computing another group's step
         # (on blocks no step uses): a backend with per-thread state gives them a handle of their own.
-        return Stage(index, layers, backend, layout, backend.create_kv_pool(layout), host_pool, backend.sibling())
+        pool = backend.create_kv_pool(layout) if self.device_blocks is None else \
+            backend.create_kv_pool(layout, mapped_blocks=self.device_blocks)
+        return Stage(index, layers, backend, layout, pool, host_pool, backend.sibling())
 
     @property
     def kv_pool(self):

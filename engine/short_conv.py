@@ -31,7 +31,7 @@ _F32 = np.float32
 @dataclass
 class ShortConvWeights:
     in_proj: Array  # linear [3d, d]: B | C | x
-    kernel: np.ndarray  # [d, L] float32 (GGUF blk.N.shortconv.conv.weight)
+    kernel: Array  # [d, L] float32 (GGUF blk.N.shortconv.conv.weight), backend.upload'ed
     out_proj: Array  # linear [d, d]
 
     @property

@@ -170,7 +170,7 @@ def _short_conv_layer(p: str, t, linear, backend: Backend) -> LayerWeights:
         attn_norm=backend.upload(t(p + "attn_norm.weight")), wqkv=None, bqkv=None, q_norm=None, k_norm=None,
         wo=None, post_attn_norm=None, ffn_norm=backend.upload(t(p + "ffn_norm.weight")),
         w_gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]), w_down=linear([p + "ffn_down.weight"]),
-        post_ffn_norm=None, short_conv=load_short_conv(p, t, linear, lambda a: np.ascontiguousarray(a, np.float32)))
+        post_ffn_norm=None, short_conv=load_short_conv(p, t, linear, backend.upload))  # conv kernel: where ops run
 
 
 def _delta_net_layer(p: str, t, linear, backend: Backend, c: ModelConfig, moe, shared) -> LayerWeights:

@@ -51,7 +51,11 @@ if command -v strata >/dev/null; then KERNELS=(strata kernels); else KERNELS=("$
 step kernels 120 "${KERNELS[@]}" --check --arch sm_90
 # -m cuda selects every GPU variant, among them tests/test_cuda_kv_types.py (f16 / int8 K/V: store, paged and
 # split-K attention, block moves, tiny models) and tests/test_cuda_step.py (steps launched from the loop, their
-# events awaited, no thread but the event waiter blocking); tests/test_cuda_selection.py checks nothing is left out.
+# events awaited, no thread but the event waiter blocking), tests/test_cuda_elastic_pool.py (the elastic K/V pool:
+# cuMemAddressReserve / cuMemCreate / cuMemMap chunks, grow / shrink, segment-major kernels), tests/test_cuda_elastic_engine.py
+# (seed 002's sequence and the shrink plan's relocations on the CUDA pool)
+# and tests/test_cuda_lfm2.py (lfm2's short convolutions and state checkpoints); tests/test_cuda_selection.py
+# checks nothing is left out.
 step tests 170 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" tests/
 step bench 190 "$PY" scripts/bench_cuda.py
 

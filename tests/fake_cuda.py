@@ -21,6 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from engine.backends import cuda_abi
 from tests.fake_cuda_kernels import KERNELS, view
+from tests.fake_cuda_vmm import ILLEGAL_ADDRESS, FakeVmm, check_access
 
 ARENA_BYTES = 512 * 2**20
 
@@ -29,6 +30,7 @@ class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_NOT_READY = 600
+    CUDA_ERROR_ILLEGAL_ADDRESS = ILLEGAL_ADDRESS
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
 
 
@@ -36,7 +38,7 @@ OK = CUresult.CUDA_SUCCESS
 _enum = types.SimpleNamespace
 
 
-class FakeDriver:
+class FakeDriver(FakeVmm):
     """The subset of cuda.bindings.driver the backend calls, with the same (err, *values) results."""
 
     CUresult = CUresult
@@ -96,11 +98,20 @@ class FakeDriver:
             work()
         return (OK,)
 
+    @staticmethod
+    def unmapped(*ranges) -> bool:
+        """Does any (address, nbytes) touch an unmapped part of a reserved range (tests/fake_cuda_vmm.py)?"""
+        return any(check_access(int(address), int(n)) for address, n in ranges)
+
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):
+        if self.unmapped((dst, n), (src, n)):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
     cuMemcpyDtoHAsync = cuMemcpyDtoDAsync = cuMemcpyHtoDAsync
 
     def cuMemsetD32Async(self, dst, value, count, stream):
+        if self.unmapped((dst, 4 * count)):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         return self._run(stream, lambda: view(dst, count, np.uint32).fill(value))
 
     def cuStreamCreate(self, flags): return (OK, self._handle())
@@ -154,13 +165,24 @@ class FakeKernelSet:
         assert err == OK, f"{kernel} launched from a thread without a current context"
 
 
+def driver_modules() -> tuple:
+    """Every backend module that calls the driver through its own `driver` name (one list for every fake)."""
+    from engine.backends import cuda_device, cuda_graphs, cuda_launch, cuda_streams, cuda_vmm
+
+    return (cuda_device, cuda_graphs, cuda_launch, cuda_streams, cuda_vmm)
+
+
+def patch_driver(monkeypatch, fake) -> None:
+    for module in driver_modules():
+        monkeypatch.setattr(module, "driver", fake)
+
+
 def install(monkeypatch) -> FakeDriver:
     """Route every CUDA module of the backend to a fresh FakeDriver and FakeKernelSet."""
-    from engine.backends import cuda_backend, cuda_device, cuda_graphs, cuda_launch
+    from engine.backends import cuda_device
 
     fake = FakeDriver()
-    for module in (cuda_device, cuda_backend, cuda_graphs, cuda_launch):
-        monkeypatch.setattr(module, "driver", fake)
+    patch_driver(monkeypatch, fake)
     monkeypatch.setattr(cuda_device, "_devices", {})
     monkeypatch.setattr(cuda_device.Device, "kernel_set", lambda self: self.__dict__.setdefault(
         "_fake_kernels", FakeKernelSet(fake)))

@@ -92,6 +92,8 @@ class AsyncStreamsDriver(FakeDriver):
 
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):
         self.copy_log.append("HtoD")
+        if self.unmapped((dst, n), (src, n)):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         if self._is_pinned(int(src)):  # read in stream order (a graph replays it with new inputs)
             return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         data = ctypes.string_at(int(src), n)  # pageable: read now, the source may be a temporary
@@ -99,6 +101,8 @@ class AsyncStreamsDriver(FakeDriver):
 
     def cuMemcpyDtoHAsync(self, dst, src, n, stream):
         self.copy_log.append("DtoH")
+        if self.unmapped((dst, n), (src, n)):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         result = self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         if not self._is_pinned(int(dst)) and stream not in self.capturing:
             self._block("cuMemcpyDtoHAsync(pageable)")
@@ -107,6 +111,8 @@ class AsyncStreamsDriver(FakeDriver):
 
     def cuMemcpyDtoDAsync(self, dst, src, n, stream):
         self.copy_log.append("DtoD")
+        if self.unmapped((dst, n), (src, n)):
+            return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
 
     def _drain(self, stream) -> None:
@@ -146,6 +152,12 @@ class AsyncStreamsDriver(FakeDriver):
             self._run(stream, work)
         return (OK,)
 
+    def cuCtxSynchronize(self):
+        self._block("cuCtxSynchronize")
+        for stream in list(self._streams):
+            self._drain(stream)
+        return (OK,)
+
     def close(self) -> None:
         for stream in self._streams.values():
             stream.jobs.put(None)
@@ -167,11 +179,10 @@ class _SlowKernelSet(fake_cuda.FakeKernelSet):
 
 def install(monkeypatch, kernel_delay_s: float = 0.0) -> AsyncStreamsDriver:
     """fake_cuda.install with an AsyncStreamsDriver (and kernels slowed by kernel_delay_s)."""
-    from engine.backends import cuda_backend, cuda_device, cuda_graphs, cuda_launch
+    from engine.backends import cuda_device
 
     fake = AsyncStreamsDriver(kernel_delay_s)
-    for module in (cuda_device, cuda_backend, cuda_graphs, cuda_launch):
-        monkeypatch.setattr(module, "driver", fake)
+    fake_cuda.patch_driver(monkeypatch, fake)
     monkeypatch.setattr(cuda_device, "_devices", {})
     monkeypatch.setattr(cuda_device.Device, "kernel_set", lambda self: self.__dict__.setdefault(
         "_fake_kernels", _SlowKernelSet(fake)))

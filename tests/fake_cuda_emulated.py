@@ -137,11 +137,10 @@ class EmulatedDriver(FakeDriver):
 def install(monkeypatch, build_dir: Path) -> EmulatedDriver:
     """Route the backend's CUDA modules to an EmulatedDriver with the real KernelSet and quant_types."""
     from cuda_kernels import build
-    from engine.backends import cuda_backend, cuda_device, cuda_graphs, cuda_launch
+    from engine.backends import cuda_device
 
     fake = EmulatedDriver(build_dir)
-    for module in (cuda_device, cuda_backend, cuda_graphs, cuda_launch):
-        monkeypatch.setattr(module, "driver", fake)
+    fake_cuda.patch_driver(monkeypatch, fake)
     monkeypatch.setattr(cuda_device, "_devices", {})
     monkeypatch.setattr(build, "compile_source", lambda source, arch="sm_90", extra_options=(): types.SimpleNamespace(
         cubin=source.encode(), kernels={}, cached=True, log="", compile_ms=0.0))

@@ -5,6 +5,7 @@ Used by tests/fake_cuda.py. Each takes (kernel name, {argument: value}) with poi
 from __future__ import annotations
 
 import ctypes
+import types
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -14,10 +15,15 @@ from gguf.constants import GGML_QUANT_SIZES
 from cuda_kernels.attention import num_chunks
 from engine.kv import KV_TYPES
 from engine.kv_quant import decode_rows, encode_rows
+from tests.fake_cuda_vmm import check_access
+
 
 def view(ptr, count: int, dtype=np.float32) -> np.ndarray:
-    """count elements of dtype at a real address, as a writable numpy array."""
+    """count elements of dtype at a real address, as a writable numpy array; a range that touches an unmapped
+    part of a reserved address range fails here, as the GPU faults (tests/fake_cuda_vmm.py)."""
     nbytes = int(count) * np.dtype(dtype).itemsize
+    bad = check_access(int(ptr), nbytes)
+    assert not bad, f"a kernel touched unmapped device memory: {bad}"
     return np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(int(ptr)))[:nbytes].view(dtype)
 
 
@@ -47,6 +53,31 @@ def _add(_, a):
     view(a["out"], a["n"])[:] = view(a["a"], a["n"]) + view(a["b"], a["n"])
 
 
+def _mul(_, a):
+    view(a["out"], a["n"])[:] = view(a["a"], a["n"]) * view(a["b"], a["n"])
+
+
+def _short_conv(_, a):
+    """short_conv_f32 (short_conv.cu) through engine/short_conv.numpy_short_conv on a stand-in pool."""
+    from engine.short_conv import ConvStatePool, numpy_short_conv
+
+    n, d, L = a["n_seqs"], a["d"], a["L"]
+    start, length = view(a["seq_start"], n, np.int32), view(a["seq_len"], n, np.int32)
+    pos, slot = view(a["start_pos"], n, np.int32), view(a["state_slot"], n, np.int32)
+    T = int((start + length).max())
+    slots = int(slot.max()) + 1
+    pool = ConvStatePool((0,), L, d, num_slots=slots)
+    states = view(a["states"], slots * (L - 1) * d).reshape(slots, L - 1, d)
+    pool.conv[0] = states  # in place, as the kernel
+    seqs = [types.SimpleNamespace(query_start=int(s), query_len=int(q), start_pos=int(p), state_slot=int(k),
+                                  context_len=int(p + q)) for s, q, p, k in zip(start, length, pos, slot)]
+    out = numpy_short_conv(view(a["u"], T * d).reshape(T, d), view(a["w"], d * L).reshape(d, L), pool, 0,
+                           types.SimpleNamespace(seqs=seqs))
+    rows = view(a["out"], T * d).reshape(T, d)
+    for s in seqs:
+        rows[s.query_start : s.query_start + s.query_len] = out[s.query_start : s.query_start + s.query_len]
+
+
 def _split_columns(_, a):
     x = view(a["x"], a["T"] * a["in_cols"]).reshape(a["T"], a["in_cols"])
     out = view(a["out"], a["T"] * a["out_cols"]).reshape(a["T"], a["out_cols"])
@@ -69,28 +100,33 @@ def _kv_type(kernel: str) -> str:
     return kernel.rsplit("_", 1)[1]  # store_kv_int8 -> int8
 
 
-def _pool_rows(ptr, KVH: int, S: int, hd: int, kv_type: str) -> np.ndarray:
-    """One layer's stored rows [KVH, S, row] of a --kv-type (engine/kv_quant.py)."""
+def _pool_rows(ptr, KVH: int, S: int, hd: int, kv_type: str, seg_rows: int, n_seg: int) -> np.ndarray:
+    """One layer's stored rows [n_seg, KVH, S, row] of a --kv-type (engine/kv_quant.py): segment s starts
+    s * seg_rows rows after segment 0 (kv_blocks.cu; a fixed pool is one segment)."""
     kind = KV_TYPES[kv_type]
     row = kind.row_elems(hd)
-    return view(ptr, KVH * S * row, kind.storage).reshape(KVH, S, row)
+    item = np.dtype(kind.storage).itemsize
+    span = ((n_seg - 1) * seg_rows + KVH * S) * row
+    flat = view(ptr, span, kind.storage)
+    return np.lib.stride_tricks.as_strided(flat, (n_seg, KVH, S, row),
+                                           (seg_rows * row * item, S * row * item, row * item, item))
 
 
 def _store_kv(kernel, a):
     T, KVH, hd, S = a["T"], a["KVH"], a["hd"], a["num_slots"]
     slots = view(a["slots"], T, np.int64)
+    live = slots >= 0  # a negative slot is a padding row: skipped
+    seg, local = slots[live] // S, slots[live] % S
     for src, dst in (("k", "pool_layer_k"), ("v", "pool_layer_v")):
-        x = view(a[src], T * KVH * hd).reshape(T, KVH, hd)
-        _pool_rows(a[dst], KVH, S, hd, _kv_type(kernel))[:, slots, :] = \
-            encode_rows(x, _kv_type(kernel)).transpose(1, 0, 2)
+        x = view(a[src], T * KVH * hd).reshape(T, KVH, hd)[live]
+        pool = _pool_rows(a[dst], KVH, S, hd, _kv_type(kernel), a["seg_rows"], int(seg.max(initial=0)) + 1)
+        pool[seg, :, local] = encode_rows(x, _kv_type(kernel))
 
 
 def _attention_rows(a, kv_type: str):
     """Per query row t: (scores [H, L], values [H, L, hd]) over its visible keys (rows decoded to float32)."""
     T, H, KVH, hd, B, S = a["T"], a["H"], a["KVH"], a["hd"], a["block_size"], a["num_slots"]
     q = view(a["q"], T * H * hd).reshape(T, H, hd)
-    pool_k = decode_rows(_pool_rows(a["pool_k"], KVH, S, hd, kv_type), hd)
-    pool_v = decode_rows(_pool_rows(a["pool_v"], KVH, S, hd, kv_type), hd)
     seq_of, pos_of = view(a["token_seq"], T, np.int32), view(a["token_pos"], T, np.int32)
     tables = view(a["block_tables"], (int(seq_of.max()) + 1) * a["max_blocks"], np.int32)
     heads = np.arange(H) // (H // KVH)
@@ -98,8 +134,11 @@ def _attention_rows(a, kv_type: str):
         p, table = int(pos_of[t]), tables[int(seq_of[t]) * a["max_blocks"]:]
         keys = np.arange(max(0, p - a["window"] + 1) if a["window"] else 0, p + 1)
         slots = table[keys // B].astype(np.int64) * B + keys % B
-        scores = np.einsum("hd,hld->hl", q[t], pool_k[heads][:, slots, :]) * np.float32(a["scale"])
-        yield t, keys, scores, pool_v[heads][:, slots, :]
+        n_seg = int(slots.max()) // S + 1
+        k, v = (decode_rows(_pool_rows(a[name], KVH, S, hd, kv_type, a["seg_rows"], n_seg)[slots // S, :, slots % S],
+                            hd).transpose(1, 0, 2)[heads] for name in ("pool_k", "pool_v"))  # [H, L, hd]
+        scores = np.einsum("hd,hld->hl", q[t], k) * np.float32(a["scale"])
+        yield t, keys, scores, v
 
 
 def _paged_attention(kernel, a):
@@ -155,28 +194,32 @@ def _gather_rows(_, a):
     view(a["out"], a["n_rows"] * a["d"]).reshape(-1, a["d"])[:] = x[rows]
 
 
-def _pool_blocks(a):
-    """The pool as [planes, num_blocks, block_elems] (plane stride num_slots * hd, see the docstring)."""
+def _pool_blocks(a, blocks) -> tuple[np.ndarray, int]:
+    """(The pool as [n_seg, planes, seg_blocks, block_elems], seg_blocks): segments of num_slots slots, each
+    every plane's run of them (kv_blocks.cu); n_seg covers the highest of `blocks`."""
     hd = a["hd"]
-    num_blocks = a["num_slots"] // (a["block_elems"] // hd)
-    return view(a["pool"], a["planes"] * a["num_slots"] * hd).reshape(a["planes"], num_blocks, a["block_elems"])
+    seg_blocks = a["num_slots"] // (a["block_elems"] // hd)
+    n_seg = int(np.max(blocks)) // seg_blocks + 1
+    words = n_seg * a["planes"] * a["num_slots"] * hd
+    return view(a["pool"], words).reshape(n_seg, a["planes"], seg_blocks, a["block_elems"]), seg_blocks
 
 
 def _copy_kv_blocks(_, a):
-    pool = _pool_blocks(a)
     src, dst = view(a["src_blocks"], a["n_pairs"], np.int32), view(a["dst_blocks"], a["n_pairs"], np.int32)
+    pool, sb = _pool_blocks(a, np.concatenate([src, dst]))
     for s, d in zip(src, dst):
-        pool[:, d] = pool[:, s]
+        pool[d // sb, :, d % sb] = pool[s // sb, :, s % sb]
 
 
 def _kv_staging(kernel, a):
-    pool, blocks = _pool_blocks(a), view(a["blocks"], a["n"], np.int32)
+    blocks = view(a["blocks"], a["n"], np.int32)
+    pool, sb = _pool_blocks(a, blocks)
     staging = view(a["staging"], a["n"] * a["planes"] * a["block_elems"]).reshape(a["n"], a["planes"], -1)
     for i, b in enumerate(blocks):
         if kernel == "gather_kv_blocks_f32":
-            staging[i] = pool[:, b]
+            staging[i] = pool[b // sb, :, b % sb]
         else:
-            pool[:, b] = staging[i]
+            pool[b // sb, :, b % sb] = staging[i]
 
 
 def _quant_linear(kernel, a):
@@ -199,6 +242,7 @@ def _quant_linear(kernel, a):
 
 KERNELS = {
     "embedding_f32": _embedding, "rms_norm_f32": _rms_norm, "add_rms_norm_f32": _add_rms_norm, "add_f32": _add,
+    "mul_f32": _mul, "short_conv_f32": _short_conv,
     "split_columns_f32": _split_columns, "rope_neox_f32": _rope, "rope_norm_f32": _rope, "store_kv_f32": _store_kv,
     "paged_attention_f32": _paged_attention, "paged_attention_split_f32": _paged_attention_split,
     "store_kv_f16": _store_kv, "store_kv_int8": _store_kv, "paged_attention_f16": _paged_attention,

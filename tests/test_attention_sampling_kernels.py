@@ -34,7 +34,7 @@ def attention_case(H, KVH, hd, block_size=4):
     args = dict(
         q=q, pool_k=np.ascontiguousarray(pool.k[0]), pool_v=np.ascontiguousarray(pool.v[0]), token_seq=token_seq,
         token_pos=batch.positions.astype(np.int32), block_tables=block_tables, max_blocks=max_blocks,
-        T=batch.num_tokens, H=H, KVH=KVH, hd=hd, block_size=block_size, num_slots=layout.num_slots,
+        T=batch.num_tokens, H=H, KVH=KVH, hd=hd, block_size=block_size, num_slots=layout.num_slots, seg_rows=0,
         scale=float(hd) ** -0.5,
     )
     return pool, batch, args

@@ -65,14 +65,14 @@ def slow_gpu(request, monkeypatch, tmp_path):
 
         driver = fake_cuda_async.install(monkeypatch, kernel_delay_s=KERNEL_DELAY_S)
     else:
-        from engine.backends import cuda_backend, cuda_device, cuda_graphs, cuda_launch
+        from engine.backends import cuda_device
+        from tests.fake_cuda import patch_driver
 
         available, reason = cuda_device.probe()
         if not available:
             pytest.skip(f"no CUDA device: {reason}")
         driver = _RecordingDriver(cuda_device.driver)
-        for module in (cuda_device, cuda_backend, cuda_graphs, cuda_launch):
-            monkeypatch.setattr(module, "driver", driver)
+        patch_driver(monkeypatch, driver)
     yield driver, tmp_path / "m.gguf"
     driver.close()
 

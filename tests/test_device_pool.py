@@ -158,16 +158,16 @@ def test_a_shrunk_numpy_pool_gives_its_pages_back():
     assert np.count_nonzero(pool.k[:, :, 128 * 16:]) < 0.01 * pool.k[:, :, 128 * 16:].size  # pages went back
 
 
-def test_seed_002_a_short_request_and_a_shrink_keep_the_long_conversation(load_tiny):
-    """A long conversation, a 204-token request, a shrink: the long one's next turn computes only its new
-    tokens (seed 002 lost a 128K conversation this way 20.9% of the time), with the same tokens as no cache."""
-    model, tokenizer = load_tiny("llama", seed=3, n_ctx=512)
+def seed_002_sequence(model, tokenizer, cache_on: bool, **runner_args):
+    """A long conversation, a 204-token request, a shrink to 8 blocks and back, the long one's next turn:
+    (its reply, its cached tokens, the first turn's tokens). runner_args go to the ModelRunner (a CUDA
+    elastic pool's device_blocks: tests/test_cuda_elastic_pool.py runs this on the CUDA backend)."""
     long_prompt = [(7 * i) % 200 + 20 for i in range(300)]
     short_prompt = [(11 * i) % 150 + 30 for i in range(204)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
-    async def run(cache_on):
-        runner = ModelRunner(model, 64, 16, host_blocks=64)  # 64 reserved ids of 16 tokens
+    async def run():
+        runner = ModelRunner(model, 64, 16, host_blocks=64, **runner_args)  # 64 reserved ids of 16 tokens
         loop = EngineLoop(runner, tokenizer, num_slots=1, prefill_chunk=64, max_queue=4, prefix_cache=cache_on,
                           integrity_checks=True, device_min_blocks=8 if cache_on else None)
         loop.start()
@@ -193,9 +193,16 @@ def test_seed_002_a_short_request_and_a_shrink_keep_the_long_conversation(load_t
         await loop.shutdown(1)
         return reply2, cached, len(long_prompt) + len(reply)
 
-    reply2, cached, first_turn = asyncio.run(run(True))
+    return asyncio.run(run())
+
+
+def test_seed_002_a_short_request_and_a_shrink_keep_the_long_conversation(load_tiny):
+    """A long conversation, a 204-token request, a shrink: the long one's next turn computes only its new
+    tokens (seed 002 lost a 128K conversation this way 20.9% of the time), with the same tokens as no cache."""
+    model, tokenizer = load_tiny("llama", seed=3, n_ctx=512)
+    reply2, cached, first_turn = seed_002_sequence(model, tokenizer, True)
     assert cached == first_turn - 1  # every computed token of turn one came back
-    assert reply2 == asyncio.run(run(False))[0]
+    assert reply2 == seed_002_sequence(model, tokenizer, False)[0]
 
 
 @pytest.mark.slow
@@ -228,17 +235,16 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
         assert fixed.status_code == 400 and "--kv-cache-max-mib" in fixed.json()["error"]["message"]
 
 
-def test_blocks_moved_down_by_a_shrink_keep_their_bytes(load_tiny):
+def moved_down_sequence(model, tokenizer, cache_on: bool, **runner_args):
     """Two identical prompts at once leave a run of free ids in the middle (the second copy is deduplicated
-    at release); a third conversation above it is moved down into that run by a shrink, and its next turn
-    reuses it and produces the tokens of a server without a cache."""
-    model, tokenizer = load_tiny("llama", seed=3, n_ctx=512)
+    at release); a third conversation above it is moved down into that run by a shrink to 10 blocks, and its
+    next turn reuses it: (that reply, its cached tokens, blocks relocated, the first turn's tokens)."""
     twin = [(5 * i) % 190 + 20 for i in range(20)]  # 5 blocks of 4
     third = [(3 * i) % 170 + 25 for i in range(24)]  # 6 blocks
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
-    async def run(cache_on):
-        runner = ModelRunner(model, 32, 4, host_blocks=16)
+    async def run():
+        runner = ModelRunner(model, 32, 4, host_blocks=16, **runner_args)
         loop = EngineLoop(runner, tokenizer, num_slots=2, prefill_chunk=64, max_queue=4, prefix_cache=cache_on,
                           integrity_checks=True, device_min_blocks=8 if cache_on else None)
         loop.start()
@@ -258,6 +264,13 @@ def test_blocks_moved_down_by_a_shrink_keep_their_bytes(load_tiny):
         await loop.shutdown(1)
         return reply2, cached, relocated, len(third) + len(reply)
 
-    reply2, cached, relocated, first_turn = asyncio.run(run(True))
+    return asyncio.run(run())
+
+
+def test_blocks_moved_down_by_a_shrink_keep_their_bytes(load_tiny):
+    """A third conversation moved down into free ids by a shrink: its next turn reuses it and produces the
+    tokens of a server without a cache."""
+    model, tokenizer = load_tiny("llama", seed=3, n_ctx=512)
+    reply2, cached, relocated, first_turn = moved_down_sequence(model, tokenizer, True)
     assert relocated >= 4 and cached == first_turn - 1
-    assert reply2 == asyncio.run(run(False))[0]
+    assert reply2 == moved_down_sequence(model, tokenizer, False)[0]

@@ -12,7 +12,7 @@ from cuda_kernels.sampling import philox4x32_10, philox_uniform
 
 # The kernels of docs/CUDA_KERNELS.md's "Kernels" table (other sources may add more).
 DOC_KERNELS = (
-    "embedding_f32", "rms_norm_f32", "add_rms_norm_f32", "add_f32", "split_columns_f32", "rope_neox_f32",
+    "embedding_f32", "rms_norm_f32", "add_rms_norm_f32", "add_f32", "mul_f32", "split_columns_f32", "rope_neox_f32",
     "rope_norm_f32", "store_kv_f32", "paged_attention_f32", "paged_attention_split_f32",
     "attention_combine_f32", "gated_silu_f32", "gated_gelu_tanh_f32", "gather_rows_f32", "copy_kv_blocks_f32",
     "gather_kv_blocks_f32", "scatter_kv_blocks_f32", "sample_f32",
@@ -20,11 +20,11 @@ DOC_KERNELS = (
 # Odd sizes everywhere, so no grid comes out exact by luck. H is a multiple of KVH (GQA).
 ODD_INTS = dict(
     T=7, d=37, n=1001, rows=13, in_cols=99, col_start=5, out_cols=33, H=9, KVH=3, hd=80, rope_dims=46,
-    num_slots=45, max_blocks=5, block_size=9, window=0, chunk_keys=17, n_chunks=3, F=131, n_rows=3,
+    num_slots=45, seg_rows=0, max_blocks=5, block_size=9, window=0, chunk_keys=17, n_chunks=3, F=131, n_rows=3,
     n_pairs=3, planes=11, block_elems=9 * 80, vocab=4099, mask_words=129,
 )
 FLAT_ELEMENTS = {
-    "embedding_f32": 7 * 37, "add_f32": 1001, "split_columns_f32": 7 * 33, "gather_rows_f32": 3 * 37,
+    "embedding_f32": 7 * 37, "add_f32": 1001, "mul_f32": 1001, "split_columns_f32": 7 * 33, "gather_rows_f32": 3 * 37,
     "gated_silu_f32": 7 * 131, "gated_gelu_tanh_f32": 7 * 131, "rope_neox_f32": 7 * 9 * 23,
     "rope_norm_f32": 7 * 9 * 23, "store_kv_f32": 7 * 3 * 80,
 }

@@ -32,6 +32,8 @@ def test_add_split_and_gather_match_numpy(kernel_runner):
     out = np.zeros(1001, np.float32)
     lib.launch("add_f32", out=out, a=a, b=b, n=1001)
     np.testing.assert_array_equal(out, a + b)
+    lib.launch("mul_f32", out=out, a=a, b=b, n=1001)
+    np.testing.assert_array_equal(out, a * b)  # lfm2's gates (engine/short_conv.py multiplies in numpy)
     x = rand(7, 99)
     part = np.zeros((7, 33), np.float32)
     lib.launch("split_columns_f32", out=part, x=x, T=7, in_cols=99, col_start=40, out_cols=33)
@@ -106,7 +108,7 @@ def test_store_kv_writes_slots_and_skips_negative_ones(kernel_runner):
     slots = np.append(batch.slot_mapping[:3], -1).astype(np.int64)  # the last row is padding
     pool_k, pool_v = np.zeros((2, 15, 7), np.float32), np.zeros((2, 15, 7), np.float32)
     kernel_runner("kv_blocks").launch("store_kv_f32", pool_layer_k=pool_k, pool_layer_v=pool_v, k=k, v=v,
-                                         slots=slots, T=4, KVH=2, hd=7, num_slots=15)
+                                         slots=slots, T=4, KVH=2, hd=7, num_slots=15, seg_rows=0)
     pool.k[0][:, batch.slot_mapping[3]] = 0  # the reference stored the row the kernel skipped
     pool.v[0][:, batch.slot_mapping[3]] = 0
     np.testing.assert_array_equal(pool_k, pool.k[0])

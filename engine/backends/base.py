@@ -41,9 +41,10 @@ class Backend(Protocol):
     def upload_linear(self, weight: np.ndarray) -> Array:
         """A matrix [out, in] used as y = x @ weight.T."""
 
-    def create_kv_pool(self, layout: KVLayout) -> Any:
+    def create_kv_pool(self, layout: KVLayout, mapped_blocks: int | None = None) -> Any:
         """Allocate the paged K/V pool for every layer, rows of layout.kv_type (one of the backend's
-        `kv_types`, a tuple whose first entry is its default for --kv-type auto)."""
+        `kv_types`, a tuple whose first entry is its default for --kv-type auto). With mapped_blocks, an
+        elastic pool: every id addressable, memory for the first mapped_blocks (`release_kv_blocks` resizes)."""
 
     def to_host(self, x: Array) -> np.ndarray: ...
 
@@ -58,7 +59,8 @@ class Backend(Protocol):
         """Commit host slots up to num_blocks in total; slots already there keep their ids and bytes."""
 
     def release_kv_blocks(self, pool: Any, num_blocks: int) -> None:
-        """The elastic pool shrank to num_blocks: the memory of the ids above may go back (their bytes with it)."""
+        """The elastic pool is num_blocks now: grown, ids up to it must be backed; shrunk, the memory of the ids
+        above may go back (their bytes with it)."""
 
     def park_blocks(self, pool: Any, host_pool: Any, pairs: list[tuple[int, int]]) -> None:
         """Copy (device block, host slot) pairs from the device pool to the host pool."""

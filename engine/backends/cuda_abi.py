@@ -12,7 +12,7 @@ import re
 # Copied from docs/CUDA_KERNELS.md (keep them identical; the test above compares).
 _ATTENTION = ("float* out, const float* q, const float* pool_k, const float* pool_v, const int* token_seq, "
               "const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd, "
-              "int block_size, int num_slots, float scale, int window")
+              "int block_size, int num_slots, int seg_rows, float scale, int window")
 # --kv-type f16 / int8: the same argument lists over half / int8 pool rows (docs/CUDA_KERNELS.md).
 _ATTENTION_F16 = _ATTENTION.replace("const float* pool_k, const float* pool_v",
                                     "const unsigned short* pool_k, const unsigned short* pool_v")
@@ -20,7 +20,7 @@ _ATTENTION_INT8 = _ATTENTION.replace("const float* pool_k, const float* pool_v",
                                      "const signed char* pool_k, const signed char* pool_v")
 _SPLIT = ", float* part_out, float* part_max, float* part_sum, int chunk_keys"
 _STORE_KV = ("float* pool_layer_k, float* pool_layer_v, const float* k, const float* v, "
-             "const long long* slots, int T, int KVH, int hd, int num_slots")
+             "const long long* slots, int T, int KVH, int hd, int num_slots, int seg_rows")
 _KV_BLOCKS = ("float* staging, float* pool, const int* blocks, int n, int planes, int num_slots, int block_elems, "
                "int hd")
 _ROPE = "float* x, const int* positions, const float* cos, const float* sin, int T, int H, int hd, int rope_dims"
@@ -31,6 +31,7 @@ SIGNATURES: dict[str, str] = {
     "add_rms_norm_f32": ("float* sum_out, float* norm_out, const float* x, const float* delta, const float* w, "
                          "int rows, int n, float eps"),
     "add_f32": "float* out, const float* a, const float* b, int n",
+    "mul_f32": "float* out, const float* a, const float* b, int n",
     "split_columns_f32": "float* out, const float* x, int T, int in_cols, int col_start, int out_cols",
     "rope_neox_f32": _ROPE,
     "rope_norm_f32": _ROPE,

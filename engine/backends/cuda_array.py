@@ -50,6 +50,18 @@ class DeviceArray:
     def __add__(self, other: "DeviceArray") -> "DeviceArray":
         return self.backend.add(self, other)
 
+    def __mul__(self, other: "DeviceArray") -> "DeviceArray":
+        return self.backend.mul(self, other)
+
+    def __getitem__(self, key) -> "DeviceArray":
+        """x[:, a:b] of a [T, n] array: a contiguous copy of those columns (engine/short_conv.py's B | C | x
+        split reads the fused projection this way); no other indexing exists on the device."""
+        rows, cols = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+        assert self.ndim == 2 and rows == slice(None) and isinstance(cols, slice) and cols.step is None, \
+            f"device arrays support x[:, a:b] only, not {key!r}"
+        start, stop, _ = cols.indices(self.shape[1])
+        return self.backend.columns(self, start, stop - start)
+
     def __repr__(self) -> str:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, ptr={self.ptr:#x})"
 

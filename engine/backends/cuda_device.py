@@ -28,6 +28,17 @@ except Exception as exc:  # noqa: BLE001 - any failure means "no cuda-python", a
 log = logging.getLogger("strata.cuda")
 ARENA_ENV = "STRATA_CUDA_ARENA_MIB"  # device memory the arena takes; default: ARENA_FRACTION of what is free
 ARENA_FRACTION = 0.9
+_outside_arena = {"bytes": 0}  # device memory the default arena leaves free (an elastic KV pool's chunks)
+
+
+def leave_outside_arena(nbytes: int) -> None:
+    """Have the devices made from now on leave nbytes outside their default-sized arena: the elastic KV pool
+    (cuda_kv_elastic.py) maps its chunks from there. Without STRATA_CUDA_ARENA_MIB the arena takes
+    ARENA_FRACTION of the free memory minus this; a device already made keeps its arena (the log says so)."""
+    _outside_arena["bytes"] = int(nbytes)
+    if _devices:
+        log.warning("cuda: %d MiB asked to stay outside the arena after the device was opened; set %s instead",
+                    nbytes // 2**20, ARENA_ENV)
 INSTALL_HINT = "pip install -e '.[cuda]'"
 
 
@@ -151,7 +162,11 @@ class Device:
                 raise ValueError(f"{ARENA_ENV}={os.environ[ARENA_ENV]} asks for more than the "
                                  f"{free // 2**20} MiB free on the device")
             return wanted
-        return int(free * ARENA_FRACTION) // 2**20 * 2**20
+        leave = _outside_arena["bytes"]
+        if leave and leave > free * ARENA_FRACTION // 2:
+            raise ValueError(f"--kv-cache-max-mib {leave // 2**20} leaves less than half of the {free // 2**20} MiB "
+                             f"free on the device for weights and activations; lower it or set {ARENA_ENV}")
+        return int(free * ARENA_FRACTION - leave) // 2**20 * 2**20
 
     # -- memory -----------------------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> int | None:
@@ -208,6 +223,11 @@ class Device:
     def synchronize(self, stream) -> None:
         self.ensure_current()
         check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def synchronize_context(self) -> None:
+        """Wait for all work queued on this device by every stream (before memory is unmapped under it)."""
+        self.ensure_current()
+        check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def kernel_set(self):
         """The loaded kernel modules of this device (compiled for its arch on first use)."""

@@ -1,6 +1,7 @@
 """The KV pool on the device, its pinned host tier, and the block copies between them.
 
-Device pool: one allocation [layers, 2 (K, V), KVH, num_slots, row] (docs/CUDA_KERNELS.md), a row being one
+Device pool: one allocation [layers, 2 (K, V), KVH, num_slots, row] (docs/CUDA_KERNELS.md; an elastic pool is
+segments of that shape, cuda_kv_elastic.py), a row being one
 token's K or V of one head in the --kv-type (f32, f16, or int8 + its float32 scale: engine/kv_quant.py). The
 block moves see rows as 32-bit words (row_words = row bytes / 4): a block is block_size consecutive slots,
 one contiguous run of block_elems = block_size * row_words words in each of the planes = layers * 2 * KVH
@@ -46,13 +47,18 @@ def block_bytes(layout: KVLayout) -> int:
 
 
 class CudaKVPool:
-    """The device pool of one stage. `layer_k(l)` / `layer_v(l)` are the pool_layer_k/v kernel arguments."""
+    """The device pool of one stage, one segment of every slot (an arena allocation, fixed in size).
+
+    `layer_k(l)` / `layer_v(l)` are the pool_layer_k/v kernel arguments; `seg_slots` and `seg_rows` the kernels'
+    num_slots and seg_rows (docs/CUDA_KERNELS.md: slots of one segment, rows from one segment to the next;
+    cuda_kv_elastic.ElasticKVPool has several segments)."""
 
     def __init__(self, backend, layout: KVLayout):
         self.layout = layout
         self.planes = planes_of(layout)
         self.row_words = row_words(layout)
         self.block_elems = layout.block_size * self.row_words  # words, as the block-move kernels count
+        self.seg_slots, self.seg_rows = layout.num_slots, 0  # one segment: seg_rows is never used
         self.storage = backend.upload_zeros(layout.total_bytes, f"KV pool of {layout.num_blocks} blocks")
         self.ptr = self.storage.ptr
 
@@ -61,13 +67,16 @@ class CudaKVPool:
         return self.layout.total_bytes
 
     def _plane_bytes(self) -> int:
-        return self.layout.num_slots * self.row_words * 4
+        return self.seg_slots * self.row_words * 4
 
     def layer_k(self, layer: int) -> int:
         return self.ptr + (layer * 2) * self.layout.n_kv_heads * self._plane_bytes()
 
     def layer_v(self, layer: int) -> int:
         return self.ptr + (layer * 2 + 1) * self.layout.n_kv_heads * self._plane_bytes()
+
+    def resize(self, num_blocks: int, caller=None) -> None:
+        """A fixed pool keeps its memory when the cache's pool shrinks (as numpy does off Linux)."""
 
 
 class CudaHostPool:
@@ -171,7 +180,7 @@ class KVTransfers:
             src = b.index_array(np.array([s for s, _ in part], dtype=np.int32))
             dst = b.index_array(np.array([d for _, d in part], dtype=np.int32))
             b.launch("copy_kv_blocks_f32", pool=pool.ptr, src_blocks=src, dst_blocks=dst, n_pairs=len(part),
-                     planes=pool.planes, num_slots=pool.layout.num_slots, block_elems=pool.block_elems,
+                     planes=pool.planes, num_slots=pool.seg_slots, block_elems=pool.block_elems,
                      hd=pool.row_words)
 
     def _park(self, pool: CudaKVPool, host: CudaHostPool, pairs: list[tuple[int, int]]) -> None:
@@ -229,4 +238,4 @@ class KVTransfers:
 
     def _kernel(self, kernel: str, staging, pool: CudaKVPool, blocks, n: int) -> None:
         self.backend.launch(kernel, staging=staging, pool=pool.ptr, blocks=blocks, n=n, planes=pool.planes,
-                            num_slots=pool.layout.num_slots, block_elems=pool.block_elems, hd=pool.row_words)
+                            num_slots=pool.seg_slots, block_elems=pool.block_elems, hd=pool.row_words)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels import attention as attention_geometry
-from engine.backends import cuda_linear, cuda_moe
+from engine.backends import cuda_conv_state, cuda_linear, cuda_moe
 from engine.batch import BatchMeta
 
 CHUNK_KEYS = 512  # keys per flash-decoding chunk of paged_attention_split_f32
@@ -51,6 +51,23 @@ class CudaOps:
         self.launch("add_f32", out=out, a=a, b=b, n=a.size)
         return out
 
+    def mul(self, a, b):
+        assert a.shape == b.shape, f"mul: {a.shape} * {b.shape}"
+        out = self.empty(a.shape)
+        self.launch("mul_f32", out=out, a=a, b=b, n=a.size)
+        return out
+
+    def columns(self, x, start: int, count: int):
+        T, in_cols = x.shape
+        out = self.empty((T, count))  # [T, count]: columns start .. start + count of x
+        self.launch("split_columns_f32", out=out, x=x, T=T, in_cols=in_cols, col_start=start, out_cols=count)
+        return out
+
+    def short_conv(self, u, kernel, pool, layer: int, batch: BatchMeta):
+        """lfm2's causal conv (engine/short_conv.numpy_short_conv): u [T, d] -> [T, d], each sequence's state
+        row read and rolled on the device (cuda_conv_state.CudaConvStatePool); captures first."""
+        return cuda_conv_state.short_conv(self, u, kernel, pool, layer, batch)
+
     def linear(self, x, weight, bias=None):
         return cuda_linear.launch_linear(self, x, weight, bias)  # [T, in] -> [T, out]
 
@@ -75,7 +92,7 @@ class CudaOps:
         T, KVH, hd = k.shape
         self.launch(f"store_kv_{pool.layout.kv_type}", pool_layer_k=pool.layer_k(layer), pool_layer_v=pool.layer_v(layer), k=k, v=v,
                     slots=self._index(batch.slot_mapping, np.int64), T=T, KVH=KVH, hd=hd,
-                    num_slots=pool.layout.num_slots)
+                    num_slots=pool.seg_slots, seg_rows=pool.seg_rows)
 
     def attention(self, q, pool, layer: int, batch: BatchMeta, scale: float, window: int, sinks=None):
         T, H, hd = q.shape
@@ -85,7 +102,7 @@ class CudaOps:
         args = dict(out=out, q=q, pool_k=pool.layer_k(layer), pool_v=pool.layer_v(layer), token_seq=token_seq,
                     token_pos=self._index(batch.positions, np.int32), block_tables=block_tables,
                     max_blocks=max_blocks, T=T, H=H, KVH=lay.n_kv_heads, hd=hd, block_size=lay.block_size,
-                    num_slots=lay.num_slots, scale=scale, window=window)
+                    num_slots=pool.seg_slots, seg_rows=pool.seg_rows, scale=scale, window=window)
         # Chunks over the widest key range the step can read (the table, or the window): the kernel's own
         # rule, since its grid has that many; a chunk past a query's own position is empty.
         n_chunks = attention_geometry.num_chunks(max_blocks, lay.block_size, CHUNK_KEYS, window)

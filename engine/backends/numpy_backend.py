@@ -65,8 +65,8 @@ class NumpyBackend:
     def upload_linear(self, weight: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(weight, dtype=_F32)  # [out, in]
 
-    def create_kv_pool(self, layout: KVLayout) -> NumpyKVPool:
-        return NumpyKVPool(layout)
+    def create_kv_pool(self, layout: KVLayout, mapped_blocks: int | None = None) -> NumpyKVPool:
+        return NumpyKVPool(layout)  # elastic or not: calloc's pages are committed only as they are touched
 
     def to_host(self, x: np.ndarray) -> np.ndarray:
         return np.asarray(x)
