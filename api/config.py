@@ -62,9 +62,11 @@ class ServerConfig:
     ctx_size: int = _opt(8192, f"tokens of context per slot (>= {MIN_CTX_SIZE})")
     default_max_tokens: int = _opt(0, "reply budget of a request that sets none (most agents send none); 0: the "
                                       "room its context leaves, as llama-server's -n -1")
-    kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
-    kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy): start at --kv-cache-mib, grow up to this many MiB "
-                                    "as requests need room, shrink on POST /cache/device-pool (0: a fixed pool)")
+    kv_cache_mib: str = _opt("0", "device KV pool in MiB: N (fixed; 0: enough for batch * ctx-size tokens), "
+                                  "MIN:MAX (elastic, numpy: starts at MIN, grows to MAX as requests need room, "
+                                  "shrinks on POST /cache/device-pool or SIGUSR1), or auto (sized from the "
+                                  "machine's free memory, see docs/OPERATIONS.md)", metavar="N|MIN:MAX|auto")
+    kv_cache_max_mib: int = _opt(0, "older spelling of --kv-cache-mib MIN:MAX's MAX (0: a fixed pool)")
     kv_type: str = _opt("auto", "how K/V is stored: f32, f16, or int8 (one float32 scale per token and head; "
                                 "about a quarter of f32's bytes); auto: f32 on numpy, the backend's default "
                                 "elsewhere", KV_TYPE_CHOICES)
@@ -110,6 +112,8 @@ class ServerConfig:
     seed: int | None = _opt(None, "sampling seed for requests that give none (unset: random)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_mib, int) and not isinstance(self.kv_cache_mib, bool):
+            object.__setattr__(self, "kv_cache_mib", str(self.kv_cache_mib))  # replace(cfg, kv_cache_mib=17)
         _validate(self)
 
     def as_log_dict(self) -> dict[str, Any]:
@@ -123,6 +127,14 @@ class ServerConfig:
     def layer_cuts(self) -> tuple[int, ...]:
         """--layer-split as integers (checked against the model's layer count at load)."""
         return tuple(int(v) for v in self.layer_split.split(",") if v.strip()) if self.layer_split else ()
+
+    @property
+    def kv_cache_range_mib(self) -> tuple[int, int] | None:
+        """--kv-cache-mib (and the older --kv-cache-max-mib) as (MIN, MAX) MiB, MAX 0 for a fixed pool;
+        None for auto (scheduler/pool_sizing.py)."""
+        from scheduler.pool_sizing import parse_kv_cache_mib
+
+        return parse_kv_cache_mib(self.kv_cache_mib, self.kv_cache_max_mib)
 
     def groups_for(self, num_stages: int) -> int:
         """--batch-groups resolved: auto gives each stage a group of its own (at most --batch groups)."""
@@ -265,7 +277,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
     return value.lower() if choices or name == "batch_groups" else value
 
 
-_JSON_LIST_OR_INT = ("layer_split", "batch_groups")
+_JSON_LIST_OR_INT = ("layer_split", "batch_groups", "kv_cache_mib")
 _KIND_WORDS = {int: "an integer", float: "a number", str: "a string"}
 
 
@@ -300,8 +312,9 @@ def _validate(cfg: ServerConfig) -> None:
     need(cfg.ctx_size >= MIN_CTX_SIZE, f"--ctx-size must be >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
     need(cfg.kv_cache_max_mib >= 0, f"--kv-cache-max-mib must be >= 0 (got {cfg.kv_cache_max_mib})")
     need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens})")
-    need(cfg.kv_cache_mib >= 0,
+    need(not cfg.kv_cache_mib.startswith("-"),
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
+    cfg.kv_cache_range_mib  # noqa: B018 -- raises a ValueError naming the flag on a bad N, MIN:MAX or auto
     need(cfg.state_checkpoint_every >= 0,
          f"--state-checkpoint-every must be >= 0 blocks (got {cfg.state_checkpoint_every})")
     for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib",

@@ -183,10 +183,10 @@ def test_seed_002_a_short_request_and_a_shrink_keep_the_long_conversation(load_t
         await serve("short", short_prompt)
         if cache_on:
             assert loop.cache.num_blocks > 8  # the two requests grew the pool
-            state = loop.resize_device_pool(8)
+            state = await loop.resize_device_pool(8)
             assert state["device_blocks"] == 8 and not state["stopped_by"]
             assert loop.cache.stats["dropped_blocks"] == 0 and loop.cache.stats["parks"] > 0
-            loop.resize_device_pool(64)  # the memory comes back (e.g. the expert cache returns it)
+            await loop.resize_device_pool(64)  # the memory comes back (e.g. the expert cache returns it)
             assert loop.cache.num_blocks == 8  # it grows again only as requests need room
         second = long_prompt + reply + [5, 6, 7]
         reply2, cached = await serve("long-2", second)
@@ -225,7 +225,7 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_mib"
     with running_server(smollm2, batch=1, ctx_size=512) as (url, state):
         fixed = httpx.post(url + "/cache/device-pool", json={"max_blocks": 4})
-        assert fixed.status_code == 400 and "--kv-cache-max-mib" in fixed.json()["error"]["message"]
+        assert fixed.status_code == 400 and "--kv-cache-mib MIN:MAX" in fixed.json()["error"]["message"]
 
 
 def test_blocks_moved_down_by_a_shrink_keep_their_bytes(load_tiny):
@@ -253,7 +253,7 @@ def test_blocks_moved_down_by_a_shrink_keep_their_bytes(load_tiny):
         if cache_on:
             plan = loop.cache.plan_shrink(10)
             relocated = len(plan.relocations)
-            assert loop.resize_device_pool(10)["device_blocks"] == 10
+            assert (await loop.resize_device_pool(10))["device_blocks"] == 10
         reply2, cached = await serve("z2", third + reply + [9, 8, 7])
         await loop.shutdown(1)
         return reply2, cached, relocated, len(third) + len(reply)
