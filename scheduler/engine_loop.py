@@ -31,8 +31,7 @@ from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
 from scheduler.cache_setup import create_cache
 from scheduler.device_pool import resize_pool
-from scheduler.write_behind import TICK_S as WRITE_BEHIND_TICK_S
-from scheduler.write_behind import WriteBehind
+from scheduler.write_behind import TICK_S as WRITE_BEHIND_TICK_S, WriteBehind
 from scheduler.memory_admission import MemoryAdmission
 from scheduler.memory_service import MemoryService
 from scheduler.metrics import Metrics
@@ -71,8 +70,8 @@ class EngineLoop:
         # Blocks reach the disk while serving, so a kill -9 loses seconds of work, not the whole cache.
         self.write_behind = WriteBehind(self.cache, runner.layout.bytes_per_block, write_behind_mib_s) \
             if disk is not None and prefix_cache and write_behind_mib_s > 0 else None
-        self._wake = asyncio.Event()
-        self.memory = MemoryService(self.cache, on_change=self._wake.set)
+        self.wake = asyncio.Event()
+        self.memory = MemoryService(self.cache, on_change=self.wake.set)
         self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step
         self.num_slots = num_slots
         self.prefill_chunk = prefill_chunk
@@ -83,16 +82,13 @@ class EngineLoop:
         self.num_groups = max(1, min(batch_groups, num_slots))
         self.table = SlotTable(num_slots, self.num_groups)
         self.pipeline = Pipeline(runner, sample_step, self.metrics)
-        self._in_flight: dict[int, asyncio.Task] = {}  # group -> its step in the pipeline
+        self.in_flight: dict[int, asyncio.Task] = {}  # group -> its step in the pipeline (RequestMemory reads it)
         self.requests = RequestMemory(self)
         self._task: asyncio.Task | None = None
         self._accepting = True
         self.num_steps = 0
         self.event_loop: asyncio.AbstractEventLoop | None = None
 
-    # The composed parts, under the names the loop reads (RequestMemory shares these same objects).
-    wake = property(lambda self: self._wake)
-    in_flight = property(lambda self: self._in_flight)
     num_preemptions = property(lambda self: self.requests.num_preemptions)
     recomputed_tokens = property(lambda self: self.requests.recomputed_tokens)
 
@@ -116,7 +112,7 @@ class EngineLoop:
         waiting.append(request)
         self.table.by_id[request.request_id] = request
         self.metrics.queue_depth.set(len(waiting))
-        self._wake.set()
+        self.wake.set()
         return self._stream(request)
 
     def abort(self, request_id: str) -> None:
@@ -124,7 +120,7 @@ class EngineLoop:
         request = self.table.by_id.get(request_id)
         if request is not None and not request.is_finished:
             request.is_cancelled = True
-            self._wake.set()
+            self.wake.set()
 
     def stop_admitting(self) -> None:
         """From now on submit() raises ShuttingDownError; queued and running requests go on."""
@@ -141,7 +137,7 @@ class EngineLoop:
             await asyncio.sleep(0.01)
         if self._task:
             self._task.cancel()
-        await asyncio.gather(*self._in_flight.values(), return_exceptions=True)
+        await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
         await self.pipeline.close()  # drains the stages in order
         await self.memory.close()
         if self.disk is not None and self.cache.enabled:
@@ -151,7 +147,7 @@ class EngineLoop:
         """Abort every queued and running request (each stream still gets its final delta)."""
         for request in list(self.table.by_id.values()):
             request.is_cancelled = True
-        self._wake.set()
+        self.wake.set()
 
     async def resize_device_pool(self, max_blocks: int) -> dict:
         """Set the elastic device pool's ceiling; below its size now, shrink to it (as far as the pool can
@@ -207,21 +203,21 @@ class EngineLoop:
             self._drop_cancelled()
             self._admit()
             for group in range(self.num_groups):
-                if group not in self._in_flight:
-                    work = self._schedule(group)
+                if group not in self.in_flight:
+                    work = self.requests.schedule(group)
                     if work:
-                        self._in_flight[group] = loop.create_task(self._step_group(group, work))
-            if self.num_preemptions > preemptions and not self._in_flight:
+                        self.in_flight[group] = loop.create_task(self._step_group(group, work))
+            if self.num_preemptions > preemptions and not self.in_flight:
                 await asyncio.sleep(0)  # preempted in this scan, nothing in flight to wake us: admit again
                 continue
             # Woken by submit/abort and by every group step that ends; no await since the scan above, so
             # nothing can have set the event in between.
-            self._wake.clear()
+            self.wake.clear()
             if self.write_behind is not None and self.write_behind.has_work:
                 with contextlib.suppress(asyncio.TimeoutError):  # no event for a while: a write-behind turn
-                    await asyncio.wait_for(self._wake.wait(), WRITE_BEHIND_TICK_S)
+                    await asyncio.wait_for(self.wake.wait(), WRITE_BEHIND_TICK_S)
             else:
-                await self._wake.wait()
+                await self.wake.wait()
 
     def _write_behind_turn(self) -> None:
         """Every WRITE_BEHIND_TICK_S, busy or idle, write a bounded share of the unsaved blocks to disk."""
@@ -249,15 +245,15 @@ class EngineLoop:
                 self.cache.check_integrity()
                 self.runner.check_stages()
         finally:
-            del self._in_flight[group]
-            self._wake.set()
+            del self.in_flight[group]
+            self.wake.set()
 
     def _drop_cancelled(self) -> None:
         for request in [r for r in self.table.waiting if r.is_cancelled]:
             self.table.waiting.remove(request)
             self._finish(request, "abort")
         for request in [r for r in self.table.running() if r.is_cancelled]:
-            if request.group not in self._in_flight:  # in flight: its blocks are being written
+            if request.group not in self.in_flight:  # in flight: its blocks are being written
                 self._finish(request, "abort")
 
     def _admit(self) -> None:
@@ -268,22 +264,6 @@ class EngineLoop:
         self.metrics.observe_cache(self.cache.usage())
         if self.integrity_checks:
             self.cache.check_integrity()
-
-    def _schedule(self, group: int) -> list[tuple[Request, int]]:
-        """Every decoding request's next token, plus one prefill chunk of the oldest admitted prompt, of one
-        group."""
-        running = sorted(self.table.members(group), key=lambda r: r.admitted_s)
-        work = [(r, 1) for r in running if not r.is_prefilling]
-        prefilling = next((r for r in running if r.is_prefilling), None)
-        if prefilling is not None:
-            work.append((prefilling, min(self.prefill_chunk, prefilling.seq.num_pending)))
-        work = [(r, n) for r, n in work if self.requests.reserve(r, n)]
-        work = [(r, n) for r, n in work if r.slot_id is not None]  # a later reservation may have preempted it
-        self.hybrid.before_step(work)  # hybrid models: capture the states at checkpoint positions
-        for request, n in work:
-            if request.constraint is not None and n == request.seq.num_pending:  # this step samples its token
-                request.constraint.begin_mask()  # computed beside the forward pass; sample_step waits for it
-        return work
 
     def _postprocess(self, results: list[StepResult]) -> None:
         now = time.perf_counter()

@@ -56,8 +56,9 @@ class MemoryService:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="strata-memory-admission")
 
     async def close(self) -> None:
-        """Serve what is queued, then stop the task."""
+        """Serve what is queued, then stop the task; later requests are served at once, as without a loop."""
         self.serve_queued()
+        self._queue = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

@@ -2,6 +2,8 @@
 back to the cache at the end, all as plans granted through the memory admission (memory_service.py).
 
     admit     waiting -> slot: its longest cached prefix (restored if parked) + blocks for one chunk
+    schedule  a group's next step: every decoding request's next token plus one prefill chunk, each with
+              its blocks reserved first
     reserve   each step: blocks for its next n tokens; short even after parking cached blocks: preempt
               running requests, newest first (their computed blocks join the tree; they wait at the head
               of the queue and resume by restore, never by recompute)
@@ -100,6 +102,22 @@ class RequestMemory:
         served_here = key is not None and key in self.conversations
         return explain_unseen(key, served_here, request.earlier_turns, match,
                               allocation.reused_by_tier.get("disk", 0)) or in_cache
+
+    def schedule(self, group: int) -> list[tuple[Request, int]]:
+        """Every decoding request's next token, plus one prefill chunk of the oldest admitted prompt, of one
+        group, for those whose blocks were reserved (the others sit the step out)."""
+        running = sorted(self.table.members(group), key=lambda r: r.admitted_s)
+        work = [(r, 1) for r in running if not r.is_prefilling]
+        prefilling = next((r for r in running if r.is_prefilling), None)
+        if prefilling is not None:
+            work.append((prefilling, min(self.prefill_chunk, prefilling.seq.num_pending)))
+        work = [(r, n) for r, n in work if self.reserve(r, n)]
+        work = [(r, n) for r, n in work if r.slot_id is not None]  # a later reservation may have preempted it
+        self.hybrid.before_step(work)  # hybrid models: capture the states at checkpoint positions
+        for request, n in work:
+            if request.constraint is not None and n == request.seq.num_pending:  # this step samples its token
+                request.constraint.begin_mask()  # computed beside the forward pass; sample_step waits for it
+        return work
 
     def reserve(self, request: Request, n: int) -> bool:
         """Blocks for the request's next n tokens. When the pool is short, the plan parks unpinned cached
