@@ -7,9 +7,9 @@ others' decode by at most one chunk. Steps run through the pipeline stages of a 
 (scheduler/pipeline.py), each stage on a worker of its own, while the event loop keeps serving HTTP; with
 several groups the stages work on different groups at once. Everything else (admission, detokenisation,
 stop strings, grammar state, finishing) happens on the loop between a group's steps; a constrained request's
-next-token mask is begun when its step is scheduled, so it is computed beside the forward pass. Every
-request for memory goes through the memory admission (scheduler/memory_service.py): the requests' own
-plans (scheduler/request_memory.py) inline between steps, operators' and other holders' queued.
+next-token mask is begun when its step is scheduled, so it is computed beside the forward pass. Memory
+goes through the admission (memory_service.py): the requests' plans (request_memory.py) inline between
+steps, operators' and other holders' queued.
 
     submit(request) -> async iterator of Delta      abort(request_id)      shutdown(timeout_s)
 """
@@ -25,11 +25,11 @@ from engine.sequence import ModelRunner
 from engine.tokenizer import Tokenizer
 from scheduler import engine_views
 from scheduler.cache_persistence import flush_to_disk
+from scheduler.cache_setup import create_cache
 from scheduler.conversation_activity import ACTIVE_WINDOW_S
-from scheduler.hybrid_steps import HybridSteps
 from scheduler.conversations import ConversationLog
 from scheduler.disk_tier import DiskTier
-from scheduler.cache_setup import create_cache
+from scheduler.hybrid_steps import HybridSteps
 from scheduler.device_pool import resize_pool
 from scheduler.write_behind import TICK_S as WRITE_BEHIND_TICK_S, WriteBehind
 from scheduler.memory_admission import MemoryAdmission
@@ -51,6 +51,12 @@ class QueueFullError(RuntimeError):
 
 class ShuttingDownError(RuntimeError):
     """The server is stopping and admits nothing new."""
+
+
+def _log_crash(task: asyncio.Task) -> None:
+    """A loop that died would leave every stream waiting: say so loudly (a bug, never a user error)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("the engine loop stopped: %r", task.exception(), exc_info=task.exception())
 
 
 class EngineLoop:
@@ -92,12 +98,12 @@ class EngineLoop:
     num_preemptions = property(lambda self: self.requests.num_preemptions)
     recomputed_tokens = property(lambda self: self.requests.recomputed_tokens)
 
-    # -- public interface ---------------------------------------------------------------------------
     def start(self) -> None:
         self.event_loop = asyncio.get_running_loop()
         self.pipeline.start()
         self.memory.start()
         self._task = self.event_loop.create_task(self._run(), name="strata-engine-loop")
+        self._task.add_done_callback(_log_crash)
 
     def submit(self, request: Request) -> AsyncIterator[Delta]:
         """Queue a request; returns its delta stream. Raises QueueFullError / ShuttingDownError at once.
@@ -174,9 +180,7 @@ class EngineLoop:
     def load_snapshot(self) -> dict:
         return engine_views.load_snapshot(self)
 
-    @property
-    def queue_depth(self) -> int:
-        return len(self.table.waiting)
+    queue_depth = property(lambda self: len(self.table.waiting))
 
     @property
     def device_pool_tokens(self) -> int:

@@ -27,6 +27,11 @@ log = logging.getLogger("strata.scheduler")
 RETRY_S = 0.005  # a refused grant is asked again this soon
 
 
+def step_needs_plan(allocation, num_tokens: int, block_size: int) -> bool:
+    """Whether a table must grow to hold num_tokens (else its plan would be empty, granted as it is)."""
+    return blocks_needed(num_tokens, block_size) > len(allocation.block_table)
+
+
 class RequestMemory:
     """Admission, per-step reservation, preemption and release of the requests in one SlotTable."""
 
@@ -122,7 +127,14 @@ class RequestMemory:
     def reserve(self, request: Request, n: int) -> bool:
         """Blocks for the request's next n tokens. When the pool is short, the plan parks unpinned cached
         blocks; when even that cannot make room, running requests are preempted, newest first. False: the
-        request sits this step out (preempted, or its grant was refused)."""
+        request sits this step out (preempted, or its grant was refused). A step its table already holds
+        (most decode steps) needs no plan: nothing to plan, grant or apply, and no queued request is served
+        ahead of it (it takes no memory)."""
+        if request.slot_id is None:  # preempted by an earlier reservation of this same step
+            return False
+        if not step_needs_plan(request.allocation, request.seq.num_computed + n, self.block_size) \
+                and not self.hybrid.checkpoints_after(request, n):
+            return True
         while request.slot_id is not None:
             grant = self.memory.grant(lambda: self._plan_step(request, n))
             if grant.granted:

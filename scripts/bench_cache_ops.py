@@ -95,7 +95,7 @@ def one_request(cache: PrefixCache, tokens: list[int], rng: random.Random, servi
 
 def bench(size: int, requests: int, seed: int = 1, max_warmup: int | None = None,
           through_service: bool = False) -> dict[str, float]:
-    if through_service:
+    if through_service is True:  # started on a running loop, as between an engine's steps
         async def on_loop():
             return bench(size, requests, seed, max_warmup, through_service=_started_service)
         return asyncio.run(on_loop())

@@ -103,3 +103,26 @@ def test_a_refused_grant_at_each_point_loses_no_conversation(tiny, tmp_path, wor
     assert stats["dropped_blocks"] == 0 and loop.recomputed_tokens == 0, stats
     assert loop.memory.num_served > 0  # the operator's resizes went through the admission's queue
     assert stats["parks"] > 0 and stats["restores"] > 0 and stats["spills"] > 0, stats
+
+
+def test_a_step_the_table_already_holds_asks_the_admission_for_nothing(tiny):
+    """The decode step's fast path: no plan, no grant, no queued request served ahead (no extra loop tick);
+    a step past the table's end goes through the admission."""
+    model, tokenizer = tiny
+
+    async def main():
+        loop = EngineLoop(ModelRunner(model, 16, 4), tokenizer, num_slots=1, prefill_chunk=16, max_queue=4)
+        loop.memory.start()
+        loop.submit(Request("r", list(range(3, 13)), SamplingParams(temperature=0, max_tokens=4)))
+        loop._admit()  # 10 tokens: a table of 3 blocks (12 tokens)
+        request, asked = loop.table.slots[0], []
+        grant = loop.memory.grant
+        loop.memory.grant = lambda planner: asked.append(1) or grant(planner)
+        queued = asyncio.ensure_future(loop.memory.request(lambda: "operator", "operator"))
+        await asyncio.sleep(0)
+        assert loop.requests.reserve(request, 12) and asked == [] and loop.memory.num_queued == 1
+        assert loop.requests.reserve(request, 13) and asked == [1] and loop.memory.num_queued == 0
+        assert len(request.seq.block_table) == 4 and await queued == "operator"
+        await loop.memory.close()
+
+    asyncio.run(main())
