@@ -202,6 +202,9 @@ class EngineLoop:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            # Woken by submit/abort, every group step that ends and every queued memory request served
+            # (inline during this scan too: then it scans again, e.g. for a ceiling raised mid-scan).
+            self.wake.clear()
             preemptions = self.num_preemptions
             self._write_behind_turn()
             self._drop_cancelled()
@@ -214,9 +217,6 @@ class EngineLoop:
             if self.num_preemptions > preemptions and not self.in_flight:
                 await asyncio.sleep(0)  # preempted in this scan, nothing in flight to wake us: admit again
                 continue
-            # Woken by submit/abort and by every group step that ends; no await since the scan above, so
-            # nothing can have set the event in between.
-            self.wake.clear()
             if self.write_behind is not None and self.write_behind.has_work:
                 with contextlib.suppress(asyncio.TimeoutError):  # no event for a while: a write-behind turn
                     await asyncio.wait_for(self.wake.wait(), WRITE_BEHIND_TICK_S)

@@ -207,7 +207,7 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
     asks = [{"model": "smollm2", "messages": [{"role": "user", "content": f"Name three {thing}. " * 12}],
              "max_tokens": 4, "temperature": 0} for thing in ("rivers", "mountains")]
     # ctx 128: the pool starts at one slot's 8 blocks (the flags' floor) and may grow to 100 MiB (142 blocks)
-    with running_server(smollm2, batch=1, ctx_size=128, kv_cache_max_mib=100) as (url, state):
+    with running_server(smollm2, batch=1, ctx_size=128, kv_cache_mib="0:100") as (url, state):
         before = httpx.get(url + "/cache").json()["device_total"]
         for ask in asks:  # each ~90 tokens: the second grows the pool instead of parking the first
             assert httpx.post(url + "/v1/chat/completions", json=ask, timeout=120).status_code == 200
@@ -218,6 +218,11 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
         assert shrunk["device_blocks"] == 8 and not shrunk["stopped_by"]
         after = httpx.get(url + "/cache").json()
         assert after["dropped_blocks"] == 0 and after["device_total"] == 8 and after["parks"] > 0
+        block, mib = state.engine.runner.layout.bytes_per_block, 2**20
+        device, host = after["tiers"]["device"], after["tiers"]["host"]
+        assert (device["budget_mib"], device["committed_mib"]) == (142 * block // mib, 8 * block // mib)
+        assert device["used_mib"] <= device["committed_mib"] and host["used_mib"] == after["host_cached"] * block // mib
+        assert host["committed_mib"] >= host["used_mib"] and host["budget_mib"] >= host["committed_mib"]
         for ask in asks:  # both conversations are whole: restored from host RAM, nothing recomputed
             usage = httpx.post(url + "/v1/chat/completions", json=ask, timeout=120).json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
