@@ -266,3 +266,36 @@ def test_blocks_moved_down_by_a_shrink_keep_their_bytes(load_tiny):
     reply2, cached, relocated, first_turn = asyncio.run(run(True))
     assert relocated >= 4 and cached == first_turn - 1
     assert reply2 == asyncio.run(run(False))[0]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigusr1_shrinks_an_elastic_pool_to_its_minimum_and_sigusr2_gives_its_range_back(load_tiny):
+    import os
+    import signal
+
+    from api.serve import _install_pool_signals
+
+    model, tokenizer = load_tiny("llama", seed=3, n_ctx=512)
+
+    async def main():
+        loop = EngineLoop(ModelRunner(model, 32, 4, host_blocks=32), tokenizer, num_slots=1, prefill_chunk=64,
+                          max_queue=4, integrity_checks=True, device_min_blocks=8)
+        loop.start()
+        _install_pool_signals(loop)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        [d async for d in loop.submit(Request("r", [(3 * i) % 170 + 25 for i in range(60)], params))]
+        grown = loop.cache.num_blocks
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if loop.cache.num_blocks == 8:
+                break
+        shrunk, ceiling = loop.cache.num_blocks, loop.cache.admission.device_ceiling_blocks
+        os.kill(os.getpid(), signal.SIGUSR2)
+        await asyncio.sleep(0.05)
+        await loop.shutdown(1)
+        return grown, shrunk, ceiling, loop.cache.admission.device_ceiling_blocks, loop.cache.stats
+
+    grown, shrunk, ceiling, restored, stats = asyncio.run(main())
+    assert grown > 8 and (shrunk, ceiling) == (8, 8) and restored == 32
+    assert stats["dropped_blocks"] == 0 and stats["parks"] > 0
