@@ -67,9 +67,11 @@ class ServerConfig:
     default_temperature: float | None = _opt(None, "sampling temperature of a request that sets none (agents such "
                                                    "as Codex send none); unset: 1.0, as OpenAI and Anthropic",
                                              metavar="T")
-    kv_cache_mib: int = _opt(0, "KV cache size in MiB (0: enough for batch * ctx-size tokens)")
-    kv_cache_max_mib: int = _opt(0, "elastic KV pool (numpy, cuda): start at --kv-cache-mib, grow up to this many MiB "
-                                    "as requests need room, shrink on POST /cache/device-pool (0: a fixed pool)")
+    kv_cache_mib: str = _opt("0", "device KV pool in MiB: N (fixed; 0: enough for batch * ctx-size tokens), "
+                                  "MIN:MAX (elastic, numpy: starts at MIN, grows to MAX as requests need room, "
+                                  "shrinks on POST /cache/device-pool or SIGUSR1), or auto (sized from the "
+                                  "machine's free memory, see docs/OPERATIONS.md)", metavar="N|MIN:MAX|auto")
+    kv_cache_max_mib: int = _opt(0, "older spelling of --kv-cache-mib MIN:MAX's MAX (0: a fixed pool)")
     expert_cache_mib: str = _opt("", "MoE models on cuda: device MiB for hot experts, the rest in pinned host RAM "
                                      "(auto: as many as fit; unset: every expert on the device)", metavar="MIB|auto")
     kv_type: str = _opt("auto", "how K/V is stored: f32, f16, or int8 (one float32 scale per token and head; "
@@ -118,6 +120,8 @@ class ServerConfig:
     seed: int | None = _opt(None, "sampling seed for requests that give none (unset: random)")
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_mib, int) and not isinstance(self.kv_cache_mib, bool):
+            object.__setattr__(self, "kv_cache_mib", str(self.kv_cache_mib))  # replace(cfg, kv_cache_mib=17)
         _validate(self)
 
     def as_log_dict(self) -> dict[str, Any]:
@@ -131,6 +135,14 @@ class ServerConfig:
     def layer_cuts(self) -> tuple[int, ...]:
         """--layer-split as integers (checked against the model's layer count at load)."""
         return tuple(int(v) for v in self.layer_split.split(",") if v.strip()) if self.layer_split else ()
+
+    @property
+    def kv_cache_range_mib(self) -> tuple[int, int] | None:
+        """--kv-cache-mib (and the older --kv-cache-max-mib) as (MIN, MAX) MiB, MAX 0 for a fixed pool;
+        None for auto (scheduler/pool_sizing.py)."""
+        from scheduler.pool_sizing import parse_kv_cache_mib
+
+        return parse_kv_cache_mib(self.kv_cache_mib, self.kv_cache_max_mib)
 
     def groups_for(self, num_stages: int) -> int:
         """--batch-groups resolved: auto gives each stage a group of its own (at most --batch groups)."""
@@ -273,7 +285,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
     return value.lower() if choices or name == "batch_groups" else value
 
 
-_JSON_LIST_OR_INT = ("layer_split", "batch_groups")
+_JSON_LIST_OR_INT = ("layer_split", "batch_groups", "kv_cache_mib")
 _KIND_WORDS = {int: "an integer", float: "a number", str: "a string"}
 
 
@@ -310,11 +322,12 @@ def _validate(cfg: ServerConfig) -> None:
     need(cfg.default_temperature is None or 0.0 <= cfg.default_temperature <= 2.0,
          f"--default-temperature must be in 0..2 (got {cfg.default_temperature})")
     need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens})")
-    need(cfg.kv_cache_mib >= 0,
+    need(not cfg.kv_cache_mib.startswith("-"),
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
     need(cfg.expert_cache_mib in ("", "auto") or re.fullmatch(r"\d+(\.\d+)?", cfg.expert_cache_mib) is not None
          and float(cfg.expert_cache_mib) > 0, f"--expert-cache-mib takes a MiB count > 0 or auto (got "
          f"{cfg.expert_cache_mib!r})")
+    cfg.kv_cache_range_mib  # noqa: B018 -- raises a ValueError naming the flag on a bad N, MIN:MAX or auto
     need(cfg.state_checkpoint_every >= 0,
          f"--state-checkpoint-every must be >= 0 blocks (got {cfg.state_checkpoint_every})")
     for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib",

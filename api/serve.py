@@ -5,10 +5,13 @@ for up to --shutdown-timeout-s, then cancels what is left and exits.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 
 import uvicorn
 
@@ -23,6 +26,8 @@ from engine.sequence import ModelRunner
 from scheduler.admission import create_admission, plan_memory
 from scheduler.disk_tier import DiskTier, model_file_identity
 from scheduler.engine_loop import EngineLoop
+from scheduler.engine_views import tier_budgets
+from scheduler.pool_sizing import size_kv_pool
 from scheduler.metrics import Metrics
 
 log = logging.getLogger("strata.serve")
@@ -31,8 +36,9 @@ STEP_GRACE_S = 30.0  # after --shutdown-timeout-s, time for the engine step in f
 
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
     """Load the model (unless given) and wire runner, engine loop and metrics for one server."""
-    if loaded is None and config.kv_cache_max_mib:  # cuda: the elastic pool's chunks come from outside the arena
-        leave_outside_arena(int(config.kv_cache_max_mib * 2**20))
+    elastic_max_mib = (config.kv_cache_range_mib or (0, 0))[1]
+    if loaded is None and elastic_max_mib:  # cuda: the elastic pool's chunks come from outside the arena
+        leave_outside_arena(int(elastic_max_mib * 2**20))
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
                                   max_positions=config.ctx_size, backend_name=config.backend,
                                   cpu_weights=config.cpu_weights, expert_cache_mib=config.expert_cache_mib)
@@ -41,13 +47,13 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                     config.ctx_size, loaded.model.config.context_length)
     kv_type = resolve_kv_type(config.kv_type, loaded.model.backend)
     bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE, kv_type).bytes_per_block
-    per_slot_blocks = blocks_needed(config.ctx_size, BLOCK_SIZE)
-    num_blocks = per_slot_blocks * config.batch
-    if config.kv_cache_mib:
-        num_blocks = max(per_slot_blocks, int(config.kv_cache_mib * 2**20) // bytes_per_block)
-    min_blocks, num_blocks = _elastic_pool(config, loaded, num_blocks, bytes_per_block)
-    # What the engine itself holds in host RAM: numpy keeps weights and KV there; cuda keeps them on the GPU.
     on_host = loaded.model.backend.name == "numpy"
+    pool = size_kv_pool(config.kv_cache_range_mib, bytes_per_block=bytes_per_block,
+                        slot_blocks=blocks_needed(config.ctx_size, BLOCK_SIZE), batch=config.batch,
+                        backend=loaded.model.backend, weight_bytes=loaded.info.weight_bytes if on_host else 0,
+                        min_free_mib=config.conversation_cache_min_free_mib)
+    min_blocks, num_blocks = pool.min_blocks, pool.reserved_blocks
+    # What the engine itself holds in host RAM: numpy keeps weights and KV there; cuda keeps them on the GPU.
     engine_host_bytes = loaded.info.weight_bytes + num_blocks * bytes_per_block if on_host else 0
     expert_cache = getattr(loaded.model.backend, "expert_cache", None)  # --expert-cache-mib on cuda
     engine_host_bytes += expert_cache.host_arena_bytes if expert_cache is not None else 0  # its pinned experts
@@ -81,30 +87,20 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens; K/V %s, %d bytes per token",
-             num_blocks, BLOCK_SIZE, runner.layout.total_bytes / 2**20, config.batch, config.ctx_size,
-             kv_type, runner.layout.bytes_per_token,
+             engine.cache.num_blocks, BLOCK_SIZE, engine.cache.num_blocks * bytes_per_block / 2**20, config.batch,
+             config.ctx_size, kv_type, runner.layout.bytes_per_token,
              extra={"fields": {"kv_type": kv_type, "kv_bytes_per_token": runner.layout.bytes_per_token,
-                               "kv_blocks": num_blocks}})
+                               "kv_blocks": engine.cache.num_blocks}})
+    tiers = tier_budgets(engine)
+    log.info("memory tiers (MiB, budget / committed / used): %s; device pool sized by %s",
+             "; ".join(f"{name} {t['budget_mib']} / {t['committed_mib']} / {t['used_mib']}"
+                       for name, t in tiers.items()), pool.rule, extra={"fields": {"tiers": tiers}})
     protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
                                     config.reasoning_format)
     message_start = find_message_start_id(loaded.chat_template, loaded.tokenizer) \
         if loaded.model.config.is_hybrid else None
     return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol,
                        message_start_id=message_start)
-
-
-def _elastic_pool(config: ServerConfig, loaded: LoadedModel, num_blocks: int, bytes_per_block: int):
-    """(starting size or None for a fixed pool, ids to reserve). With --kv-cache-max-mib the pool starts at
-    the size --kv-cache-mib / --batch * --ctx-size give and grows up to the maximum as requests need room;
-    numpy's pages are committed as they are touched, and CUDA maps physical chunks into one reserved address
-    range as the pool grows (engine/backends/cuda_kv_elastic.py), so the reserve costs nothing until used."""
-    if not config.kv_cache_max_mib:
-        return None, num_blocks
-    reserved = int(config.kv_cache_max_mib * 2**20) // bytes_per_block
-    if reserved < num_blocks:
-        raise ValueError(f"--kv-cache-max-mib {config.kv_cache_max_mib} is below the starting pool of "
-                         f"{num_blocks * bytes_per_block // 2**20} MiB (--kv-cache-mib or --batch * --ctx-size)")
-    return num_blocks, reserved
 
 
 def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:
@@ -119,10 +115,33 @@ def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -
 async def _lifespan(app):
     state: ServerState = app.state.strata
     state.engine.start()
+    _install_pool_signals(state.engine)
     log.info("serving %s on http://%s:%d", state.served_name, state.config.host, state.config.port)
     yield
     state.is_shutting_down = True
     await state.engine.shutdown(timeout_s=1.0)  # uvicorn already waited --shutdown-timeout-s for requests
+
+
+def _install_pool_signals(engine: EngineLoop) -> None:
+    """SIGUSR1 shrinks an elastic device pool to its minimum (parking, never dropping), SIGUSR2 gives it its
+    whole range back; the operator's endpoint without the HTTP. Each is a queued memory-admission request."""
+    if not engine.cache.admission.device_reserved_blocks or sys.platform == "win32" \
+            or threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return
+    loop = asyncio.get_running_loop()
+
+    def resize(to_min: bool) -> None:
+        admission = engine.cache.admission
+        target = admission.device_min_blocks if to_min else admission.device_reserved_blocks
+        name = "SIGUSR1" if to_min else "SIGUSR2"
+
+        def done(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is None:
+                log.info("device pool on %s: %s", name, task.result(), extra={"fields": task.result()})
+        loop.create_task(engine.resize_device_pool(target)).add_done_callback(done)
+
+    loop.add_signal_handler(signal.SIGUSR1, resize, True)
+    loop.add_signal_handler(signal.SIGUSR2, resize, False)
 
 
 class _GracefulServer(uvicorn.Server):

@@ -143,7 +143,7 @@ async def device_pool(state: ServerState, http_request, request_id) -> Response:
     body = parse_body(DevicePoolRequest, await read_body(state, http_request))
     blocks = body.max_blocks or max(1, int(body.max_mib * 2**20) // state.engine.runner.layout.bytes_per_block)
     try:
-        return JSONResponse(state.engine.resize_device_pool(blocks))
+        return JSONResponse(await state.engine.resize_device_pool(blocks))
     except ValueError as exc:
         raise bad_request(str(exc)) from exc
 

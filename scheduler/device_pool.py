@@ -123,3 +123,19 @@ def apply_shrink(cache: "PrefixCache", plan: Plan, moves: BlockMoves) -> int:
         log.warning("device KV pool shrink stopped at %d blocks: %s", plan.shrink_to, plan.stopped_by,
                     extra={"fields": {**fields, "reason": plan.stopped_by}})
     return plan.shrink_to
+
+
+def resize_pool(service, max_blocks: int) -> dict:
+    """An operator's resize, served by the memory admission at its turn (memory_service.MemoryService.request):
+    the ceiling from now on, and below the pool's size now a shrink to it, planned then, granted whole or
+    refused. The pool does not grow back by itself: only as requests need room."""
+    cache, admission = service.cache, service.admission
+    ceiling = admission.set_device_ceiling(max_blocks)
+    stopped_by = ""
+    if ceiling < cache.num_blocks:
+        grant = service.grant_plan(lambda: cache.plan_shrink(ceiling))
+        stopped_by = grant.plan.stopped_by if grant.granted else "the memory admission refused the moves"
+        admission.set_device_ceiling(max(ceiling, cache.num_blocks))
+    return {"device_blocks": cache.num_blocks, "ceiling_blocks": admission.device_ceiling_blocks,
+            "min_blocks": admission.device_min_blocks, "reserved_blocks": admission.device_reserved_blocks,
+            "stopped_by": stopped_by}

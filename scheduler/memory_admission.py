@@ -11,8 +11,18 @@ asks for commit-at-start (`--conversation-cache-commit at-start`).
     committed  |====================|                            segments the runner has allocated
     used       |===========|                                    slots holding parked blocks
 
-Mutated only on the event loop; a refusal leaves everything as it was and the cache then treats the host
-tier as full (spill to disk, else drop, logged).
+The device tier has a budget too: the KV pool's ids (`device_budget_bytes`, the reserve of an elastic
+pool) shared with the other budget holders (the MoE expert cache, later: scheduler/memory_service.py's
+`register_budget`). What they hold lowers the pool's ceiling:
+
+    device budget |=============================================|
+    KV pool       |==================|          |===============|  held by other budget holders
+    ceiling       |==============================|                 min(operator's ceiling, budget - held)
+
+This object decides (grant, room, ceilings); scheduler/memory_service.py serves the requests for memory
+one at a time, in arrival order, and applies what is granted. Mutated only on the event loop; a refusal
+leaves everything as it was and the cache then treats the host tier as full (spill to disk, else drop,
+logged).
 """
 from __future__ import annotations
 
@@ -41,28 +51,44 @@ class MemoryAdmission:
         self.refuse_points: set[str] = set()  # tests: "park", "restore", "spill", "grow", "device_grow"
         # The device pool (scheduler/device_pool.py): fixed unless set_device_pool gives it room to move.
         self.device_reserved_blocks = 0  # ids the runner's pools address (their memory committed as used)
-        self.device_ceiling_blocks = 0  # the pool grows up to this many blocks (0: it never grows)
         self.device_min_blocks = 0
         self.device_segment_blocks = 1
+        self._operator_ceiling_blocks = 0  # set_device_ceiling (POST /cache/device-pool, the signals)
+        self.device_budget_bytes = 0  # the KV pool's ids and the other holders' bytes share this
+        self.held_device_bytes: dict[str, int] = {}  # other budget holders (memory_service.BudgetHolder)
         self.budgets: dict[str, object] = {}  # other tiers sized between steps (register_budget)
 
     def register_budget(self, name: str, budget) -> None:
         """A tier the admission may resize between steps. The expert cache (engine/backends/cuda_expert_cache.py)
         offers slot_bytes, num_slots, device_bytes, request_resize(num_slots), request_grow(n) and request_shrink(n),
-        applied at its next step start."""
+        applied at its next step start. (Not yet connected to memory_service.BudgetHolder's device budget.)"""
         self.budgets[name] = budget
 
     def set_device_pool(self, min_blocks: int, reserved_blocks: int, segment_blocks: int) -> None:
         """An elastic device pool of min_blocks .. reserved_blocks, growing by segment_blocks."""
         assert 0 < min_blocks <= reserved_blocks and segment_blocks > 0
         self.device_min_blocks = min_blocks
-        self.device_reserved_blocks = self.device_ceiling_blocks = reserved_blocks
+        self.device_reserved_blocks = self._operator_ceiling_blocks = reserved_blocks
         self.device_segment_blocks = segment_blocks
+        self.device_budget_bytes = reserved_blocks * self.block_bytes
+
+    @property
+    def device_ceiling_blocks(self) -> int:
+        """Where the pool may grow to now (0: it never grows): the operator's ceiling, lowered by what the
+        other budget holders hold of the device budget, never below the pool's minimum."""
+        if not self.device_reserved_blocks:
+            return 0
+        room = (self.device_budget_bytes - sum(self.held_device_bytes.values())) // max(1, self.block_bytes)
+        return max(self.device_min_blocks, min(self._operator_ceiling_blocks, room))
 
     def set_device_ceiling(self, blocks: int) -> int:
-        """Where the pool may grow to from now on, clamped to min .. reserved; returns the new ceiling."""
-        self.device_ceiling_blocks = max(self.device_min_blocks, min(blocks, self.device_reserved_blocks))
+        """The operator's ceiling from now on, clamped to min .. reserved; returns the ceiling in force."""
+        self._operator_ceiling_blocks = max(self.device_min_blocks, min(blocks, self.device_reserved_blocks))
         return self.device_ceiling_blocks
+
+    def device_spare_bytes(self, pool_blocks: int) -> int:
+        """Device budget neither the KV pool (at pool_blocks) nor another holder holds. Changes nothing."""
+        return self.device_budget_bytes - pool_blocks * self.block_bytes - sum(self.held_device_bytes.values())
 
     def grant(self, plan) -> bool:
         """Grant a cache plan whole (committing the host growth it needs) or refuse it, changing nothing.
@@ -102,26 +128,11 @@ class MemoryAdmission:
         return True
 
     def snapshot(self, host_used_blocks: int) -> dict[str, int]:
-        """The host tier's budget, committed and used, in blocks and MiB (for /cache and the start-up line)."""
-        return {"host_budget_blocks": self.host_budget_blocks, "host_committed_blocks": self.host_committed_blocks,
+        """The host tier's budget, committed and used, in blocks and MiB (for /cache and the start-up line),
+        and what each other budget holder holds of the device budget."""
+        return {**{f"device_held_by_{name}_mib": held // MIB for name, held in self.held_device_bytes.items()},
+                "host_budget_blocks": self.host_budget_blocks, "host_committed_blocks": self.host_committed_blocks,
                 "host_used_blocks": host_used_blocks,
                 "host_budget_mib": self.host_budget_blocks * self.block_bytes // MIB,
                 "host_committed_mib": self.host_committed_blocks * self.block_bytes // MIB,
                 "host_used_mib": host_used_blocks * self.block_bytes // MIB}
-
-
-class MemoryGrants:
-    """The engine's one path for a cache plan: the admission grants it whole or refuses it, then the cache
-    applies it (and its byte moves reach the runner in one call). On the event loop, between steps."""
-
-    def __init__(self, cache):
-        self.cache = cache
-
-    def grant(self, plan):
-        """The applied plan's allocation, or None for no plan (no room) or a refused one (nothing changed)."""
-        if plan is None:
-            return None
-        if not self.cache.admission.grant(plan):
-            self.cache.stats["refused_plans"] += 1
-            return None
-        return self.cache.apply(plan)

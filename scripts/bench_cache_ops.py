@@ -1,7 +1,7 @@
 """Cost of the conversation cache's bookkeeping per request, on synthetic trees of 1K / 10K / 100K blocks.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_cache_ops.py [--sizes 1000,10000,100000]
-        [--requests 2000] [--reference [--max-warmup 50]]
+        [--requests 2000] [--reference [--max-warmup 50]] [--through-service]
 
 No model and no bytes: a null mover, so only the policy is timed. The device pool holds `size` blocks and
 is full: a tree of conversations of 32 blocks (512 tokens) under a shared 2-block system prompt, with host
@@ -10,12 +10,15 @@ and is timed through match + plan_allocate + grant + apply, then release with 16
 plan parks the least valuable blocks (restoring the parked blocks of a conversation when it is hit) and,
 host RAM being full (the warm-up fills it), drops host leaves too. Prints median and p99 per request (ms,
 wall clock) and the parts' medians.
+`--through-service` sends every plan through the memory admission's coroutine path (MemoryService.grant,
+its queue started on a running loop and empty, as between an engine's steps), to time what that adds.
 `--reference` times the full scans that chose victims before the eviction index (tests/eviction_reference.py)
 on the same workload, for comparison.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import statistics
 import sys
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import scheduler.prefix_cache as prefix_cache_module  # noqa: E402
 from scheduler.block_mover import BlockMoves  # noqa: E402
+from scheduler.memory_service import MemoryService  # noqa: E402
 from scheduler.prefix_cache import PrefixCache  # noqa: E402
 
 BLOCK = 16
@@ -65,12 +69,20 @@ def build(size: int, seed: int) -> tuple[PrefixCache, list[list[int]]]:
     return cache, conversations
 
 
-def one_request(cache: PrefixCache, tokens: list[int], rng: random.Random) -> dict[str, float]:
+def one_request(cache: PrefixCache, tokens: list[int], rng: random.Random, service=None) -> dict[str, float]:
     prompt = tokens + [rng.randrange(1, 50000) for _ in range(NEW_BLOCKS * BLOCK)]
     total = len(prompt) + GENERATED
     t0 = time.perf_counter()
     match = cache.match(prompt, len(prompt) - 1)
     t1 = time.perf_counter()
+    if service is not None:  # plan + grant + apply in one call of the admission's engine path
+        grant = service.grant(lambda: cache.plan_allocate(match, total))
+        assert grant.granted, "the bench's pool always has unpinned blocks"
+        alloc = grant.allocation
+        t2 = t3 = time.perf_counter()
+        service.grant(lambda: cache.plan_release(prompt + [7] * GENERATED, total, alloc))
+        t4 = time.perf_counter()
+        return {"total": t4 - t0, "match": t1 - t0, "plan": t2 - t1, "apply": 0.0, "release": t4 - t3}
     plan = cache.plan_allocate(match, total)
     t2 = time.perf_counter()
     assert plan is not None and cache.admission.grant(plan), "the bench's pool always has unpinned blocks"
@@ -81,14 +93,20 @@ def one_request(cache: PrefixCache, tokens: list[int], rng: random.Random) -> di
     return {"total": t4 - t0, "match": t1 - t0, "plan": t2 - t1, "apply": t3 - t2, "release": t4 - t3}
 
 
-def bench(size: int, requests: int, seed: int = 1, max_warmup: int | None = None) -> dict[str, float]:
+def bench(size: int, requests: int, seed: int = 1, max_warmup: int | None = None,
+          through_service: bool = False) -> dict[str, float]:
+    if through_service is True:  # started on a running loop, as between an engine's steps
+        async def on_loop():
+            return bench(size, requests, seed, max_warmup, through_service=_started_service)
+        return asyncio.run(on_loop())
     cache, conversations = build(size, seed)
+    service = through_service(cache) if callable(through_service) else None
     rng = random.Random(seed + 1)
     warmup = 0
     while len(cache._on_host) < cache.host_blocks and warmup != max_warmup:  # host RAM fills, parked blocks hit
         one_request(cache, rng.choice(conversations), rng)
         warmup += 1
-    rows = [one_request(cache, rng.choice(conversations), rng) for _ in range(requests)]
+    rows = [one_request(cache, rng.choice(conversations), rng, service) for _ in range(requests)]
     totals = sorted(r["total"] for r in rows)
     out = {"cached_blocks": cache.num_cached, "device": len(cache._on_device), "host": len(cache._on_host),
            "median_ms": 1e3 * statistics.median(totals), "p99_ms": 1e3 * totals[int(0.99 * (len(rows) - 1))]}
@@ -99,11 +117,19 @@ def bench(size: int, requests: int, seed: int = 1, max_warmup: int | None = None
     return out
 
 
+def _started_service(cache: PrefixCache) -> MemoryService:
+    service = MemoryService(cache)
+    service.start()
+    return service
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1000,10000,100000")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--reference", action="store_true", help="time the old full scans instead")
+    parser.add_argument("--through-service", action="store_true",
+                        help="every plan through the memory admission's engine path (MemoryService.grant)")
     parser.add_argument("--max-warmup", type=int, default=None,
                         help="requests before timing at most (default: until host RAM is full)")
     args = parser.parse_args()
@@ -115,7 +141,7 @@ def main() -> None:
           " parks / restores / drops |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for size in (int(s) for s in args.sizes.split(",")):
-        r = bench(size, args.requests, max_warmup=args.max_warmup)
+        r = bench(size, args.requests, max_warmup=args.max_warmup, through_service=args.through_service)
         s = r["stats"]
         print(f"| {r['cached_blocks']} | {r['device']} / {r['host']} | {r['median_ms']:.3f} | {r['p99_ms']:.3f} | "
               f"{r['match_ms']:.3f} | {r['plan_ms']:.3f} | {r['apply_ms']:.3f} | {r['release_ms']:.3f} | "

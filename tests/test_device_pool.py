@@ -183,10 +183,10 @@ def seed_002_sequence(model, tokenizer, cache_on: bool, **runner_args):
         await serve("short", short_prompt)
         if cache_on:
             assert loop.cache.num_blocks > 8  # the two requests grew the pool
-            state = loop.resize_device_pool(8)
+            state = await loop.resize_device_pool(8)
             assert state["device_blocks"] == 8 and not state["stopped_by"]
             assert loop.cache.stats["dropped_blocks"] == 0 and loop.cache.stats["parks"] > 0
-            loop.resize_device_pool(64)  # the memory comes back (e.g. the expert cache returns it)
+            await loop.resize_device_pool(64)  # the memory comes back (e.g. the expert cache returns it)
             assert loop.cache.num_blocks == 8  # it grows again only as requests need room
         second = long_prompt + reply + [5, 6, 7]
         reply2, cached = await serve("long-2", second)
@@ -214,7 +214,7 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
     asks = [{"model": "smollm2", "messages": [{"role": "user", "content": f"Name three {thing}. " * 12}],
              "max_tokens": 4, "temperature": 0} for thing in ("rivers", "mountains")]
     # ctx 128: the pool starts at one slot's 8 blocks (the flags' floor) and may grow to 100 MiB (142 blocks)
-    with running_server(smollm2, batch=1, ctx_size=128, kv_cache_max_mib=100) as (url, state):
+    with running_server(smollm2, batch=1, ctx_size=128, kv_cache_mib="0:100") as (url, state):
         before = httpx.get(url + "/cache").json()["device_total"]
         for ask in asks:  # each ~90 tokens: the second grows the pool instead of parking the first
             assert httpx.post(url + "/v1/chat/completions", json=ask, timeout=120).status_code == 200
@@ -225,6 +225,11 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
         assert shrunk["device_blocks"] == 8 and not shrunk["stopped_by"]
         after = httpx.get(url + "/cache").json()
         assert after["dropped_blocks"] == 0 and after["device_total"] == 8 and after["parks"] > 0
+        block, mib = state.engine.runner.layout.bytes_per_block, 2**20
+        device, host = after["tiers"]["device"], after["tiers"]["host"]
+        assert (device["budget_mib"], device["committed_mib"]) == (142 * block // mib, 8 * block // mib)
+        assert device["used_mib"] <= device["committed_mib"] and host["used_mib"] == after["host_cached"] * block // mib
+        assert host["committed_mib"] >= host["used_mib"] and host["budget_mib"] >= host["committed_mib"]
         for ask in asks:  # both conversations are whole: restored from host RAM, nothing recomputed
             usage = httpx.post(url + "/v1/chat/completions", json=ask, timeout=120).json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
@@ -232,7 +237,7 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_mib"
     with running_server(smollm2, batch=1, ctx_size=512) as (url, state):
         fixed = httpx.post(url + "/cache/device-pool", json={"max_blocks": 4})
-        assert fixed.status_code == 400 and "--kv-cache-max-mib" in fixed.json()["error"]["message"]
+        assert fixed.status_code == 400 and "--kv-cache-mib MIN:MAX" in fixed.json()["error"]["message"]
 
 
 def moved_down_sequence(model, tokenizer, cache_on: bool, **runner_args):
@@ -259,7 +264,7 @@ def moved_down_sequence(model, tokenizer, cache_on: bool, **runner_args):
         if cache_on:
             plan = loop.cache.plan_shrink(10)
             relocated = len(plan.relocations)
-            assert loop.resize_device_pool(10)["device_blocks"] == 10
+            assert (await loop.resize_device_pool(10))["device_blocks"] == 10
         reply2, cached = await serve("z2", third + reply + [9, 8, 7])
         await loop.shutdown(1)
         return reply2, cached, relocated, len(third) + len(reply)
@@ -274,3 +279,36 @@ def test_blocks_moved_down_by_a_shrink_keep_their_bytes(load_tiny):
     reply2, cached, relocated, first_turn = moved_down_sequence(model, tokenizer, True)
     assert relocated >= 4 and cached == first_turn - 1
     assert reply2 == moved_down_sequence(model, tokenizer, False)[0]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigusr1_shrinks_an_elastic_pool_to_its_minimum_and_sigusr2_gives_its_range_back(load_tiny):
+    import os
+    import signal
+
+    from api.serve import _install_pool_signals
+
+    model, tokenizer = load_tiny("llama", seed=3, n_ctx=512)
+
+    async def main():
+        loop = EngineLoop(ModelRunner(model, 32, 4, host_blocks=32), tokenizer, num_slots=1, prefill_chunk=64,
+                          max_queue=4, integrity_checks=True, device_min_blocks=8)
+        loop.start()
+        _install_pool_signals(loop)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        [d async for d in loop.submit(Request("r", [(3 * i) % 170 + 25 for i in range(60)], params))]
+        grown = loop.cache.num_blocks
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if loop.cache.num_blocks == 8:
+                break
+        shrunk, ceiling = loop.cache.num_blocks, loop.cache.admission.device_ceiling_blocks
+        os.kill(os.getpid(), signal.SIGUSR2)
+        await asyncio.sleep(0.05)
+        await loop.shutdown(1)
+        return grown, shrunk, ceiling, loop.cache.admission.device_ceiling_blocks, loop.cache.stats
+
+    grown, shrunk, ceiling, restored, stats = asyncio.run(main())
+    assert grown > 8 and (shrunk, ceiling) == (8, 8) and restored == 32
+    assert stats["dropped_blocks"] == 0 and stats["parks"] > 0

@@ -67,7 +67,7 @@ async def _shake_pool(loop, min_blocks, reserved, seed=11):
     rng = np.random.default_rng(seed)
     while True:
         await asyncio.sleep(float(rng.uniform(0.0, 0.02)))
-        loop.resize_device_pool(int(rng.integers(min_blocks, reserved + 1)))
+        await loop.resize_device_pool(int(rng.integers(min_blocks, reserved + 1)))
         loop.shakes = getattr(loop, "shakes", 0) + 1
 
 
@@ -114,7 +114,7 @@ def test_batch_larger_than_worst_case_reservations_runs_every_request_at_once(ti
         async def watch():
             nonlocal most
             while True:
-                most = max(most, sum(r is not None for r in loop._slots))
+                most = max(most, sum(r is not None for r in loop.table.slots))
                 await asyncio.sleep(0)
         watcher = asyncio.create_task(watch())
         outs = [[t async for d in s for t in d.token_ids] for s in streams]

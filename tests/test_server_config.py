@@ -172,3 +172,33 @@ def test_operations_doc_example_has_every_key_and_loads(tmp_path):
     keys = {k.replace("-", "_") for k in json.loads(example)}
     assert keys == {f.name for f in dataclasses.fields(ServerConfig)}
     assert load_config(["--config", write_config(tmp_path, example)], environ={}) == ServerConfig()
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], (0, 0)),
+    (["--kv-cache-mib", "2048"], (2048, 0)),
+    (["--kv-cache-mib", "1024:8192"], (1024, 8192)),
+    (["--kv-cache-mib", "0:512"], (0, 512)),
+    (["--kv-cache-mib", "1024", "--kv-cache-max-mib", "8192"], (1024, 8192)),  # the older spelling
+    (["--kv-cache-mib", "AUTO"], None),
+])
+def test_kv_cache_mib_takes_a_size_a_range_or_auto(argv, expected):
+    assert load_config(argv, environ={}).kv_cache_range_mib == expected
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--kv-cache-mib", "big"], "is not MiB, MIN:MAX or auto"),
+    (["--kv-cache-mib", "4096:1024"], "MAX is below MIN"),
+    (["--kv-cache-mib", "1:2", "--kv-cache-max-mib", "3"], "give the maximum once"),
+    (["--kv-cache-mib", "auto", "--kv-cache-max-mib", "3"], "drop --kv-cache-max-mib"),
+])
+def test_a_bad_kv_cache_mib_says_what_to_write(argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(argv, environ={})
+
+
+def test_kv_cache_mib_from_a_file_may_be_a_number_or_a_range(tmp_path):
+    assert load_config(["--config", write_config(tmp_path, '{"kv-cache-mib": 17}')], environ={}).kv_cache_mib == "17"
+    assert ServerConfig(kv_cache_mib=17).kv_cache_range_mib == (17, 0)  # dataclasses.replace in the tests
+    cfg = load_config(["--config", write_config(tmp_path, '{"kv_cache_mib": "64:256"}')], environ={})
+    assert cfg.kv_cache_range_mib == (64, 256)

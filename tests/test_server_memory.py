@@ -31,7 +31,7 @@ def test_batch_8_on_a_pool_of_3_worst_cases_serves_8_streams_at_once(smollm2):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(_stream, url, i) for i in range(8)]
             while not all(f.done() for f in futures):
-                most.append(sum(s is not None for s in engine._slots))
+                most.append(sum(s is not None for s in engine.table.slots))
                 concurrent.futures.wait(futures, timeout=0.05)
             counts = [f.result() for f in futures]
         engine.cache.check_integrity()

@@ -1,0 +1,37 @@
+"""The engine's conversation cache, built on its runner's pools: one owner of the block ids, the memory
+admission's budgets, the elastic pool's range, and what the disk tier kept from the last run."""
+from __future__ import annotations
+
+from engine.sequence import ModelRunner
+from scheduler.block_mover import EngineBlockMover
+from scheduler.cache_persistence import load_disk_index
+from scheduler.device_pool import SEGMENT_BLOCKS
+from scheduler.disk_tier import DiskTier
+from scheduler.hybrid_steps import create_checkpoints, load_checkpoint_index
+from scheduler.memory_admission import MemoryAdmission
+from scheduler.prefix_cache import PrefixCache
+
+
+def create_cache(runner: ModelRunner, disk: DiskTier | None, admission: MemoryAdmission | None, *, enabled: bool,
+                 device_min_blocks: int | None, active_window_s: float, checkpoint_every: int) -> PrefixCache:
+    """Claims the runner's block ids for the cache. An elastic device pool (device_min_blocks below the
+    ids the runner reserved) starts at device_min_blocks and grows up to them; a fixed pool's size is the
+    whole device budget. Without an admission the host tier is what the runner committed at start, fixed."""
+    runner.claim_blocks("conversation cache")  # one owner of block ids: the cache's allocator
+    block_bytes = runner.layout.bytes_per_block
+    admission = admission or MemoryAdmission(runner.host_layout.num_blocks, block_bytes)
+    assert admission.host_committed_blocks == runner.host_layout.num_blocks, "runner and admission disagree"
+    reserved = runner.layout.num_blocks
+    if device_min_blocks is not None and device_min_blocks < reserved:
+        admission.set_device_pool(device_min_blocks, reserved, SEGMENT_BLOCKS)
+    else:
+        admission.device_budget_bytes = reserved * block_bytes
+    cache = PrefixCache(device_min_blocks or reserved, runner.block_size, enabled=enabled,
+                        host_blocks=admission.host_budget_blocks, disk_blocks=disk.capacity_blocks if disk else 0,
+                        mover=EngineBlockMover(runner, disk), block_bytes=block_bytes, admission=admission,
+                        active_window_s=active_window_s,
+                        checkpoints=create_checkpoints(runner, disk, checkpoint_every))
+    if disk is not None and enabled:
+        load_disk_index(cache, disk.scan())
+        load_checkpoint_index(cache)
+    return cache

@@ -1,0 +1,150 @@
+"""The memory admission as one coroutine on the event loop: every request for memory, served in arrival order.
+
+    engine step path    grant(planner)              served at once, after every request queued ahead of it
+    operators, holders  await request(serve, name)  queued; the admission task serves it at its turn
+
+A request carries a *planner*, never a plan: the plan is computed when the request is served, against the
+state of that moment, then granted or refused whole (MemoryAdmission.grant) and applied (one call on the
+runner), with no await in between. A plan is therefore never applied to a state it was not computed from;
+a request that waited in the queue (across awaits, while steps moved blocks) plans only when its turn
+comes. The engine's own plans (allocate / extend / release, between steps) take the same path without
+an extra loop tick: with nothing queued, `grant` is plan + grant + apply inline; with something queued,
+those requests are served first, inline, so arrival order holds either way. A refused plan leaves every
+block where it was (nothing was touched to make it).
+
+Other budget holders (the MoE expert cache, later) take device memory through `register_budget`: their
+grows are queued requests like an operator's shrink; what they hold lowers the KV pool's ceiling.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from scheduler.budget_holder import BudgetHolder
+from scheduler.cache_plan import Plan
+
+log = logging.getLogger("strata.admission")
+
+
+@dataclass
+class Grant:
+    """What serving one planner came to. `plan` None: no plan could be made (no room; nothing changed)."""
+
+    plan: Plan | None
+    granted: bool = False
+    allocation: Any = None  # the applied plan's Allocation (allocate / extend / release); None for a shrink
+
+
+class MemoryService:
+    """Serves requests for memory one at a time on the event loop: the engine's inline, the others queued."""
+
+    def __init__(self, cache, on_change: Callable[[], None] = lambda: None):
+        self.cache = cache
+        self.admission = cache.admission
+        self.on_change = on_change  # after a queued request is served: the engine may admit again
+        self._queue: asyncio.Queue | None = None
+        self._task: asyncio.Task | None = None
+        self._serving = False
+        self.num_served = 0  # requests served from the queue (by the task or inline ahead of a grant)
+        self.holders: dict[str, BudgetHolder] = {}
+
+    def start(self) -> None:
+        """Start the admission task on the running loop."""
+        self._queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="strata-memory-admission")
+
+    async def close(self) -> None:
+        """Serve what is queued, then stop the task; later requests are served at once, as without a loop."""
+        self.serve_queued()
+        self._queue = None
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    @property
+    def num_queued(self) -> int:
+        return self._queue.qsize() if self._queue is not None else 0
+
+    # -- the engine's path (synchronous, between steps) ----------------------------------------------
+    def grant(self, planner: Callable[[], Plan | None]) -> Grant:
+        """Serve what is queued ahead, then plan now, grant or refuse the plan whole, and apply it if
+        granted. Mutates the cache only on a grant. Never awaits."""
+        if self._queue is not None and not self._queue.empty():
+            self.serve_queued()
+        return self._plan_grant_apply(planner)
+
+    def grant_plan(self, planner: Callable[[], Plan | None]) -> Grant:
+        """For a queued request's `serve`: plan, grant, apply, at its turn (no queue drained: it is the turn)."""
+        assert self._serving, "grant_plan is for a request being served; the engine calls grant"
+        return self._plan_grant_apply(planner)
+
+    def _plan_grant_apply(self, planner) -> Grant:
+        plan = planner()
+        if plan is None:
+            return Grant(None)
+        if not self.admission.grant(plan):
+            self.cache.stats["refused_plans"] += 1
+            return Grant(plan)
+        return Grant(plan, True, self.cache.apply(plan))
+
+    # -- queued requests (operators, other budget holders) -------------------------------------------
+    async def request(self, serve: Callable[[], Any], name: str) -> Any:
+        """Queue `serve` (it plans, and grants through grant_plan, only when called) and return its result
+        once the admission task (or a grant ahead of which it was queued) has run it."""
+        if self._queue is None:  # no loop task (tools, tests without start): served at once
+            return self._serve_one(serve, name)
+        future = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((serve, name, future))
+        return await future
+
+    def serve_queued(self) -> int:
+        """Serve every queued request now, in arrival order. Returns how many."""
+        count = 0
+        while self._queue is not None and not self._queue.empty():
+            self._serve_item(self._queue.get_nowait())
+            count += 1
+        return count
+
+    async def _run(self) -> None:
+        while True:
+            item = await self._queue.get()
+            self._serve_item(item)
+
+    def _serve_item(self, item) -> None:
+        serve, name, future = item
+        if future.cancelled():  # the asker went away: nothing was planned for it
+            return
+        try:
+            result = self._serve_one(serve, name)
+        except Exception as exc:  # a failing request fails its asker, never the admission
+            log.error("memory request %s failed: %s", name, exc, extra={"fields": {"request": name}})
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+        self.on_change()
+
+    def _serve_one(self, serve: Callable[[], Any], name: str) -> Any:
+        assert not self._serving, f"memory request {name} served inside another: plans would interleave"
+        self._serving = True
+        try:
+            self.num_served += 1
+            return serve()
+        finally:
+            self._serving = False
+
+    # -- other budget holders ------------------------------------------------------------------------
+    def register_budget(self, name: str, tier: str = "device") -> BudgetHolder:
+        """A holder of `tier` memory beside the KV pool (the MoE expert cache): it asks for bytes with
+        `await holder.grow(n)` (granted whole, by shrinking the KV pool when the budget is short: parks,
+        never drops) and gives them back with `holder.give_back(n)`. Only the device tier for now."""
+        if tier != "device":
+            raise ValueError(f"budget holders take device memory only for now (got tier {tier!r})")
+        if name in self.holders or name == "kv":
+            raise ValueError(f"a budget holder named {name!r} is registered already")
+        holder = BudgetHolder(name, self)
+        self.holders[name] = holder
+        self.admission.held_device_bytes[name] = 0
+        return holder

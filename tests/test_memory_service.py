@@ -1,0 +1,130 @@
+"""The memory admission as one coroutine: requests for memory are served in arrival order, each planned at
+its turn (never a plan made before an await), the engine's grants served inline after what is queued, and
+other budget holders take device memory by shrinking the KV pool (parks, never drops) or are refused whole."""
+import asyncio
+
+import pytest
+
+from scheduler.block_mover import RecordingMover
+from scheduler.device_pool import resize_pool
+from scheduler.memory_admission import MemoryAdmission
+from scheduler.memory_service import MemoryService
+from scheduler.prefix_cache import PrefixCache
+
+B = 4
+
+
+def _service(min_blocks=4, reserved=12, host_blocks=8):
+    admission = MemoryAdmission(host_blocks, 64)
+    admission.set_device_pool(min_blocks, reserved, 4)
+    cache = PrefixCache(min_blocks, B, host_blocks=host_blocks, mover=RecordingMover(), admission=admission)
+    return MemoryService(cache), cache
+
+
+def _serve(service, cache, tokens):
+    grant = service.grant(lambda: cache.plan_allocate(cache.match(tokens, len(tokens) - 1), len(tokens)))
+    assert grant.granted
+    assert service.grant(lambda: cache.plan_release(tokens, len(tokens), grant.allocation)).granted
+    cache.check_integrity()
+    return grant.allocation
+
+
+def _state(cache):
+    return (cache.num_blocks, list(cache._dev_free._free), list(cache._host_free._free),
+            {k: b.tokens for k, b in cache._on_device.items()}, {k: b.tokens for k, b in cache._on_host.items()},
+            cache.admission.host_committed_blocks, dict(cache.admission.held_device_bytes))
+
+
+def test_queued_requests_are_served_in_arrival_order_and_the_engine_grant_waits_its_turn():
+    service, cache = _service()
+    order = []
+
+    async def main():
+        service.start()
+        first = asyncio.ensure_future(service.request(lambda: order.append("first") or 1, "first"))
+        second = asyncio.ensure_future(service.request(lambda: order.append("second") or 2, "second"))
+        await asyncio.sleep(0)  # both queued, not served yet: the admission task has not run
+        assert order == [] and service.num_queued == 2
+        service.grant(lambda: order.append("engine"))  # the engine's plan: after the two queued before it
+        assert order == ["first", "second", "engine"] and service.num_queued == 0
+        assert await first == 1 and await second == 2
+        third = await service.request(lambda: order.append("third") or 3, "third")  # the task serves it
+        await service.close()
+        return third
+
+    assert asyncio.run(main()) == 3 and order[-1] == "third"
+
+
+def test_a_queued_shrink_plans_at_its_turn_not_when_asked():
+    """A shrink asked while ids 4-7 were cached and movable; a request queued ahead of it pins them. The
+    shrink planned when asked would park blocks a running request now holds; planned at its turn, it stops."""
+    service, cache = _service(reserved=8)
+    _serve(service, cache, [1] * 8)  # ids 0-1
+    _serve(service, cache, [2] * 24)  # grows to 8, ids 2-7
+    stale = cache.plan_shrink(4)
+    assert stale.shrink_to == 4 and any(b.tokens[0] == 2 for b in stale.parks + [b for b, _ in stale.relocations])
+
+    async def main():
+        service.start()
+        pin = lambda: service.grant_plan(lambda: cache.plan_allocate(cache.match([2] * 24 + [3], 24), 25))  # noqa
+        held = asyncio.ensure_future(service.request(pin, "a holder ahead"))
+        resize = asyncio.ensure_future(service.request(lambda: resize_pool(service, 4), "resize"))
+        await asyncio.sleep(0)
+        assert service.num_queued == 2 and cache.plan_shrink(4).shrink_to == 4  # as it was when asked
+        held, state = await held, await resize
+        await service.close()
+        assert held.granted
+        return state, held.allocation
+
+    state, held = asyncio.run(main())
+    cache.check_integrity()
+    assert state["device_blocks"] > 4 and "in use by a running request" in state["stopped_by"]
+    assert all(cache._on_device[i].ref_count for i in range(state["device_blocks"], 8) if i in cache._on_device)
+    assert cache.stats["dropped_blocks"] == 0 and cache.match([1] * 8 + [0], 8).num_tokens == 8
+
+
+def test_a_refused_queued_shrink_leaves_every_block_where_it_was():
+    service, cache = _service(reserved=8)
+    _serve(service, cache, [1] * 32)  # the pool grows to 8, every id cached
+    before = _state(cache)
+    cache.admission.refuse_points = {"park"}
+    state = asyncio.run(service.request(lambda: resize_pool(service, 4), "resize"))
+    assert state["stopped_by"] == "the memory admission refused the moves" and state["device_blocks"] == 8
+    assert _state(cache) == before and cache.admission.refusals == 1 and cache.stats["refused_plans"] == 1
+    cache.check_integrity()
+
+
+def test_a_budget_holder_takes_spare_device_memory_then_shrinks_the_pool_by_parking():
+    service, cache = _service(min_blocks=4, reserved=12)
+    experts = service.register_budget("experts")
+    _serve(service, cache, [1] * 32)  # grows to 8 blocks; 4 of the 12-block budget spare
+    assert asyncio.run(experts.grow(4 * 64)) and cache.num_blocks == 8  # from the spare: nothing moved
+    assert cache.admission.device_ceiling_blocks == 8 and cache.stats["parks"] == 0
+    assert asyncio.run(experts.grow(2 * 64))  # 2 blocks more: the pool shrinks to 6, parking what was there
+    assert cache.num_blocks == 6 and cache.stats["parks"] == 2 and cache.stats["dropped_blocks"] == 0
+    assert experts.held_bytes == 6 * 64 and cache.admission.device_ceiling_blocks == 6
+    assert cache.usage()["device_held_by_experts_mib"] == 0  # (6 * 64 bytes rounds to 0 MiB)
+    cache.check_integrity()
+    assert cache.match([1] * 32 + [0], 32).num_tokens == 32  # the conversation is whole
+    experts.give_back(6 * 64)
+    assert cache.admission.device_ceiling_blocks == 12 and cache.num_blocks == 6  # grows again only on need
+
+
+def test_a_budget_holder_is_refused_whole_when_the_pool_cannot_shrink_far_enough():
+    service, cache = _service(min_blocks=4, reserved=8, host_blocks=1)
+    experts = service.register_budget("experts")
+    _serve(service, cache, [1] * 32)  # 8 blocks cached; the host tier has room to park only one
+    before = _state(cache)
+    assert not asyncio.run(experts.grow(3 * 64))  # a shrink to 5 would stop at 7: refused, nothing moved
+    assert _state(cache) == before and cache.admission.refusals == 1 and experts.held_bytes == 0
+    assert not asyncio.run(experts.grow(5 * 64))  # below the pool's minimum: refused at once
+    cache.check_integrity()
+
+
+def test_register_budget_refuses_a_second_holder_of_the_same_name():
+    service, _ = _service()
+    service.register_budget("experts")
+    with pytest.raises(ValueError, match="registered already"):
+        service.register_budget("experts")
+    with pytest.raises(ValueError, match="device memory only"):
+        service.register_budget("other", tier="host")
