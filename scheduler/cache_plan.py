@@ -170,7 +170,8 @@ class _HostRoom:
         if victim is None:
             return False
         has_file = victim.disk_copy and victim not in plan.copy_drops  # a copy this plan deleted needs room again
-        need = self.weight(victim) - has_file  # written behind: only its checkpoints need files
+        need = self.weight(victim) - (self._copy_slots(victim) if has_file else 0)  # written behind: only
+        # the checkpoints without a file need room
         if has_file:
             self.leaves.leaving(victim)  # its own file is not one to delete for the room
         while self.disk_room < need and cache.disk_blocks and self._make_disk_room():
@@ -187,12 +188,12 @@ class _HostRoom:
         return True
 
     def _make_disk_room(self) -> bool:
-        """Room for files: a written-behind copy goes first (its block stays resident), else a disk leaf
-        (with its checkpoint files). False when neither is left."""
+        """Room for files: a written-behind copy goes first (its block stays resident; its checkpoints'
+        copies go with it), else a disk leaf (with its checkpoint files). False when neither is left."""
         copy = self.leaves.take_disk_copy()
         if copy is not None:
             self.plan.copy_drops.append(copy)
-            self.disk_room += 1
+            self.disk_room += self._copy_slots(copy)
             return True
         dropped = self.leaves.take_disk_leaf()
         if dropped is not None:
@@ -200,3 +201,7 @@ class _HostRoom:
             self.disk_room += self.weight(dropped)
             return True
         return False
+
+    def _copy_slots(self, block: CachedBlock) -> int:
+        """Disk slots the written-behind files of a resident block take: its own and its checkpoints'."""
+        return 1 + self.cache.ckpt.units * self.cache.ckpt.copies_on(block)

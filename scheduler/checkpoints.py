@@ -17,7 +17,9 @@ short of room gives up those it holds, and a plan may drop those on pinned block
 A match is the longest cached prefix whose end has a checkpoint (`trim`); K/V blocks beyond it stay in the
 tree. A checkpoint lives in the tier of its node and moves with it (parked, restored, spilled, dropped by
 the same plans and in the same value order); it costs `units` block slots of that tier, so the tiers'
-budgets count its bytes. Running requests reserve a slot for each checkpoint they will take before the
+budgets count its bytes. With a disk tier, a resident checkpoint also gets a file while the server runs
+(scheduler/write_behind.py, after its block's): until it has one its node is in `unsaved`; the file is a
+copy that costs `units` disk slots, spills for free and is deleted with its block's copy. Running requests reserve a slot for each checkpoint they will take before the
 step that takes it (their `Allocation.checkpoints_reserved`), so attaching them at release needs no room.
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Checkpoints:
         self.store = store or CheckpointStore()
         self.nodes: dict[int, CachedBlock] = {}  # id -> node that carries checkpoints
         self.reserved = 0  # checkpoints running requests will take (device slots held for them)
+        self.unsaved: dict[int, CachedBlock] = {}  # id -> resident node with a checkpoint that has no file
         self.stats = {"taken": 0, "attached": 0, "restored": 0, "dropped": 0}
         # Called with a node whose checkpoints came or went (the cache's eviction index re-weighs it).
         self.on_change: Callable[[CachedBlock], None] = lambda node: None
@@ -57,8 +60,18 @@ class Checkpoints:
         return self.store.count(tier)
 
     def units_on(self, tier: str) -> int:
-        """Block slots of `tier` the checkpoints take (device: including those reserved by requests)."""
-        return self.units * (self.count(tier) + (self.reserved if tier == "device" else 0))
+        """Block slots of `tier` the checkpoints take (device: including those reserved by requests; disk:
+        including the files of resident ones)."""
+        extra = self.reserved if tier == "device" else len(self.store.copies) if tier == "disk" else 0
+        return self.units * (self.count(tier) + extra)
+
+    def copies_on(self, node: CachedBlock) -> int:
+        """Checkpoints of a resident node that have a file on disk too."""
+        return sum((node.digest, k) in self.store.copies for k in node.checkpoints)
+
+    def unsaved_of(self, node: CachedBlock) -> list[int]:
+        """The node's checkpoints without a file (ascending k)."""
+        return sorted(k for k in node.checkpoints if (node.digest, k) not in self.store.copies)
 
     def weight(self, node: CachedBlock) -> int:
         """Slots a node frees when it leaves its tier: its block and its checkpoints."""
@@ -122,8 +135,29 @@ class Checkpoints:
         node.checkpoints.add(k)
         self.nodes[id(node)] = node
         self.stats["attached"] += 1
+        self._track(node)
         self.on_change(node)
         return True
+
+    def _track(self, node: CachedBlock) -> None:
+        """Keep `unsaved` in step with a node whose checkpoints or files changed (only with a disk tier)."""
+        if self.store.dir is not None and not node.on_disk and self.unsaved_of(node):
+            self.unsaved[id(node)] = node
+        else:
+            self.unsaved.pop(id(node), None)
+
+    def save(self, node: CachedBlock, k: int) -> bool:
+        """Write the file of a resident checkpoint, whose block's file is written (write-behind)."""
+        assert node.disk_copy and k in node.checkpoints, "a checkpoint file before its block's"
+        ok = self.store.write_copy((node.digest, k), node.tier)
+        self._track(node)
+        return ok
+
+    def forget_copies(self, node: CachedBlock) -> None:
+        """The node's block file is deleted for room: its checkpoints' files go too (they stay resident)."""
+        for k in node.checkpoints:
+            self.store.drop_copy((node.digest, k))
+        self._track(node)
 
     def move(self, node: CachedBlock, src: str, dst: str) -> None:
         for k in node.checkpoints:
@@ -138,6 +172,7 @@ class Checkpoints:
         self.stats["dropped"] += lost
         if not node.checkpoints:
             self.nodes.pop(id(node), None)
+        self.unsaved.pop(id(node), None)
         if lost:
             self.on_change(node)
 
@@ -151,13 +186,14 @@ class Checkpoints:
         return out
 
     def load(self, node: CachedBlock, states: dict[int, np.ndarray]) -> None:
-        """A disk node restored to the device: its readable states come along, its files go."""
+        """A disk node restored to the device: its readable states come along and their files stay as
+        copies (as its block's does); the unreadable ones' go."""
         lost = False
         for k in list(node.checkpoints):
-            self.store.delete("disk", (node.digest, k))
             if k in states:
-                self.store.put("device", (node.digest, k), states[k])
+                self.store.keep_as_copy((node.digest, k), states[k])
             else:
+                self.store.delete("disk", (node.digest, k))
                 node.checkpoints.discard(k)
                 self.stats["dropped"] += 1
                 lost = True
@@ -175,6 +211,7 @@ class Checkpoints:
             self.on_change(node)
         if not node.checkpoints:
             self.nodes.pop(id(node), None)
+        self._track(node)
 
     def give_up_pending(self, allocation: "Allocation") -> None:
         """A running request short of room gives back its reservations and the checkpoints it took."""
@@ -191,6 +228,7 @@ class Checkpoints:
         self.stats["dropped"] += len(node.checkpoints)
         node.checkpoints.clear()
         self.nodes.pop(id(node), None)
+        self.unsaved.pop(id(node), None)
         if had:
             self.on_change(node)
 
@@ -235,5 +273,6 @@ class Checkpoints:
         store = self.store
         return {"checkpoints_" + t: self.count(t) for t in ("device", "host", "disk")} | {
             "checkpoint_bytes_" + t: store.nbytes(t) for t in ("device", "host", "disk")} | {
-            "checkpoints_reserved": self.reserved, "checkpoint_state_bytes": store.state_bytes,
+            "checkpoints_reserved": self.reserved, "checkpoints_disk_copies": len(store.copies),
+            "checkpoints_unsaved": sum(map(len, map(self.unsaved_of, self.unsaved.values()))), "checkpoint_state_bytes": store.state_bytes,
             "checkpoint_units": self.units, **{"checkpoints_" + k: v for k, v in self.stats.items()}}
