@@ -39,8 +39,10 @@ def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exc
     if missing <= 0 or not units:
         return 0
     taken_over = plan.match.cow_source if plan.takeover else None
+    restored = set(plan.restores)  # coming back to the device with all their checkpoints: those may stay behind
     held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
-                   if n.on_device and (n.ref_count or id(n) in exclude) and n is not taken_over for k in n.checkpoints),
+                   if (n.on_device and (n.ref_count or id(n) in exclude) or n in restored) and n is not taken_over
+                   for k in n.checkpoints),
                   key=lambda e: (e[0], e[1]))
     count = -(-missing // units)
     if count > len(held):
