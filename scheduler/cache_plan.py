@@ -110,20 +110,22 @@ def plan_device_growth(cache: "PrefixCache", plan: Plan, short: int) -> int:
 
 def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[CachedBlock]) -> int:
     """When the unpinned blocks cannot free enough, the checkpoints on pinned device blocks (and on those
-    this plan pins or restores: a matched checkpoint's state is read already) go, oldest first; the blocks
-    stay. Without the restored blocks' a prompt that fits the pool could wait forever for room its
-    prefix's checkpoints take (nothing running would free it).
+    this plan pins or restores: a matched checkpoint's state is read already) go, oldest first and the one
+    the match ends at last; the blocks stay. Without the restored blocks' a prompt that fits the pool
+    could wait forever for room its prefix's checkpoints take (nothing running would free it).
     Returns the slots freed: 0 when that is not enough either (then nothing is planned). Scans the
     checkpointed nodes, only on this last resort."""
     units = cache.ckpt.units
-    if missing <= 0 or not units:
-        return 0
-    taken_over = plan.match.cow_source if plan.takeover else None
-    restored = set(plan.restores)  # coming back to the device with all their checkpoints: those may stay behind  # its checkpoints go anyway: counted once
+    if missing <= 0 or not units or plan.reserve_checkpoints:  # new checkpoints never cost held ones (the
+        return 0  # request goes on without them instead)
+    taken_over = plan.match.cow_source if plan.takeover else None  # its checkpoints go anyway: counted once
+    matched = plan.match.checkpoint if plan.match is not None else None  # goes last: later prompts
+    # that branch where this one did (fan-out questions over one context) need it
+    restored = set(plan.restores)  # coming back to the device with all their checkpoints: those may stay behind
     held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
                    if (n.on_device and (n.ref_count or n in exclude) or n in restored) and n is not taken_over
                    for k in n.checkpoints),
-                  key=lambda e: (e[0], e[1]))
+                  key=lambda e: ((e[2], e[1]) == matched, e[0], e[1]))
     count = -(-missing // units)
     if count > len(held):
         return 0

@@ -36,14 +36,16 @@ def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[
 
 def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[int]) -> int:
     units = cache.ckpt.units
-    if missing <= 0 or not units:
-        return 0
-    taken_over = plan.match.cow_source if plan.takeover else None
+    if missing <= 0 or not units or plan.reserve_checkpoints:  # new checkpoints never cost held ones (the
+        return 0  # request goes on without them instead)
+    taken_over = plan.match.cow_source if plan.takeover else None  # its checkpoints go anyway: counted once
+    matched = plan.match.checkpoint if plan.match is not None else None  # goes last: later prompts
+    # that branch where this one did (fan-out questions over one context) need it
     restored = set(plan.restores)  # coming back to the device with all their checkpoints: those may stay behind
     held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
                    if (n.on_device and (n.ref_count or id(n) in exclude) or n in restored) and n is not taken_over
                    for k in n.checkpoints),
-                  key=lambda e: (e[0], e[1]))
+                  key=lambda e: ((e[2], e[1]) == matched, e[0], e[1]))
     count = -(-missing // units)
     if count > len(held):
         return 0

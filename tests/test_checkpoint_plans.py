@@ -1,6 +1,7 @@
 """Plans of a hybrid model's cache (state checkpoints weigh in the tiers' slots), on PrefixCache directly:
 a prompt that fits the device pool is admitted even when the checkpoints its restored prefix carries
-would not fit beside it (they stay behind, dropped; the matched state was read already)."""
+would not fit beside it (they stay behind, dropped; the matched state was read already), but a request
+never drops held checkpoints to reserve room for new ones of its own (it goes on without them)."""
 import numpy as np
 
 from scheduler.checkpoint_store import CheckpointStore
@@ -36,6 +37,7 @@ def test_a_restored_prefix_leaves_its_checkpoints_behind_when_they_do_not_fit_be
     prompt = conversation + [5] * 12  # 7 blocks of an 8-block pool; with its prefix's 4 checkpoints, 11
     match = cache.match(prompt, len(prompt) - 1)
     assert match.num_tokens == 16 and match.checkpoint == (blocks[-1], 4)
+    assert cache.plan_allocate(match, len(prompt), checkpoints=1) is None  # a new one never costs held ones
     plan = cache.plan_allocate(match, len(prompt))
     assert plan is not None and [(n.tokens, k) for n, k in plan.checkpoint_drops] == [(b.tokens, 4) for b in blocks[:3]]
     alloc = cache.apply(plan)
