@@ -36,8 +36,8 @@ def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[
 
 def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[int]) -> int:
     units = cache.ckpt.units
-    if missing <= 0 or not units or plan.reserve_checkpoints:  # new checkpoints never cost held ones (the
-        return 0  # request goes on without them instead)
+    if missing <= 0 or not units or plan.kind == "extend" and plan.reserve_checkpoints:  # the states a step
+        return 0  # takes inside a prompt never cost held ones (it goes on without them); its reply's end may
     taken_over = plan.match.cow_source if plan.takeover else None  # its checkpoints go anyway: counted once
     matched = plan.match.checkpoint if plan.match is not None else None  # goes last: later prompts
     # that branch where this one did (fan-out questions over one context) need it

@@ -1,7 +1,7 @@
 """Plans of a hybrid model's cache (state checkpoints weigh in the tiers' slots), on PrefixCache directly:
 a prompt that fits the device pool is admitted even when the checkpoints its restored prefix carries
-would not fit beside it (they stay behind, dropped; the matched state was read already), but a request
-never drops held checkpoints to reserve room for new ones of its own (it goes on without them)."""
+would not fit beside it (they stay behind, dropped; the matched state was read already), but a step never
+drops held checkpoints to make room for those it takes inside its prompt (it goes on without them)."""
 import numpy as np
 
 from scheduler.checkpoint_store import CheckpointStore
@@ -37,10 +37,13 @@ def test_a_restored_prefix_leaves_its_checkpoints_behind_when_they_do_not_fit_be
     prompt = conversation + [5] * 12  # 7 blocks of an 8-block pool; with its prefix's 4 checkpoints, 11
     match = cache.match(prompt, len(prompt) - 1)
     assert match.num_tokens == 16 and match.checkpoint == (blocks[-1], 4)
-    assert cache.plan_allocate(match, len(prompt), checkpoints=1) is None  # a new one never costs held ones
     plan = cache.plan_allocate(match, len(prompt))
     assert plan is not None and [(n.tokens, k) for n, k in plan.checkpoint_drops] == [(b.tokens, 4) for b in blocks[:3]]
     alloc = cache.apply(plan)
     assert alloc.cached_tokens == 16 and float(alloc.checkpoint_state[0, 0, 0]) == 16  # the state after token 16
     assert all(b.on_device for b in blocks) and [b.checkpoints for b in blocks] == [set(), set(), set(), {4}]
     cache.check_integrity()
+    # The pool is full (7 blocks and the matched state): a state the next step would take inside the
+    # prompt gets no room at the price of the one held.
+    assert cache.plan_extend(alloc, len(prompt), checkpoints=1) is None
+    assert cache.plan_extend(alloc, len(prompt)) is not None
