@@ -110,8 +110,9 @@ def plan_device_growth(cache: "PrefixCache", plan: Plan, short: int) -> int:
 
 def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[CachedBlock]) -> int:
     """When the unpinned blocks cannot free enough, the checkpoints on pinned device blocks (and on those
-    this plan pins or restores: a matched checkpoint's state is read already) go, oldest first and the one
-    the match ends at last; the blocks stay. Without the restored blocks' a prompt that fits the pool
+    this plan pins or restores: a matched checkpoint's state is read already) go, those whose loss costs
+    least recompute first (`Checkpoints.gap`), then the oldest, the one the match ends at last; the blocks
+    stay. Without the restored blocks' a prompt that fits the pool
     could wait forever for room its prefix's checkpoints take (nothing running would free it).
     Returns the slots freed: 0 when that is not enough either (then nothing is planned). Scans the
     checkpointed nodes, only on this last resort."""
@@ -125,7 +126,7 @@ def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exc
     held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
                    if (n.on_device and (n.ref_count or n in exclude) or n in restored) and n is not taken_over
                    for k in n.checkpoints),
-                  key=lambda e: ((e[2], e[1]) == matched, e[0], e[1]))
+                  key=lambda e: ((e[2], e[1]) == matched, cache.ckpt.gap(e[2], e[1]), e[0], e[1]))
     count = -(-missing // units)
     if count > len(held):
         return 0

@@ -77,6 +77,20 @@ class Checkpoints:
         """Slots a node frees when it leaves its tier: its block and its checkpoints."""
         return 1 + self.units * len(node.checkpoints)
 
+    def gap(self, node: CachedBlock, k: int) -> int:
+        """Tokens from the checkpoint before this one on its path (or the start) to this one: what a prompt
+        that branches here recomputes if this one is gone. The cheapest to lose goes first under pressure."""
+        before = [j for j in node.checkpoints if j < k]
+        if before:
+            return k - max(before)
+        tokens, up = k, node.parent
+        while up is not None and up.parent is not None:
+            if up.checkpoints:
+                return tokens + len(up.tokens) - max(up.checkpoints)
+            tokens += len(up.tokens)
+            up = up.parent
+        return tokens
+
     def positions(self, prompt_len: int, block_size: int, hints: tuple[int, ...] = ()) -> list[int]:
         """Where a request takes checkpoints while it computes its prompt (ascending): every N blocks, at
         the hints (where its messages begin, api/checkpoint_hints.py) and at prompt_len - 1."""

@@ -45,7 +45,7 @@ def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exc
     held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
                    if (n.on_device and (n.ref_count or id(n) in exclude) or n in restored) and n is not taken_over
                    for k in n.checkpoints),
-                  key=lambda e: ((e[2], e[1]) == matched, e[0], e[1]))
+                  key=lambda e: ((e[2], e[1]) == matched, cache.ckpt.gap(e[2], e[1]), e[0], e[1]))
     count = -(-missing // units)
     if count > len(held):
         return 0

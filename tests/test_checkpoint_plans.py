@@ -4,6 +4,7 @@ would not fit beside it (they stay behind, dropped; the matched state was read a
 drops held checkpoints to make room for those it takes inside its prompt (it goes on without them)."""
 import numpy as np
 
+from scheduler.cache_tree import CachedBlock
 from scheduler.checkpoint_store import CheckpointStore
 from scheduler.checkpoints import Checkpoints
 from scheduler.prefix_cache import PrefixCache
@@ -47,3 +48,13 @@ def test_a_restored_prefix_leaves_its_checkpoints_behind_when_they_do_not_fit_be
     # prompt gets no room at the price of the one held.
     assert cache.plan_extend(alloc, len(prompt), checkpoints=1) is None
     assert cache.plan_extend(alloc, len(prompt)) is not None
+
+
+def test_the_gap_of_a_checkpoint_is_what_a_branch_there_recomputes_without_it():
+    root = CachedBlock((), None)
+    a = CachedBlock((1,) * 4, root, checkpoints={4})
+    b = CachedBlock((2,) * 4, a, checkpoints={1, 3})
+    c = CachedBlock((3,) * 4, b)
+    d = CachedBlock((4,) * 4, c, checkpoints={2})
+    ckpt = Checkpoints(1)
+    assert [ckpt.gap(a, 4), ckpt.gap(b, 1), ckpt.gap(b, 3), ckpt.gap(d, 2)] == [4, 1, 2, 2 + 4 + 1]
