@@ -228,10 +228,18 @@ class Checkpoints:
         self._track(node)
 
     def give_up_pending(self, allocation: "Allocation") -> None:
-        """A running request short of room gives back its reservations and the checkpoints it took."""
-        self.reserved -= allocation.checkpoints_reserved
-        self.stats["dropped"] += len(allocation.pending_checkpoints)
-        allocation.checkpoints_reserved, allocation.pending_checkpoints = 0, {}
+        """A running request short of room gives back one checkpoint slot (the caller asks again while it
+        is short): a reservation not used yet, else the state it took whose loss costs least recompute
+        (the smallest gap to the one before it), else the one kept for its release."""
+        assert allocation.checkpoints_reserved > 0, "no checkpoint slot to give up"
+        pending = allocation.pending_checkpoints
+        if allocation.checkpoints_reserved - 1 <= len(pending) and pending:
+            positions = sorted(pending)
+            gaps = [(p - q, p) for p, q in zip(positions, [allocation.cached_tokens] + positions)]
+            del pending[min(gaps)[1]]
+            self.stats["dropped"] += 1
+        allocation.checkpoints_reserved -= 1
+        self.reserved -= 1
 
     def drop(self, node: CachedBlock) -> None:
         """Forget a node's checkpoints (the node is dropped, taken over, or replaced); call while its

@@ -192,6 +192,7 @@ def main() -> int:
     ap.add_argument("--plot", default=None, help="write an SVG of time to first token per request here")
     ap.add_argument("--model", default="smollm2", help="smollm2, tiny-lfm2 or a GGUF path")
     ap.add_argument("--state-checkpoint-every", type=int, default=8, help="hybrid models: see strata serve")
+    ap.add_argument("--only", default="", help="comma-separated workload names to run (default: all)")
     args = ap.parse_args()
     model_dir = tempfile.TemporaryDirectory()
     loaded = load_bench_model(args.model, model_dir.name)
@@ -200,7 +201,12 @@ def main() -> int:
     print(f"| workload{' (pressure)' if args.pressure else ''} | requests | prompt tokens | computed | ideal | "
           "computed / ideal | full re-reads | TTFT median (ms) | tier moves |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, play in WORKLOADS.items():
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()] or list(WORKLOADS)
+    unknown = set(wanted) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
+    for name in wanted:
+        play = WORKLOADS[name]
         with tempfile.TemporaryDirectory() as disk_dir:
             extra = pressure_config(loaded, play, args.turns, args.pressure_ctx, disk_dir) \
                 if args.pressure else dict(ctx_size=1024)
