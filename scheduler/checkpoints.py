@@ -229,14 +229,14 @@ class Checkpoints:
 
     def give_up_pending(self, allocation: "Allocation") -> None:
         """A running request short of room gives back one checkpoint slot (the caller asks again while it
-        is short): a reservation not used yet, else the state it took whose loss costs least recompute
-        (the smallest gap to the one before it), else the one kept for its release."""
+        is short): a reservation not used yet, else the earliest state it took (branch points, where a
+        message begins or the prompt left a cached sequence, last), else the one kept for its release."""
         assert allocation.checkpoints_reserved > 0, "no checkpoint slot to give up"
         pending = allocation.pending_checkpoints
         if allocation.checkpoints_reserved - 1 <= len(pending) and pending:
-            positions = sorted(pending)
-            gaps = [(p - q, p) for p, q in zip(positions, [allocation.cached_tokens] + positions)]
-            del pending[min(gaps)[1]]
+            position = min(pending, key=lambda p: (p in allocation.branch_points, p))
+            del pending[position]
+            allocation.branch_points.discard(position)
             self.stats["dropped"] += 1
         allocation.checkpoints_reserved -= 1
         self.reserved -= 1
@@ -267,10 +267,13 @@ class Checkpoints:
         return match, None
 
     # -- running requests ----------------------------------------------------------------------------
-    def take(self, allocation: "Allocation", position: int, state: np.ndarray) -> None:
-        """A request's state after `position` computed tokens, held until its release attaches it."""
+    def take(self, allocation: "Allocation", position: int, state: np.ndarray, branch_point: bool = False) -> None:
+        """A request's state after `position` computed tokens, held until its release attaches it;
+        `branch_point`: where prompts branch (a message start, the prompt's end, where it left a match)."""
         assert len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved, "checkpoint not reserved"
         allocation.pending_checkpoints[position] = state
+        if branch_point:
+            allocation.branch_points.add(position)
         self.stats["taken"] += 1
 
     def attach_released(self, allocation: "Allocation", final_state, num_computed: int, path: list[CachedBlock],

@@ -2,7 +2,7 @@
 a prompt that fits the device pool is admitted even when the checkpoints its restored prefix carries
 would not fit beside it (they stay behind, dropped; the matched state was read already), but a step never
 drops held checkpoints to make room for those it takes inside its prompt (it goes on without them), and a
-request short of room gives up its own checkpoint slots one at a time, the cheapest to lose first."""
+request short of room gives up its own checkpoint slots one at a time, branch points last."""
 import numpy as np
 
 from scheduler.cache_tree import CachedBlock
@@ -61,17 +61,18 @@ def test_the_gap_of_a_checkpoint_is_what_a_branch_there_recomputes_without_it():
     assert [ckpt.gap(a, 4), ckpt.gap(b, 1), ckpt.gap(b, 3), ckpt.gap(d, 2)] == [4, 1, 2, 2 + 4 + 1]
 
 
-def test_a_request_short_of_room_gives_up_one_checkpoint_slot_at_a_time_the_cheapest_to_lose_first():
+def test_a_request_short_of_room_gives_up_one_checkpoint_slot_at_a_time_branch_points_last():
     cache = _cache(num_blocks=16, host_blocks=0)
     alloc = cache.apply(cache.plan_allocate(cache.match([7] * 40, 39), 40, checkpoints=5))
-    for position in (16, 20, 36):  # gaps 16, 4, 16 after the start (nothing was cached)
-        cache.ckpt.take(alloc, position, np.full(SHAPE, position, np.float32))
+    for position in (16, 20, 36):  # 20: where a message begins
+        cache.ckpt.take(alloc, position, np.full(SHAPE, position, np.float32), branch_point=position == 20)
     ckpt = cache.ckpt
     ckpt.give_up_pending(alloc)  # an unused reservation goes first: the states stay
     assert (alloc.checkpoints_reserved, ckpt.reserved, sorted(alloc.pending_checkpoints)) == (4, 4, [16, 20, 36])
     ckpt.give_up_pending(alloc)
-    assert (alloc.checkpoints_reserved, sorted(alloc.pending_checkpoints)) == (3, [16, 36])  # 20: 4 tokens
+    assert (alloc.checkpoints_reserved, sorted(alloc.pending_checkpoints)) == (3, [20, 36])  # the earliest
     ckpt.give_up_pending(alloc)
+    assert sorted(alloc.pending_checkpoints) == [20]  # the branch point last
     ckpt.give_up_pending(alloc)
     assert (alloc.checkpoints_reserved, sorted(alloc.pending_checkpoints)) == (1, [])  # the release's is last
     ckpt.give_up_pending(alloc)
