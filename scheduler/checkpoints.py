@@ -12,15 +12,15 @@ state; k == len(tokens) is "after its last token"). Where the engine takes them,
     release: the end of what the request computed (its reply, or where it was preempted)
 
 Under pressure checkpoints give way before K/V: a request without room for one goes on without it, one
-short of room gives up those it holds, and a plan may drop those on pinned blocks.
+short of room gives up those it holds one by one, and a plan may drop those on pinned blocks.
 
 A match is the longest cached prefix whose end has a checkpoint (`trim`); K/V blocks beyond it stay in the
 tree. A checkpoint lives in the tier of its node and moves with it (parked, restored, spilled, dropped by
 the same plans and in the same value order); it costs `units` block slots of that tier, so the tiers'
-budgets count its bytes. With a disk tier, a resident checkpoint also gets a file while the server runs
-(scheduler/write_behind.py, after its block's): until it has one its node is in `unsaved`; the file is a
-copy that costs `units` disk slots, spills for free and is deleted with its block's copy. Running requests reserve a slot for each checkpoint they will take before the
-step that takes it (their `Allocation.checkpoints_reserved`), so attaching them at release needs no room.
+budgets count its bytes. With a disk tier a resident checkpoint gets a file while serving, after its
+block's (scheduler/write_behind.py; until then its node is in `unsaved`): a copy that costs `units` disk
+slots, spills for free and goes with its block's copy. Running requests reserve a slot for each checkpoint
+they take before the step that takes it (`Allocation.checkpoints_reserved`), so a release needs no room.
 """
 from __future__ import annotations
 
@@ -80,16 +80,12 @@ class Checkpoints:
     def gap(self, node: CachedBlock, k: int) -> int:
         """Tokens from the checkpoint before this one on its path (or the start) to this one: what a prompt
         that branches here recomputes if this one is gone. The cheapest to lose goes first under pressure."""
-        before = [j for j in node.checkpoints if j < k]
-        if before:
-            return k - max(before)
-        tokens, up = k, node.parent
-        while up is not None and up.parent is not None:
-            if up.checkpoints:
-                return tokens + len(up.tokens) - max(up.checkpoints)
-            tokens += len(up.tokens)
-            up = up.parent
-        return tokens
+        tokens, before = k, [j for j in node.checkpoints if j < k]
+        while not before and node.parent is not None and node.parent.parent is not None:
+            node = node.parent
+            tokens += len(node.tokens)
+            before = list(node.checkpoints)
+        return tokens - max(before) if before else tokens
 
     def positions(self, prompt_len: int, block_size: int, hints: tuple[int, ...] = ()) -> list[int]:
         """Where a request takes checkpoints while it computes its prompt (ascending): every N blocks, at
