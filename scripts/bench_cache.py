@@ -1,15 +1,16 @@
 """Benchmark of the conversation cache: replays agent-style workloads against the server and prints, per
 workload, prompt tokens, computed tokens, the ideal, their ratio, full re-reads and time to first token.
 
-    .venv/bin/python scripts/bench_cache.py [--turns 6] [--pressure [--pressure-ctx TOKENS]] [--model smollm2|tiny-lfm2|PATH]
+    .venv/bin/python scripts/bench_cache.py [--turns 6] [--pressure [--pressure-ctx TOKENS]]
+        [--model smollm2|tiny-lfm2|gemma3-270m|PATH] [--only "two alternating,trimmed history"]
 
 Workloads (SmolLM2, greedy, 16-token replies): two conversations alternating; one conversation with a
 short unrelated request between turns; a head that toggles between two tool lists; four conversations
 rotating through two slots. `ideal` = prompt tokens not shared with any earlier prompt + reply of the run,
-+ 1 per request. With --pressure the device pool holds one slot's worth (its context: at least 320 tokens, more when
-the workload's longest request needs it, found by rendering the workload with placeholder replies first, or
---pressure-ctx), the host tier a quarter of that (SmolLM2: 20 and 5 blocks), and a disk tier the rest: turns park
-the other conversations in host RAM, the host tier spills to disk, and hits restore them.
++ 1 per request. With --pressure the device pool holds one slot's worth (its context: at least 320 tokens,
+more when the workload's longest request needs it, found by rendering the workload with placeholder replies
+first, or --pressure-ctx), the host tier a quarter of that (SmolLM2: 20 and 5 blocks), and a disk tier the
+rest: turns park the other conversations in host RAM, the host tier spills to disk, and hits restore them.
 A "full re-read" is a request (after the first of its conversation) that reused under 10% of its prompt.
 Two more workloads: a history trimmed to its system message and last exchange every turn, and a fan-out of
 questions over one shared context. `--model tiny-lfm2` runs them on a seeded tiny random lfm2 (hybrid:
