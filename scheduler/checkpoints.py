@@ -295,5 +295,6 @@ class Checkpoints:
         return {"checkpoints_" + t: self.count(t) for t in ("device", "host", "disk")} | {
             "checkpoint_bytes_" + t: store.nbytes(t) for t in ("device", "host", "disk")} | {
             "checkpoints_reserved": self.reserved, "checkpoints_disk_copies": len(store.copies),
-            "checkpoints_unsaved": sum(map(len, map(self.unsaved_of, self.unsaved.values()))), "checkpoint_state_bytes": store.state_bytes,
+            "checkpoints_unsaved": sum(map(len, map(self.unsaved_of, self.unsaved.values()))),
+            "checkpoint_state_bytes": store.state_bytes,
             "checkpoint_units": self.units, **{"checkpoints_" + k: v for k, v in self.stats.items()}}

@@ -129,7 +129,8 @@ class HybridSteps:
             captured = self.runner.states.take_captured(request.seq)
             for position in sorted(captured, key=lambda p: (self._branch_point(request, p), p), reverse=True):
                 if allocation is not None and len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved:
-                    self.cache.ckpt.take(allocation, position, captured[position], self._branch_point(request, position))
+                    branch_point = self._branch_point(request, position)
+                    self.cache.ckpt.take(allocation, position, captured[position], branch_point)
 
     @staticmethod
     def _branch_point(request, position: int) -> bool:

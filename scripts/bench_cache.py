@@ -89,7 +89,8 @@ class DryReplayer:
         self.loaded, self.state, self.longest = loaded, state, 0
 
     def turn(self, messages, tools=None, first_of_conversation=False):
-        prompt = encode_chat_prompt(self.loaded.tokenizer, render_turn(self.state, ChatTurn(messages, normalise_tools(tools))))
+        text = render_turn(self.state, ChatTurn(messages, normalise_tools(tools)))
+        prompt = encode_chat_prompt(self.loaded.tokenizer, text)
         self.longest = max(self.longest, len(prompt) + REPLY_TOKENS)
         return "0" * REPLY_TOKENS
 
