@@ -9,7 +9,7 @@ short unrelated request between turns; a head that toggles between two tool list
 rotating through two slots. `ideal` = prompt tokens not shared with any earlier prompt + reply of the run,
 + 1 per request. With --pressure the device pool holds one slot's worth (its context: at least 320 tokens,
 more when the workload's longest request needs it, found by rendering the workload with placeholder replies
-first, or --pressure-ctx), the host tier a quarter of that (SmolLM2: 20 and 5 blocks), and a disk tier the
+first, or --pressure-ctx; 320 gives SmolLM2 20 blocks), the host tier a quarter of that, and a disk tier the
 rest: turns park the other conversations in host RAM, the host tier spills to disk, and hits restore them.
 A "full re-read" is a request (after the first of its conversation) that reused under 10% of its prompt.
 Two more workloads: a history trimmed to its system message and last exchange every turn, and a fan-out of
