@@ -82,7 +82,7 @@ def plan_memory(engine_bytes: int, host_tier_mib: int, min_free_mib: int, block_
             "(--conversation-cache-min-free-mib) leaves %d MiB; using --conversation-cache-mib %d",
             host_tier_mib, machine.headroom_bytes // MIB, machine.source, engine_bytes // MIB, min_free_mib,
             spare // MIB, spare // MIB)
-    blocks = granted // block_bytes if block_bytes else 0
+    blocks = int(granted // block_bytes) if block_bytes else 0  # whole blocks of a fractional MiB (benchmarks)
     return MemoryPlan(engine_bytes, blocks * block_bytes, blocks, machine, clamped)
 
 

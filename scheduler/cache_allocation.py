@@ -30,6 +30,7 @@ class Allocation:
     checkpoint_state: Any = None
     checkpoints_reserved: int = 0
     pending_checkpoints: dict[int, Any] = field(default_factory=dict)
+    branch_points: set[int] = field(default_factory=set)  # pending ones where prompts branch (given up last)
 
 
 def read_disk_blocks(cache: "PrefixCache", match: PrefixMatch) -> tuple[PrefixMatch, dict, list[CachedBlock]]:

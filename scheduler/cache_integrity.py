@@ -53,7 +53,8 @@ def check_cache(cache: "PrefixCache") -> None:
 def _check_checkpoints(cache: "PrefixCache") -> None:
     """Hybrid models: every checkpoint is on a cached node, in its node's tier, with its bytes there; the
     tiers have room for the slots they take (device: with the requests' reservations; disk: with the
-    written-behind copies)."""
+    written-behind copies, blocks' and checkpoints'); a checkpoint's file copy only beside its block's;
+    the write-behind queue holds exactly the resident nodes with a checkpoint that has no file."""
     ckpt = cache.ckpt
     if not ckpt.enabled:
         assert not ckpt.nodes and not ckpt.reserved, "checkpoints on a model without recurrent state"
@@ -76,5 +77,11 @@ def _check_checkpoints(cache: "PrefixCache") -> None:
     assert set(store.tiers["device"]) == expected["device"], "device checkpoint bytes disagree with the tree"
     assert set(store.tiers["host"]) == expected["host"], "host checkpoint bytes disagree with the tree"
     assert store.on_disk == expected["disk"], "checkpoint files disagree with the tree"
+    resident = expected["device"] | expected["host"]
+    assert store.copies <= resident, "a checkpoint file copy of no resident checkpoint"
+    copied = {id(n) for n in ckpt.nodes.values() if ckpt.copies_on(n)}
+    assert all(ckpt.nodes[i].disk_copy for i in copied), "a checkpoint's file copy without its block's"
+    unsaved = {id(n) for n in ckpt.nodes.values() if not n.on_disk and ckpt.unsaved_of(n)}
+    assert set(ckpt.unsaved) == (unsaved if store.dir is not None else set()), "checkpoint write-behind queue"
     for tier in ("device", "host", "disk"):  # units_on reads the store's counts: the tree's, by the above
         assert ckpt.count(tier) == sum(len(n.checkpoints) for n in ckpt.nodes.values() if n.tier == tier), tier

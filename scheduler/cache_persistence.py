@@ -58,8 +58,8 @@ def flush_to_disk(cache: PrefixCache) -> int:
                     if written >= room or not cache.mover.save(node):
                         continue  # a child without its parent on disk would be unreachable after a restart
                     written += 1
-                for k in node.checkpoints:  # hybrid models: its states too (not counted in the room: best effort;
-                    key = (node.digest, k)  # write-behind writes K/V only, so a written-behind block's go now)
+                for k in cache.ckpt.unsaved_of(node):  # hybrid models: its states without a file too (not
+                    key = (node.digest, k)  # counted in the room: best effort, the run is over)
                     cache.ckpt.store.write_file(key, cache.ckpt.store.get(node.tier, key), index=False)
             stack.extend(node.children.values())
     log.info("conversation cache: %d blocks written to disk at shutdown", written,

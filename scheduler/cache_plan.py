@@ -110,16 +110,23 @@ def plan_device_growth(cache: "PrefixCache", plan: Plan, short: int) -> int:
 
 def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[CachedBlock]) -> int:
     """When the unpinned blocks cannot free enough, the checkpoints on pinned device blocks (and on those
-    this plan pins: a matched checkpoint's state is read already) go, oldest first; the blocks stay.
+    this plan pins or restores: a matched checkpoint's state is read already) go, those whose loss costs
+    least recompute first (`Checkpoints.gap`), then the oldest, the one the match ends at last; the blocks
+    stay. Without the restored blocks' a prompt that fits the pool
+    could wait forever for room its prefix's checkpoints take (nothing running would free it).
     Returns the slots freed: 0 when that is not enough either (then nothing is planned). Scans the
     checkpointed nodes, only on this last resort."""
     units = cache.ckpt.units
-    if missing <= 0 or not units:
-        return 0
+    if missing <= 0 or not units or plan.kind == "extend" and plan.reserve_checkpoints:  # the states a step
+        return 0  # takes inside a prompt never cost held ones (it goes on without them); its reply's end may
     taken_over = plan.match.cow_source if plan.takeover else None  # its checkpoints go anyway: counted once
+    matched = plan.match.checkpoint if plan.match is not None else None  # goes last: later prompts
+    # that branch where this one did (fan-out questions over one context) need it
+    restored = set(plan.restores)  # coming back to the device with all their checkpoints: those may stay behind
     held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
-                   if n.on_device and (n.ref_count or n in exclude) and n is not taken_over for k in n.checkpoints),
-                  key=lambda e: (e[0], e[1]))
+                   if (n.on_device and (n.ref_count or n in exclude) or n in restored) and n is not taken_over
+                   for k in n.checkpoints),
+                  key=lambda e: ((e[2], e[1]) == matched, cache.ckpt.gap(e[2], e[1]), e[0], e[1]))
     count = -(-missing // units)
     if count > len(held):
         return 0
@@ -170,7 +177,8 @@ class _HostRoom:
         if victim is None:
             return False
         has_file = victim.disk_copy and victim not in plan.copy_drops  # a copy this plan deleted needs room again
-        need = self.weight(victim) - has_file  # written behind: only its checkpoints need files
+        need = self.weight(victim) - (self._copy_slots(victim) if has_file else 0)  # written behind: only
+        # the checkpoints without a file need room
         if has_file:
             self.leaves.leaving(victim)  # its own file is not one to delete for the room
         while self.disk_room < need and cache.disk_blocks and self._make_disk_room():
@@ -187,12 +195,12 @@ class _HostRoom:
         return True
 
     def _make_disk_room(self) -> bool:
-        """Room for files: a written-behind copy goes first (its block stays resident), else a disk leaf
-        (with its checkpoint files). False when neither is left."""
+        """Room for files: a written-behind copy goes first (its block stays resident; its checkpoints'
+        copies go with it), else a disk leaf (with its checkpoint files). False when neither is left."""
         copy = self.leaves.take_disk_copy()
         if copy is not None:
             self.plan.copy_drops.append(copy)
-            self.disk_room += 1
+            self.disk_room += self._copy_slots(copy)
             return True
         dropped = self.leaves.take_disk_leaf()
         if dropped is not None:
@@ -200,3 +208,7 @@ class _HostRoom:
             self.disk_room += self.weight(dropped)
             return True
         return False
+
+    def _copy_slots(self, block: CachedBlock) -> int:
+        """Disk slots the written-behind files of a resident block take: its own and its checkpoints'."""
+        return 1 + self.cache.ckpt.units * self.cache.ckpt.copies_on(block)

@@ -8,6 +8,8 @@ the tier of its block, scheduler/prefix_cache.py); this store only holds the byt
 
 On numpy, device and host are both process memory, so a park or restore moves a reference from one
 dict to the other; what matters is that every checkpoint is in exactly one tier, as its block is. A
+checkpoint in a memory tier may have a file too (`copies`: written behind, or kept when it was loaded
+from disk), as a written-behind block does: it spills without a write and a restart finds it. A
 disk file holds a header (magic, format version, cache key, digest, k, state shape), the float32 state
 and a checksum of all of it; it is written under a temporary name and renamed into place.
 """
@@ -37,7 +39,8 @@ class CheckpointStore:
         self.tiers: dict[str, dict[Key, np.ndarray]] = {"device": {}, "host": {}}
         self.dir = Path(disk_dir) if disk_dir is not None else None
         self.key = key.ljust(16, b"\0")[:16]
-        self.on_disk: set[Key] = set()
+        self.on_disk: set[Key] = set()  # disk-tier checkpoints (their only copy is the file)
+        self.copies: set[Key] = set()  # checkpoints in a memory tier whose file is on disk too
         self.fail_writes = False  # tests: a disk write that fails
 
     @property
@@ -49,6 +52,11 @@ class CheckpointStore:
 
     def nbytes(self, tier: str) -> int:
         return self.count(tier) * self.state_bytes
+
+    @property
+    def num_files(self) -> int:
+        """Checkpoint files this run keeps: the disk tier's and the memory tiers' copies."""
+        return len(self.on_disk) + len(self.copies)
 
     # -- memory tiers --------------------------------------------------------------------------------
     def put(self, tier: str, key: Key, state: np.ndarray) -> None:
@@ -65,18 +73,48 @@ class CheckpointStore:
         self.tiers[dst][key] = self.tiers[src].pop(key)
 
     def delete(self, tier: str, key: Key) -> None:
+        """Forget a checkpoint: its bytes in `tier` and its file (a disk one, or a memory tier's copy)."""
         if tier == "disk":
             self.on_disk.discard(key)
-            if self.dir is not None:
-                self._path(key).unlink(missing_ok=True)
+            self._unlink(key)
         else:
             del self.tiers[tier][key]
+            self.drop_copy(key)
+
+    def drop_copy(self, key: Key) -> None:
+        """Delete the file of a memory-tier checkpoint (for room; it stays where it is)."""
+        if key in self.copies:
+            self.copies.discard(key)
+            self._unlink(key)
+
+    def _unlink(self, key: Key) -> None:
+        if self.dir is not None:
+            self._path(key).unlink(missing_ok=True)
 
     # -- disk ----------------------------------------------------------------------------------------
     def spill(self, key: Key, src: str) -> bool:
-        """Memory tier -> disk; False (and the bytes dropped) when the write failed."""
+        """Memory tier -> disk; False (and the bytes dropped) when the write failed. A copy is not written
+        again: its file becomes the checkpoint."""
         state = self.tiers[src].pop(key)
+        if key in self.copies:
+            self.copies.discard(key)
+            self.on_disk.add(key)
+            return True
         return self.write_file(key, state)
+
+    def write_copy(self, key: Key, tier: str) -> bool:
+        """Write the file of a memory-tier checkpoint, which stays there (write-behind); False: not written."""
+        assert key not in self.copies and key in self.tiers[tier], f"{key} is no unsaved {tier} checkpoint"
+        if not self.write_file(key, self.tiers[tier][key], index=False):
+            return False
+        self.copies.add(key)
+        return True
+
+    def keep_as_copy(self, key: Key, state: np.ndarray) -> None:
+        """A disk checkpoint loaded to the device: its state goes there, its file stays as the copy."""
+        self.on_disk.discard(key)
+        self.put("device", key, state)
+        self.copies.add(key)
 
     def write_file(self, key: Key, state: np.ndarray, index: bool = True) -> bool:
         """Write one checkpoint file; `index` False (the shutdown flush): the checkpoint stays in its
@@ -123,7 +161,7 @@ class CheckpointStore:
             except (OSError, ValueError, struct.error) as exc:
                 log.warning("ignoring checkpoint file %s: %s", path.name, exc)
                 path.unlink(missing_ok=True)
-        self.on_disk = set(keys)
+        self.on_disk, self.copies = set(keys), set()
         return keys
 
     def _path(self, key: Key) -> Path:

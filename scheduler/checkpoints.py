@@ -12,13 +12,15 @@ state; k == len(tokens) is "after its last token"). Where the engine takes them,
     release: the end of what the request computed (its reply, or where it was preempted)
 
 Under pressure checkpoints give way before K/V: a request without room for one goes on without it, one
-short of room gives up those it holds, and a plan may drop those on pinned blocks.
+short of room gives up those it holds one by one, and a plan may drop those on pinned blocks.
 
 A match is the longest cached prefix whose end has a checkpoint (`trim`); K/V blocks beyond it stay in the
 tree. A checkpoint lives in the tier of its node and moves with it (parked, restored, spilled, dropped by
 the same plans and in the same value order); it costs `units` block slots of that tier, so the tiers'
-budgets count its bytes. Running requests reserve a slot for each checkpoint they will take before the
-step that takes it (their `Allocation.checkpoints_reserved`), so attaching them at release needs no room.
+budgets count its bytes. With a disk tier a resident checkpoint gets a file while serving, after its
+block's (scheduler/write_behind.py; until then its node is in `unsaved`): a copy that costs `units` disk
+slots, spills for free and goes with its block's copy. Running requests reserve a slot for each checkpoint
+they take before the step that takes it (`Allocation.checkpoints_reserved`), so a release needs no room.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class Checkpoints:
         self.store = store or CheckpointStore()
         self.nodes: dict[int, CachedBlock] = {}  # id -> node that carries checkpoints
         self.reserved = 0  # checkpoints running requests will take (device slots held for them)
+        self.unsaved: dict[int, CachedBlock] = {}  # id -> resident node with a checkpoint that has no file
         self.stats = {"taken": 0, "attached": 0, "restored": 0, "dropped": 0}
         # Called with a node whose checkpoints came or went (the cache's eviction index re-weighs it).
         self.on_change: Callable[[CachedBlock], None] = lambda node: None
@@ -57,12 +60,32 @@ class Checkpoints:
         return self.store.count(tier)
 
     def units_on(self, tier: str) -> int:
-        """Block slots of `tier` the checkpoints take (device: including those reserved by requests)."""
-        return self.units * (self.count(tier) + (self.reserved if tier == "device" else 0))
+        """Block slots of `tier` the checkpoints take (device: including those reserved by requests; disk:
+        including the files of resident ones)."""
+        extra = self.reserved if tier == "device" else len(self.store.copies) if tier == "disk" else 0
+        return self.units * (self.count(tier) + extra)
+
+    def copies_on(self, node: CachedBlock) -> int:
+        """Checkpoints of a resident node that have a file on disk too."""
+        return sum((node.digest, k) in self.store.copies for k in node.checkpoints)
+
+    def unsaved_of(self, node: CachedBlock) -> list[int]:
+        """The node's checkpoints without a file (ascending k)."""
+        return sorted(k for k in node.checkpoints if (node.digest, k) not in self.store.copies)
 
     def weight(self, node: CachedBlock) -> int:
         """Slots a node frees when it leaves its tier: its block and its checkpoints."""
         return 1 + self.units * len(node.checkpoints)
+
+    def gap(self, node: CachedBlock, k: int) -> int:
+        """Tokens from the checkpoint before this one on its path (or the start) to this one: what a prompt
+        that branches here recomputes if this one is gone. The cheapest to lose goes first under pressure."""
+        tokens, before = k, [j for j in node.checkpoints if j < k]
+        while not before and node.parent is not None and node.parent.parent is not None:
+            node = node.parent
+            tokens += len(node.tokens)
+            before = list(node.checkpoints)
+        return tokens - max(before) if before else tokens
 
     def positions(self, prompt_len: int, block_size: int, hints: tuple[int, ...] = ()) -> list[int]:
         """Where a request takes checkpoints while it computes its prompt (ascending): every N blocks, at
@@ -131,8 +154,29 @@ class Checkpoints:
         node.checkpoints.add(k)
         self.nodes[id(node)] = node
         self.stats["attached"] += 1
+        self._track(node)
         self.on_change(node)
         return True
+
+    def _track(self, node: CachedBlock) -> None:
+        """Keep `unsaved` in step with a node whose checkpoints or files changed (only with a disk tier)."""
+        if self.store.dir is not None and not node.on_disk and self.unsaved_of(node):
+            self.unsaved[id(node)] = node
+        else:
+            self.unsaved.pop(id(node), None)
+
+    def save(self, node: CachedBlock, k: int) -> bool:
+        """Write the file of a resident checkpoint, whose block's file is written (write-behind)."""
+        assert node.disk_copy and k in node.checkpoints, "a checkpoint file before its block's"
+        ok = self.store.write_copy((node.digest, k), node.tier)
+        self._track(node)
+        return ok
+
+    def forget_copies(self, node: CachedBlock) -> None:
+        """The node's block file is deleted for room: its checkpoints' files go too (they stay resident)."""
+        for k in node.checkpoints:
+            self.store.drop_copy((node.digest, k))
+        self._track(node)
 
     def move(self, node: CachedBlock, src: str, dst: str) -> None:
         for k in node.checkpoints:
@@ -147,6 +191,7 @@ class Checkpoints:
         self.stats["dropped"] += lost
         if not node.checkpoints:
             self.nodes.pop(id(node), None)
+        self.unsaved.pop(id(node), None)
         if lost:
             self.on_change(node)
 
@@ -160,13 +205,14 @@ class Checkpoints:
         return out
 
     def load(self, node: CachedBlock, states: dict[int, np.ndarray]) -> None:
-        """A disk node restored to the device: its readable states come along, its files go."""
+        """A disk node restored to the device: its readable states come along and their files stay as
+        copies (as its block's does); the unreadable ones' go."""
         lost = False
         for k in list(node.checkpoints):
-            self.store.delete("disk", (node.digest, k))
             if k in states:
-                self.store.put("device", (node.digest, k), states[k])
+                self.store.keep_as_copy((node.digest, k), states[k])
             else:
+                self.store.delete("disk", (node.digest, k))
                 node.checkpoints.discard(k)
                 self.stats["dropped"] += 1
                 lost = True
@@ -184,12 +230,21 @@ class Checkpoints:
             self.on_change(node)
         if not node.checkpoints:
             self.nodes.pop(id(node), None)
+        self._track(node)
 
     def give_up_pending(self, allocation: "Allocation") -> None:
-        """A running request short of room gives back its reservations and the checkpoints it took."""
-        self.reserved -= allocation.checkpoints_reserved
-        self.stats["dropped"] += len(allocation.pending_checkpoints)
-        allocation.checkpoints_reserved, allocation.pending_checkpoints = 0, {}
+        """A running request short of room gives back one checkpoint slot (the caller asks again while it
+        is short): a reservation not used yet, else the earliest state it took (branch points, where a
+        message begins or the prompt left a cached sequence, last), else the one kept for its release."""
+        assert allocation.checkpoints_reserved > 0, "no checkpoint slot to give up"
+        pending = allocation.pending_checkpoints
+        if allocation.checkpoints_reserved - 1 <= len(pending) and pending:
+            position = min(pending, key=lambda p: (p in allocation.branch_points, p))
+            del pending[position]
+            allocation.branch_points.discard(position)
+            self.stats["dropped"] += 1
+        allocation.checkpoints_reserved -= 1
+        self.reserved -= 1
 
     def drop(self, node: CachedBlock) -> None:
         """Forget a node's checkpoints (the node is dropped, taken over, or replaced); call while its
@@ -200,6 +255,7 @@ class Checkpoints:
         self.stats["dropped"] += len(node.checkpoints)
         node.checkpoints.clear()
         self.nodes.pop(id(node), None)
+        self.unsaved.pop(id(node), None)
         if had:
             self.on_change(node)
 
@@ -216,10 +272,13 @@ class Checkpoints:
         return match, None
 
     # -- running requests ----------------------------------------------------------------------------
-    def take(self, allocation: "Allocation", position: int, state: np.ndarray) -> None:
-        """A request's state after `position` computed tokens, held until its release attaches it."""
+    def take(self, allocation: "Allocation", position: int, state: np.ndarray, branch_point: bool = False) -> None:
+        """A request's state after `position` computed tokens, held until its release attaches it;
+        `branch_point`: where prompts branch (a message start, the prompt's end, where it left a match)."""
         assert len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved, "checkpoint not reserved"
         allocation.pending_checkpoints[position] = state
+        if branch_point:
+            allocation.branch_points.add(position)
         self.stats["taken"] += 1
 
     def attach_released(self, allocation: "Allocation", final_state, num_computed: int, path: list[CachedBlock],
@@ -244,5 +303,7 @@ class Checkpoints:
         store = self.store
         return {"checkpoints_" + t: self.count(t) for t in ("device", "host", "disk")} | {
             "checkpoint_bytes_" + t: store.nbytes(t) for t in ("device", "host", "disk")} | {
-            "checkpoints_reserved": self.reserved, "checkpoint_state_bytes": store.state_bytes,
+            "checkpoints_reserved": self.reserved, "checkpoints_disk_copies": len(store.copies),
+            "checkpoints_unsaved": sum(map(len, map(self.unsaved_of, self.unsaved.values()))),
+            "checkpoint_state_bytes": store.state_bytes,
             "checkpoint_units": self.units, **{"checkpoints_" + k: v for k, v in self.stats.items()}}

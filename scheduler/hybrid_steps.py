@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 
+from engine.kv import blocks_needed
 from scheduler.checkpoint_store import CheckpointStore
 from scheduler.checkpoints import Checkpoints
 
@@ -79,8 +80,22 @@ class HybridSteps:
         return tuple(p for p in self._positions(request) if start < p <= start + n)
 
     def checkpoints_after(self, request, n: int) -> int:
-        """Checkpoints the request's next step of n tokens takes."""
-        return len(self._passed(request, n)) if self.keeps_checkpoints else 0
+        """Checkpoints the request's next step of n tokens takes: those it passes, as many as the device
+        could hold beside the step's blocks (the loop asks for these or none, so a step that passes more
+        than fit would keep none; take_checkpoints then keeps the most useful)."""
+        if not self.keeps_checkpoints:
+            return 0
+        return min(len(self._passed(request, n)), self._room_for_checkpoints(request, n))
+
+    def _room_for_checkpoints(self, request, n: int) -> int:
+        """Checkpoint slots the device has at most for this step: free and movable slots, and the pool's
+        growth room, less the step's new blocks (an upper bound: a plan may still find less)."""
+        cache = self.cache
+        fresh = max(0, blocks_needed(request.seq.num_computed + n, self.runner.block_size)
+                    - len(request.allocation.block_table))
+        slots = cache._dev_free.num_free - cache.ckpt.units_on("device") + cache.index.device_weight \
+            + max(0, cache.admission.device_ceiling_blocks - cache.num_blocks) - fresh
+        return max(0, slots) // cache.ckpt.units
 
     def before_step(self, work) -> None:
         """Ask for the states at the checkpoint positions each scheduled step passes."""
@@ -111,9 +126,18 @@ class HybridSteps:
             return
         for request, _ in work:
             allocation = request.allocation
-            for position, state in sorted(self.runner.states.take_captured(request.seq).items()):
+            captured = self.runner.states.take_captured(request.seq)
+            for position in sorted(captured, key=lambda p: (self._branch_point(request, p), p), reverse=True):
                 if allocation is not None and len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved:
-                    self.cache.ckpt.take(allocation, position, state)
+                    branch_point = self._branch_point(request, position)
+                    self.cache.ckpt.take(allocation, position, captured[position], branch_point)
+
+    @staticmethod
+    def _branch_point(request, position: int) -> bool:
+        """Where prompts branch: a message start, where the prompt left a cached sequence, the prompt's end.
+        When a step has fewer slots than states these go first (then the later ones), and they are the
+        last a request short of room gives up."""
+        return position in request.checkpoint_positions or position == request.prompt_len - 1
 
     def final_state(self, request):
         """The state after the request's computed tokens, for its release (None: nothing to keep)."""

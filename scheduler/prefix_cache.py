@@ -11,6 +11,7 @@ Tiers: the device pool the model computes in, host RAM (a budget committed as pa
 Decide, grant, apply: `plan_allocate` / `plan_extend` / `plan_release` return a Plan (cache_plan.py) and
 change nothing; the memory admission grants it whole or refuses it; `apply` then changes the tree and the
 tiers and hands the byte moves to the mover in one call (parks, restores, loads, copies; spills first).
+Loads from the lower tiers, spills and the written-behind disk copies are in scheduler/cache_disk.py.
 `allocate` / `extend` / `release` do the three steps for callers that have no admission of their own.
 Blocks pinned by running requests never move; every drop is logged with its conversation.
 """
@@ -21,6 +22,7 @@ import logging
 
 from engine.kv import BlockAllocator, blocks_needed
 from scheduler.block_mover import BlockMover, BlockMoves, RecordingMover
+from scheduler import cache_disk
 from scheduler.cache_allocation import Allocation, read_disk_blocks, reuse_by_tier
 from scheduler.cache_drops import DropLog
 from scheduler.cache_explain import explain_miss
@@ -218,7 +220,7 @@ class PrefixCache:
         for block in plan.unreadable:
             self._drop(block, "disk", "block file missing or corrupt")
         for block in plan.copy_drops:
-            self.forget_disk_copy(block)
+            cache_disk.forget_disk_copy(self, block)
         for block in plan.disk_drops:
             self._drop(block, "disk", "disk tier full")
         if plan.host_grow:
@@ -226,7 +228,7 @@ class PrefixCache:
             moves.grow_host = self._host_free.num_blocks
         apply_growth(self, plan, moves)
         for block in plan.spills:
-            self._spill(block, moves)
+            cache_disk.spill(self, block, moves)
         for block in plan.host_drops:
             self._drop(block, "host", "host tier full" + ("" if self.disk_blocks else " (no disk tier)"))
         for block in plan.device_drops:
@@ -255,7 +257,7 @@ class PrefixCache:
             if id(block) in sources:
                 moves.restores.append((sources[id(block)], device_id))
             else:
-                self._load(block, device_id, plan.payloads, moves, keep_source=False,
+                cache_disk.load(self, block, device_id, plan.payloads, moves, keep_source=False,
                            checkpoint_loads=plan.checkpoint_loads)
             block.device_id = device_id
             self._on_device[device_id] = block
@@ -278,7 +280,7 @@ class PrefixCache:
                 if source.on_device:
                     moves.copies.append((source.device_id, own[0]))
                 else:
-                    self._load(source, own[0], plan.payloads, moves, keep_source=True)
+                    cache_disk.load(self, source, own[0], plan.payloads, moves, keep_source=True)
                 source.last_used = next(self._clock)
                 self.index.sync(source)
         self._num_owned += len(own)
@@ -295,24 +297,6 @@ class PrefixCache:
         plan.allocation.block_table.extend(fresh)
         return plan.allocation
 
-    def _load(self, block: CachedBlock, device_id: int, payloads: dict, moves: BlockMoves, keep_source: bool,
-              checkpoint_loads: dict | None = None):
-        if block.on_host:
-            moves.restores.append((block.host_slot, device_id))
-            if not keep_source:
-                self.ckpt.move(block, "host", "device")
-                self._host_free.free([block.host_slot])
-                del self._on_host[block.host_slot]
-                block.host_slot = -1
-            return
-        moves.writes.append((device_id, payloads[id(block)]))
-        self.stats["disk_loads"] += 1
-        if not keep_source:  # the file stays as the resident block's copy: nothing to write back later
-            self.ckpt.load(block, (checkpoint_loads or {}).get(id(block), {}))  # its states' files go
-            del self._on_disk[block.digest]
-            block.on_disk, block.disk_copy = False, True
-            self._disk_copies[block.digest] = block
-
     def _park(self, block: CachedBlock, moves: BlockMoves) -> None:
         slot = self._host_free.allocate(1)[0]
         self.ckpt.move(block, "device", "host")
@@ -323,33 +307,6 @@ class PrefixCache:
         self._on_host[slot] = block
         self.index.sync(block)
         self.stats["parks"] += 1
-
-    def _spill(self, block: CachedBlock, moves: BlockMoves) -> None:
-        """To the disk tier, from wherever it is now (a block this plan would have parked goes straight).
-        A block written behind already has its file: it only leaves its resident tier (its checkpoints,
-        never written behind, get their files now)."""
-        self.ckpt.spill(block, block.tier)
-        written = block.disk_copy
-        if written:
-            del self._disk_copies[block.digest]
-            block.disk_copy = False
-        if block.on_device:
-            if not written:
-                moves.saves.append((block, "device", block.device_id))
-            del self._on_device[block.device_id]
-            self._dev_free.free([block.device_id])
-            block.device_id = -1
-        else:
-            if not written:
-                moves.saves.append((block, "host", block.host_slot))
-            self._host_free.free([block.host_slot])
-            del self._on_host[block.host_slot]
-            block.host_slot = -1
-        block.on_disk = True
-        self._on_disk[block.digest] = block
-        self.unsaved.pop(id(block), None)
-        self.index.sync(block)
-        self.stats["spills"] += 1
 
     def _release(self, plan: Plan) -> None:
         allocation, token_ids, num_computed = plan.allocation, plan.token_ids, plan.num_computed
@@ -413,23 +370,6 @@ class PrefixCache:
         self.drops.record([n.digest for n in lost], tier, reason, conv, tokens, total)
         self.stats["dropped_blocks"] += len(lost)
         self.stats["dropped_tokens"] += tokens
-
-    # -- write-behind (scheduler/write_behind.py decides what and when) -----------------------------
-    def record_disk_copy(self, block: CachedBlock) -> None:
-        """A resident block's file was just written: it needs no write when spilled or at shutdown."""
-        assert (block.on_device or block.on_host) and not block.disk_copy and self.disk_free > 0
-        del self.unsaved[id(block)]
-        block.disk_copy = True
-        self._disk_copies[block.digest] = block
-        self.index.sync(block)
-
-    def forget_disk_copy(self, block: CachedBlock) -> None:
-        """Delete a resident block's file for room; the block stays and is written again later."""
-        del self._disk_copies[block.digest]
-        block.disk_copy = False
-        self.mover.delete_disk(block)
-        self.unsaved[id(block)] = block
-        self.index.sync(block)
 
     def check_integrity(self) -> None:
         """Per tier: free + cached (+ owned) == total; tree links consistent; pinned blocks on device."""

@@ -9,13 +9,21 @@ spill of it costs no write, a shutdown flush skips it, and a restart finds it.
 
 Blocks are read and written on the loop thread, between the loop's own decisions, so no plan can move or
 drop a block while its bytes are copied; the byte budget per tick keeps that pause short.
+
+Hybrid models (scheduler/checkpoints.py): a node's state checkpoints are written right after its block
+(a restart attaches a checkpoint file only to a block it found), from the same byte budget and in the same
+order; a checkpoint taken later on a block written already (a reply's end on a shared block) is written
+when its node's turn comes, newest first. Without them a restart would reuse a hybrid conversation only
+up to the checkpoints that happened to be spilled.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import time
 
+from scheduler.cache_disk import record_disk_copy
 from scheduler.cache_tree import CachedBlock
 from scheduler.prefix_cache import PrefixCache
 
@@ -25,47 +33,75 @@ TICK_S = 0.25  # how often the loop offers the write-behind a turn while blocks 
 
 
 class WriteBehind:
-    """Writes unsaved cache blocks to the disk tier at up to `mib_per_s`, newest conversations first."""
+    """Writes unsaved cache blocks (and their checkpoints) to the disk tier at up to `mib_per_s`, newest
+    conversations first."""
 
     def __init__(self, cache: PrefixCache, block_bytes: int, mib_per_s: float):
         assert mib_per_s > 0 and block_bytes > 0
         self.cache = cache
+        self.ckpt = cache.ckpt
         self.block_bytes = block_bytes
+        self.state_bytes = self.ckpt.store.state_bytes if self.ckpt.enabled else block_bytes
         self.bytes_per_s = mib_per_s * 2**20
         self.last_tick = time.monotonic()
         self.written_blocks = 0
-        self.failed_blocks = 0
+        self.written_checkpoints = 0
+        self.failed_blocks = 0  # failed writes, of blocks or checkpoints
 
     @property
     def has_work(self) -> bool:
-        return bool(self.cache.unsaved) and self.cache.disk_free > 0
+        free = self.cache.disk_free
+        return bool(self.cache.unsaved) and free > 0 or bool(self.ckpt.unsaved) and free >= self.ckpt.units
 
     def tick(self, now: float | None = None) -> int:
-        """Write what this turn's byte budget allows (at least one block); returns blocks written."""
+        """Write what this turn's byte budget allows (at least one file); returns files written (blocks
+        and checkpoints)."""
         now = time.monotonic() if now is None else now
         elapsed, self.last_tick = now - self.last_tick, now
-        budget = max(1, int(min(elapsed, 1.0) * self.bytes_per_s) // self.block_bytes)
-        written = 0
-        for block in self._order(budget):
-            if written >= budget or self.cache.disk_free <= 0:
+        budget_bytes = min(elapsed, 1.0) * self.bytes_per_s
+        spent_bytes, written = 0, 0
+        for node, k in self._order(1 + int(budget_bytes // min(self.block_bytes, self.state_bytes))):
+            cost = self.block_bytes if k is None else self.state_bytes
+            if written and spent_bytes + cost > budget_bytes:
                 break
-            if not self.cache.mover.save(block):
+            free = self.cache.disk_free
+            if free <= 0:
+                break
+            if k is not None and free < self.ckpt.units:
+                continue  # no room for a state: the blocks after it may still fit
+            if not self._write(node, k):
                 self.failed_blocks += 1
-                break  # the disk refuses (full, unwritable): try again next turn, the blocks stay cached
-            self.cache.record_disk_copy(block)
+                break  # the disk refuses (full, unwritable): try again next turn, everything stays cached
+            spent_bytes += cost
             written += 1
-        self.written_blocks += written
         return written
 
-    def _order(self, budget: int):
-        """Unsaved blocks, the most recently used conversation first, every block after its parent. Only the
-        newest few tips are ranked (a turn writes `budget` blocks), so a tick costs O(n log budget)."""
-        unsaved = self.cache.unsaved
-        for tip in heapq.nlargest(2 * budget, unsaved.values(), key=lambda b: b.last_used):
-            if id(tip) not in unsaved:
-                continue  # written already, as an ancestor of a newer tip
+    def _write(self, node: CachedBlock, k: int | None) -> bool:
+        """One file: the node's block (k None) or its checkpoint after k tokens."""
+        if k is not None:
+            ok = self.ckpt.save(node, k)
+            self.written_checkpoints += ok
+            return ok
+        if not self.cache.mover.save(node):
+            return False
+        record_disk_copy(self.cache, node)
+        self.written_blocks += 1
+        return True
+
+    def _order(self, count: int):
+        """(node, None) for an unsaved block and (node, k) for an unsaved checkpoint, the most recently used
+        conversation first, every block after its parent and every checkpoint after its block. Only the
+        newest `count` tips are ranked (a turn writes at most `count` files), so a tick costs
+        O(n log count). Lazy: each item is asked for after the one before it was written."""
+        unsaved, pending = self.cache.unsaved, self.ckpt.unsaved
+        tips = heapq.nlargest(count, itertools.chain(unsaved.values(), pending.values()), key=lambda b: b.last_used)
+        for tip in tips:
             for block in _unsaved_path(tip, unsaved):
-                yield block
+                yield block, None
+                if block.disk_copy:  # written (else the tick stopped): its states may follow
+                    yield from ((block, k) for k in self.ckpt.unsaved_of(block))
+            if id(tip) in pending and tip.disk_copy:  # a block written before its checkpoint was taken
+                yield from ((tip, k) for k in self.ckpt.unsaved_of(tip))
 
 
 def _unsaved_path(block: CachedBlock, unsaved: dict[int, CachedBlock]) -> list[CachedBlock]:

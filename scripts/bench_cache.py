@@ -1,13 +1,16 @@
 """Benchmark of the conversation cache: replays agent-style workloads against the server and prints, per
 workload, prompt tokens, computed tokens, the ideal, their ratio, full re-reads and time to first token.
 
-    .venv/bin/python scripts/bench_cache.py [--turns 6] [--pressure] [--model smollm2|tiny-lfm2|tiny-qwen3next|PATH]
+    .venv/bin/python scripts/bench_cache.py [--turns 6] [--pressure [--pressure-ctx TOKENS]]
+        [--model smollm2|tiny-lfm2|tiny-qwen3next|gemma3-270m|PATH] [--only "two alternating,trimmed history"]
 
 Workloads (SmolLM2, greedy, 16-token replies): two conversations alternating; one conversation with a
 short unrelated request between turns; a head that toggles between two tool lists; four conversations
 rotating through two slots. `ideal` = prompt tokens not shared with any earlier prompt + reply of the run,
-+ 1 per request. With --pressure the device pool is 20 blocks (320 tokens, one slot's worth), so turns park the other
-conversations in host RAM, the 4 MiB host tier (5 blocks) spills to a disk tier, and hits restore them.
++ 1 per request. With --pressure the device pool holds one slot's worth (its context: at least 320 tokens,
+more when the workload's longest request needs it, found by rendering the workload with placeholder replies
+first, or --pressure-ctx; 320 gives SmolLM2 20 blocks), the host tier a quarter of that, and a disk tier the
+rest: turns park the other conversations in host RAM, the host tier spills to disk, and hits restore them.
 A "full re-read" is a request (after the first of its conversation) that reused under 10% of its prompt.
 Two more workloads: a history trimmed to its system message and last exchange every turn, and a fan-out of
 questions over one shared context. `--model tiny-lfm2` runs them on a seeded tiny random lfm2 (hybrid:
@@ -30,7 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 
 from api.chat_turn import ChatTurn, render_turn  # noqa: E402
+from api.config import ServerConfig  # noqa: E402
+from api.serve import build_state  # noqa: E402
 from api.tool_specs import normalise_tools  # noqa: E402
+from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type  # noqa: E402
 from engine.loader import encode_chat_prompt, open_model  # noqa: E402
 from scheduler.cache_tree import common_prefix_len  # noqa: E402
 from tests.server_harness import running_server  # noqa: E402
@@ -38,6 +44,8 @@ from tests.server_harness import running_server  # noqa: E402
 TOOLS = [[{"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing", "parameters": {}}}
           for i in range(n)] for n in (3, 6)]
 TOPICS = ["the history of Rome", "how plants make food", "the water cycle", "how engines work"]
+REPLY_TOKENS = 16  # max_tokens of every request
+PRESSURE_MIN_CTX = 320  # the pressure runs' context so far (SmolLM2: a 20-block pool)
 
 
 class Replayer:
@@ -45,7 +53,7 @@ class Replayer:
         self.url, self.loaded, self.state, self.seen, self.rows = url, loaded, state, [], []
 
     def turn(self, messages, tools=None, first_of_conversation=False):
-        body = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": 16, "stream": True,
+        body = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": REPLY_TOKENS, "stream": True,
                 "stream_options": {"include_usage": True}}
         if tools:
             body["tools"] = tools
@@ -73,6 +81,37 @@ class Replayer:
         reply = "".join(text)
         self.seen.append(prompt + self.loaded.tokenizer.encode(reply, add_special=False))
         return reply
+
+
+class DryReplayer:
+    """Renders a workload's prompts without a server, each reply a placeholder of REPLY_TOKENS digits (one
+    token each in SmolLM2's and the tiny lfm2's vocabularies), to find its longest request beforehand."""
+
+    def __init__(self, loaded, state):
+        self.loaded, self.state, self.longest = loaded, state, 0
+
+    def turn(self, messages, tools=None, first_of_conversation=False):
+        text = render_turn(self.state, ChatTurn(messages, normalise_tools(tools)))
+        prompt = encode_chat_prompt(self.loaded.tokenizer, text)
+        self.longest = max(self.longest, len(prompt) + REPLY_TOKENS)
+        return "0" * REPLY_TOKENS
+
+
+def pressure_config(loaded, play, turns: int, ctx_tokens: int, disk_dir: str) -> dict:
+    """Server settings under pressure: a device pool of one slot (its context fits the workload's longest
+    request, with a block to spare per turn for replies that re-encode longer), a host tier of a quarter
+    of that, a disk tier. Sizes are whole blocks, given as (fractional) MiB."""
+    if not ctx_tokens:
+        state = build_state(ServerConfig(port=0, batch=1, ctx_size=2048, conversation_cache_mib=0), loaded)
+        dry = DryReplayer(loaded, state)
+        play(dry, turns)
+        ctx_tokens = max(PRESSURE_MIN_CTX, dry.longest + BLOCK_SIZE * turns)
+    blocks = blocks_needed(ctx_tokens, BLOCK_SIZE)
+    kv_type = resolve_kv_type("auto", loaded.model.backend)
+    block_mib = layout_for(loaded.model.config, 1, BLOCK_SIZE, kv_type).bytes_per_block / 2**20
+    # + half a block: the server floors MiB to whole blocks
+    return dict(ctx_size=blocks * BLOCK_SIZE, kv_cache_mib=(blocks + 0.5) * block_mib,
+                conversation_cache_mib=(max(1, blocks // 4) + 0.5) * block_mib, conversation_cache_dir=disk_dir)
 
 
 def recompute_ms_per_block(loaded, block_tokens: int = 16) -> float:
@@ -154,9 +193,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--pressure", action="store_true")
+    ap.add_argument("--pressure-ctx", type=int, default=0,
+                    help="--pressure: the context (= device pool) in tokens (default: from each workload)")
     ap.add_argument("--plot", default=None, help="write an SVG of time to first token per request here")
-    ap.add_argument("--model", default="smollm2", help="smollm2, tiny-lfm2, tiny-qwen3next or a GGUF path")
+    ap.add_argument("--model", default="smollm2", help="smollm2, tiny-lfm2, tiny-qwen3next, gemma3-270m or a GGUF path")
     ap.add_argument("--state-checkpoint-every", type=int, default=8, help="hybrid models: see strata serve")
+    ap.add_argument("--only", default="", help="comma-separated workload names to run (default: all)")
     args = ap.parse_args()
     model_dir = tempfile.TemporaryDirectory()
     loaded = load_bench_model(args.model, model_dir.name)
@@ -165,9 +207,14 @@ def main() -> int:
     print(f"| workload{' (pressure)' if args.pressure else ''} | requests | prompt tokens | computed | ideal | "
           "computed / ideal | full re-reads | TTFT median (ms) | tier moves |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, play in WORKLOADS.items():
+    wanted = [w.strip() for w in args.only.split(",") if w.strip()] or list(WORKLOADS)
+    unknown = set(wanted) - set(WORKLOADS)
+    if unknown:
+        ap.error(f"unknown workloads {sorted(unknown)}; known: {', '.join(WORKLOADS)}")
+    for name in wanted:
+        play = WORKLOADS[name]
         with tempfile.TemporaryDirectory() as disk_dir:
-            extra = dict(kv_cache_mib=1, ctx_size=320, conversation_cache_mib=4, conversation_cache_dir=disk_dir) \
+            extra = pressure_config(loaded, play, args.turns, args.pressure_ctx, disk_dir) \
                 if args.pressure else dict(ctx_size=1024)
             extra["state_checkpoint_every"] = args.state_checkpoint_every
             with running_server(loaded, batch=2, **extra) as (url, state):
@@ -180,6 +227,8 @@ def main() -> int:
         ttft = statistics.median(r["ttft"] for r in rows) * 1e3
         tiers = f"{usage['parks']} parks, {usage['restores']} restores, {usage['spills']} spills, " \
                 f"{usage['dropped_blocks']} dropped"
+        if args.pressure:
+            tiers = f"pool {usage['device_total']}, host {usage['host_total']} blocks; " + tiers
         moves = usage.get("moves", {})
         if moves:
             tiers += "; ms per block: " + ", ".join(

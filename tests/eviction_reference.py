@@ -36,12 +36,16 @@ def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[
 
 def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[int]) -> int:
     units = cache.ckpt.units
-    if missing <= 0 or not units:
-        return 0
-    taken_over = plan.match.cow_source if plan.takeover else None
+    if missing <= 0 or not units or plan.kind == "extend" and plan.reserve_checkpoints:  # the states a step
+        return 0  # takes inside a prompt never cost held ones (it goes on without them); its reply's end may
+    taken_over = plan.match.cow_source if plan.takeover else None  # its checkpoints go anyway: counted once
+    matched = plan.match.checkpoint if plan.match is not None else None  # goes last: later prompts
+    # that branch where this one did (fan-out questions over one context) need it
+    restored = set(plan.restores)  # coming back to the device with all their checkpoints: those may stay behind
     held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
-                   if n.on_device and (n.ref_count or id(n) in exclude) and n is not taken_over for k in n.checkpoints),
-                  key=lambda e: (e[0], e[1]))
+                   if (n.on_device and (n.ref_count or id(n) in exclude) or n in restored) and n is not taken_over
+                   for k in n.checkpoints),
+                  key=lambda e: ((e[2], e[1]) == matched, cache.ckpt.gap(e[2], e[1]), e[0], e[1]))
     count = -(-missing // units)
     if count > len(held):
         return 0
@@ -94,7 +98,8 @@ class _HostRoom:
             return False
         victim = min(leaves, key=_host_rank)
         has_file = victim.disk_copy and victim not in plan.copy_drops  # a copy this plan deleted needs room again
-        need = self.weight(victim) - has_file  # written behind: its file is there, only checkpoints need room
+        need = self.weight(victim) - (self._files(victim) if has_file else 0)  # written behind: only the
+        # checkpoints without a file need room
         while self.disk_room < need and cache.disk_blocks and self._make_disk_room(tier, victim):
             pass
         was_parked = victim in plan.parks
@@ -109,14 +114,20 @@ class _HostRoom:
         return True
 
 
+    def _files(self, block: CachedBlock) -> int:
+        """Disk slots a resident block's files take: its own and its checkpoints' written-behind copies."""
+        ckpt = self.cache.ckpt
+        return 1 + ckpt.units * len({(block.digest, k) for k in block.checkpoints} & ckpt.store.copies)
+
     def _make_disk_room(self, tier, victim) -> bool:
         """One file's room: a written-behind copy goes first (its block stays resident), else a disk leaf."""
         cache, plan = self.cache, self.plan
         copies = [b for b in cache._disk_copies.values() if b not in plan.copy_drops and tier(b) in ("device", "host")
                   and b is not victim]
         if copies:
-            plan.copy_drops.append(min(copies, key=_host_rank))
-            self.disk_room += 1
+            copy = min(copies, key=_host_rank)
+            plan.copy_drops.append(copy)
+            self.disk_room += self._files(copy)  # its checkpoints' copies go with it
             return True
         disk_leaves = [b for b in cache._on_disk.values() if not b.children and tier(b) == "disk"
                        and id(b) not in self.exclude and b not in plan.disk_drops]

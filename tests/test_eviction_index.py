@@ -152,18 +152,21 @@ def _workload(cache, seed, steps, keys=False):
     for conv, tokens, computed, alloc in running:
         cache.release(tokens, computed, alloc)
     cache.check_integrity()
+    return writer
 
 
 @pytest.mark.parametrize("units,seed", [(1, 0), (1, 1), (2, 2), (3, 3)])
 def test_index_chooses_the_same_victims_with_state_checkpoints_weighing_in(compare, tmp_path, units, seed):
     """Hybrid models: a victim frees its block and its checkpoints' slots; pinned blocks' checkpoints go
-    when nothing else frees enough; the order is the same as without them."""
+    when nothing else frees enough; checkpoints written behind cost disk slots and go with their block's
+    copy; the order is the same as without them."""
     cache = _cache(num_blocks=14, host_blocks=8, disk_blocks=10, units=units, state_dir=tmp_path)
-    _workload(cache, seed, 1500, keys=seed % 2 == 1)
+    writer = _workload(cache, seed, 1500, keys=seed % 2 == 1)
     stats = cache.ckpt.stats
     assert compare.calls > 200 and compare.victims > 200, (compare.calls, compare.victims)
     assert stats["attached"] > 50 and stats["dropped"] > 10, stats
     assert {"parks", "spills", "checkpoint_drops"} <= compare.kinds, compare.kinds
+    assert writer.written_checkpoints > 0 and "copy_drops" in compare.kinds  # their files give way too
 
 
 @pytest.mark.parametrize("seed", range(6))

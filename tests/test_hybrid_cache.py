@@ -42,6 +42,14 @@ def hybrid(tmp_path_factory, request):
     return load_model(path, NumpyBackend())[0], Tokenizer.from_gguf_fields(GGUFFile(path).fields)
 
 
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    """The tiny lfm2 alone, for tests whose expected checkpoint positions are its own."""
+    path = tmp_path_factory.mktemp("lfm2-only") / "tiny-lfm2.gguf"
+    WRITERS["lfm2"](path)
+    return load_model(path, NumpyBackend())[0], Tokenizer.from_gguf_fields(GGUFFile(path).fields)
+
+
 def _disk(root, runner, blocks):
     lay = runner.layout
     return DiskTier(root, cache_key("tiny-lfm2", (BLOCK,)), (lay.n_layers, lay.n_kv_heads, BLOCK, lay.head_dim),
@@ -274,6 +282,23 @@ def test_a_request_that_fills_the_pool_goes_on_without_room_for_checkpoints(hybr
     on, usage, _, loop, _ = _run(hybrid, turns, num_blocks=9, every=1, hints={0: (4, 8, 12)})
     off, _, _, _, _ = _run(hybrid, turns, num_blocks=9, cache_on=False)
     assert on == off and loop.num_preemptions == 0
+
+
+def _checkpoint_positions(cache):
+    return sorted((len(node.path()) - 1) * BLOCK + k for node in cache.ckpt.nodes.values() for k in node.checkpoints)
+
+
+def test_a_step_short_of_slots_keeps_as_many_checkpoints_as_fit_branch_points_first(lfm2):
+    """30 prompt tokens in one chunk (8 blocks) in a 12-block pool, a checkpoint wanted at every block: 3
+    slots are left beside the release's, so the step keeps 3 of its 8 (the message start at 12 and the
+    prompt's end before the every-block ones, then the latest); the first reply block then needs a slot
+    back, and the every-block one goes (branch points last)."""
+    turns = [(0, list(range(20, 50)), 6)]
+    on, _, _, loop, _ = _run(lfm2, turns, num_blocks=12, every=1, chunk=32, hints={0: (12,)})
+    off, _, _, _, _ = _run(lfm2, turns, num_blocks=12, cache_on=False, chunk=32)
+    assert on == off and loop.num_preemptions == 0
+    assert _checkpoint_positions(loop.cache) == [12, 29, 35]  # and the reply's end (30 + 6 - 1)
+    assert loop.cache.ckpt.stats["taken"] == 3 and loop.cache.ckpt.stats["dropped"] == 1
 
 
 def test_a_corrupt_checkpoint_file_only_shortens_the_match(hybrid, tmp_path):

@@ -1,0 +1,80 @@
+"""Plans of a hybrid model's cache (state checkpoints weigh in the tiers' slots), on PrefixCache directly:
+a prompt that fits the device pool is admitted even when the checkpoints its restored prefix carries
+would not fit beside it (they stay behind, dropped; the matched state was read already), but a step never
+drops held checkpoints to make room for those it takes inside its prompt (it goes on without them), and a
+request short of room gives up its own checkpoint slots one at a time, branch points last."""
+import numpy as np
+
+from scheduler.cache_tree import CachedBlock
+from scheduler.checkpoint_store import CheckpointStore
+from scheduler.checkpoints import Checkpoints
+from scheduler.prefix_cache import PrefixCache
+
+SHAPE = (1, 1, 2)
+
+
+def _cache(num_blocks, host_blocks):
+    return PrefixCache(num_blocks=num_blocks, block_size=4, host_blocks=host_blocks,
+                       checkpoints=Checkpoints(1, every_blocks=0, store=CheckpointStore(SHAPE)))
+
+
+def _serve(cache, tokens):
+    """One request over `tokens` whose final state becomes a checkpoint at its end."""
+    match = cache.match(tokens, len(tokens) - 1)
+    plan = cache.plan_allocate(match, len(tokens), checkpoints=1)
+    alloc = cache.apply(plan)
+    cache.apply(cache.plan_release(tokens, len(tokens), alloc, final_state=np.full(SHAPE, len(tokens), np.float32)))
+    cache.check_integrity()
+    return alloc
+
+
+def test_a_restored_prefix_leaves_its_checkpoints_behind_when_they_do_not_fit_beside_the_prompt():
+    cache = _cache(num_blocks=8, host_blocks=24)
+    conversation = [1] * 16
+    for end in (4, 8, 12, 16):  # four turns: a checkpoint at the end of each of its four blocks
+        _serve(cache, conversation[:end])
+    _serve(cache, [2] * 28)  # another conversation, the whole pool: the first one is parked
+    blocks = cache.match(conversation).shared
+    assert [b.checkpoints for b in blocks] == [{4}] * 4 and not any(b.on_device for b in blocks)
+    prompt = conversation + [5] * 12  # 7 blocks of an 8-block pool; with its prefix's 4 checkpoints, 11
+    match = cache.match(prompt, len(prompt) - 1)
+    assert match.num_tokens == 16 and match.checkpoint == (blocks[-1], 4)
+    plan = cache.plan_allocate(match, len(prompt))
+    assert plan is not None and [(n.tokens, k) for n, k in plan.checkpoint_drops] == [(b.tokens, 4) for b in blocks[:3]]
+    alloc = cache.apply(plan)
+    assert alloc.cached_tokens == 16 and float(alloc.checkpoint_state[0, 0, 0]) == 16  # the state after token 16
+    assert all(b.on_device for b in blocks) and [b.checkpoints for b in blocks] == [set(), set(), set(), {4}]
+    cache.check_integrity()
+    # The pool is full (7 blocks and the matched state): a state the next step would take inside the
+    # prompt gets no room at the price of the one held.
+    assert cache.plan_extend(alloc, len(prompt), checkpoints=1) is None
+    assert cache.plan_extend(alloc, len(prompt)) is not None
+
+
+def test_the_gap_of_a_checkpoint_is_what_a_branch_there_recomputes_without_it():
+    root = CachedBlock((), None)
+    a = CachedBlock((1,) * 4, root, checkpoints={4})
+    b = CachedBlock((2,) * 4, a, checkpoints={1, 3})
+    c = CachedBlock((3,) * 4, b)
+    d = CachedBlock((4,) * 4, c, checkpoints={2})
+    ckpt = Checkpoints(1)
+    assert [ckpt.gap(a, 4), ckpt.gap(b, 1), ckpt.gap(b, 3), ckpt.gap(d, 2)] == [4, 1, 2, 2 + 4 + 1]
+
+
+def test_a_request_short_of_room_gives_up_one_checkpoint_slot_at_a_time_branch_points_last():
+    cache = _cache(num_blocks=16, host_blocks=0)
+    alloc = cache.apply(cache.plan_allocate(cache.match([7] * 40, 39), 40, checkpoints=5))
+    for position in (16, 20, 36):  # 20: where a message begins
+        cache.ckpt.take(alloc, position, np.full(SHAPE, position, np.float32), branch_point=position == 20)
+    ckpt = cache.ckpt
+    ckpt.give_up_pending(alloc)  # an unused reservation goes first: the states stay
+    assert (alloc.checkpoints_reserved, ckpt.reserved, sorted(alloc.pending_checkpoints)) == (4, 4, [16, 20, 36])
+    ckpt.give_up_pending(alloc)
+    assert (alloc.checkpoints_reserved, sorted(alloc.pending_checkpoints)) == (3, [20, 36])  # the earliest
+    ckpt.give_up_pending(alloc)
+    assert sorted(alloc.pending_checkpoints) == [20]  # the branch point last
+    ckpt.give_up_pending(alloc)
+    assert (alloc.checkpoints_reserved, sorted(alloc.pending_checkpoints)) == (1, [])  # the release's is last
+    ckpt.give_up_pending(alloc)
+    assert alloc.checkpoints_reserved == 0 == ckpt.reserved and ckpt.stats["dropped"] == 3
+    cache.check_integrity()
