@@ -5,14 +5,23 @@ upstream commit is in its ``info.x-strata-upstream``). Schemathesis generates bo
 ones and invalid ones, and sends them to a real strata server on SmolLM2; every answer must hold:
 - no 5xx, ever;
 - every 4xx is OpenAI's error object ``{"error": {"message", "type", "param", "code"}}``;
-- a 200 to a non-streamed request conforms to the document's response schema (``response_schema_conformance``),
+- a 200 to a valid, non-streamed request conforms to the document's response schema (``response_schema_conformance``),
   apart from the exclusions listed in ``_strata_conformant``: each names a field and why strata leaves it out.
 The hooks below point every request at the served model and cap its output to a couple of tokens, so the
 model never generates for long.
+
+Schemathesis's other built-in checks are not run, each for a reason:
+- status_code_conformance: the document lists only 200 and 429 per operation; strata's 400 and 404 are the
+  statuses OpenAI itself answers (and the error shape is checked here instead);
+- negative_data_rejection: the document requires an Authorization header, which a server without API keys
+  does not ask for, and strata ignores unknown fields by design (api/schemas_base.py);
+- positive_data_acceptance: strata refuses by name documented fields it cannot honour (n > 1, logit_bias,
+  best_of, suffix, a null prompt, ...: api/schemas.py), as the project's standard asks, instead of dropping them.
 """
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +32,9 @@ from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
+from api.server import ServerState, create_app
+from scripts import trim_openapi
 from tests.server_harness import running_server
-
-pytestmark = pytest.mark.slow
 
 SUBSET = Path(__file__).parent / "data" / "openai_openapi_subset.json"
 SERVED_NAME = "strata-fuzz"
@@ -45,7 +54,8 @@ schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.N
 def map_body(context, body: Any) -> Any:
     """The served model's name (most generated names are unknown: a 404 tests nothing past the lookup) and
     at most MAX_OUTPUT_TOKENS of output. An output cap that is not a positive integer is left as generated:
-    it is the invalid part of a negative case, and the server must refuse it."""
+    it is the invalid part of a negative case, and the server must refuse it. (The document's minimum for
+    max_output_tokens is 16; strata takes any cap >= 1, and a response's shape does not depend on it.)"""
     if not isinstance(body, dict):
         return body
     if isinstance(body.get("model"), str):
@@ -73,6 +83,18 @@ def base_url(smollm2):
         yield url + "/v1"
 
 
+def test_the_subset_is_the_served_operations_and_self_contained():
+    document = orjson.loads(SUBSET.read_bytes())
+    app = create_app(ServerState(*[None] * 7))  # the routes only: no model, no engine
+    served = {(route.path, method.lower()) for route in app.routes for method in getattr(route, "methods", ())}
+    operations = {(path, method) for path, methods in document["paths"].items() for method in methods}
+    assert operations == set(trim_openapi.SERVED_OPERATIONS)
+    assert {("/v1" + path, method) for path, method in operations} <= served
+    components = {kind: entries for kind, entries in document["components"].items() if kind != "securitySchemes"}
+    assert trim_openapi.referenced_components(document, list(document["paths"].values())) == components
+    assert re.fullmatch(r"[0-9a-f]{40}", document["info"]["x-strata-upstream"]["commit"])
+
+
 def _assert_openai_error(response) -> None:
     assert _content_type(response).startswith("application/json"), response.text
     body = response.json()
@@ -85,6 +107,7 @@ def _assert_openai_error(response) -> None:
     assert error["code"] is None or isinstance(error["code"], str), error
 
 
+@pytest.mark.slow
 @schema.parametrize()
 @settings(deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_openai_routes_answer_every_generated_request(case, base_url):
@@ -96,7 +119,10 @@ def test_openai_routes_answer_every_generated_request(case, base_url):
     if _content_type(response).startswith("text/event-stream"):
         _assert_stream_has_no_error(response)  # the document types one event, not the stream: not validated
         return
-    _strata_conformant(case, response)
+    if case.meta.generation.mode == GenerationMode.POSITIVE:
+        # Only a valid request's answer is held to the document: strata accepts some invalid ones (unknown
+        # tool objects are skipped and logged, api/tool_specs.py) and echoes them back in the response.
+        _strata_conformant(case, response)
 
 
 def _assert_stream_has_no_error(response) -> None:

@@ -7,6 +7,7 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from api import schemas_base
 from api.errors import APIError, context_overflow, from_validation_error, not_found_model, overloaded
 from api.schemas import (
     ApplyTemplateRequest,
@@ -267,3 +268,15 @@ def test_null_legacy_function_fields_are_accepted():
 def test_parallel_tool_calls_is_accepted_either_way():
     for value in (True, False):
         assert parse_body(ChatCompletionRequest, chat(parallel_tool_calls=value)).model == "m"
+
+
+def test_an_unknown_field_is_logged_once_by_name_not_dropped_silently(caplog, monkeypatch):
+    # found by tests/test_openapi_fuzz.py: `modalities: ["audio"]` and `audio` (OpenAI's document) were
+    # accepted without a trace; strata cannot produce audio, so the operator at least sees the field's name
+    monkeypatch.setattr(schemas_base, "_logged_fields", set())  # once per process: forget earlier tests' bodies
+    caplog.set_level("INFO", logger="strata.api")
+    body = chat(modalities=["audio"], audio={"format": "mp3", "voice": "alloy"}, temperature=0.5)
+    assert parse_body(ChatCompletionRequest, body).temperature == 0.5
+    parse_body(ChatCompletionRequest, body)
+    logged = [r for r in caplog.records if "ignoring fields" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].fields == {"ignored_fields": ["audio", "modalities"]}
