@@ -92,15 +92,16 @@ def _params(body: ResponsesRequest, default_seed: int | None,
 
 async def create(state, http_request: HTTPRequest, request_id: str, raw: bytes) -> Response:
     body = parse_body(ResponsesRequest, raw)
-    if body.model not in state.model_aliases:
-        raise not_found_model(body.model, [state.served_name])
+    model = state.served_name if body.model is None else body.model
+    if model not in state.model_aliases:
+        raise not_found_model(model, [state.served_name])
     store = response_store(state)
     history = store.get(body.previous_response_id, "previous_response_id").conversation \
         if body.previous_response_id else []
     turn = turn_from_request(body, history)
 
     def writer_for(custom_tool_names: frozenset[str]) -> ResponseWriter:
-        return ResponseWriter("resp_" + request_id.removeprefix("req-"), body.model,
+        return ResponseWriter("resp_" + request_id.removeprefix("req-"), model,
                               _echo(body, state.protocol.tool_format.parallel_by_default,
                                     state.config.default_temperature), custom_tool_names)
 

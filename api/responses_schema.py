@@ -36,7 +36,7 @@ class ResponsesRequest(RequestBody):
     """Body of POST /v1/responses. Fields we cannot act on (``include``, ``truncation``, ``service_tier``,
     ``background``, ``user``, ``client_metadata``) are accepted and ignored, as OpenAI clients send them."""
 
-    model: str
+    model: str | None = None  # None: the served model (vLLM's rule; OpenAI's document makes it optional)
     input: str | list[Any] = Field(default_factory=list)
     instructions: str | list[Any] | None = None
     tools: list[Any] | None = None

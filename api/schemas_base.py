@@ -1,7 +1,8 @@
 """Shared pieces of the request bodies: the strict base model, chat messages, and ``parse_body``.
 
 Conventions shared by every body (``RequestBody``):
-- unknown fields are ignored (clients send many we do not use);
+- unknown fields are ignored (clients send many we do not use), and each is logged once per process by name
+  (``ignored_fields``), so a field a client counted on is never dropped without a trace;
 - ``null`` means "use the default", as in the OpenAI API;
 - types are strict, as in OpenAI's JSON schema: ``"0.7"`` is not a number, ``true`` is not 1; NaN and
   infinities are refused.
@@ -11,11 +12,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
+import logging
+
 import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
 from pydantic import field_validator, model_validator
 
 from api.errors import bad_request, from_validation_error
+
+log = logging.getLogger("strata.api")
+_MAX_LOGGED_FIELDS = 256  # distinct (body, field) pairs logged per process: a fuzzer's random keys stop there
+_logged_fields: set[tuple[str, str]] = set()
 
 
 class RequestBody(BaseModel):
@@ -128,9 +135,26 @@ def parse_body(model_cls: type[Body], raw: bytes) -> Body:
         kind = "an array" if isinstance(data, list) else "null" if data is None else f"a {type(data).__name__}"
         raise bad_request(f"request body must be a JSON object, not {kind}")
     try:
-        return model_cls.model_validate(data)
+        body = model_cls.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    _log_ignored(model_cls, data)
+    return body
+
+
+def ignored_fields(model_cls: type[BaseModel], data: dict[str, Any]) -> list[str]:
+    """The top-level keys of ``data`` that ``model_cls`` has no field for (so validation dropped them)."""
+    return sorted(key for key in data if key not in model_cls.model_fields)
+
+
+def _log_ignored(model_cls: type[BaseModel], data: dict[str, Any]) -> None:
+    fresh = [name for name in ignored_fields(model_cls, data) if (model_cls.__name__, name) not in _logged_fields]
+    fresh = fresh[:max(0, _MAX_LOGGED_FIELDS - len(_logged_fields))]
+    if fresh:
+        _logged_fields.update((model_cls.__name__, name) for name in fresh)
+        shown = [name[:64] for name in fresh]
+        log.info("%s: ignoring fields this server does not use: %s (logged once per field)", model_cls.__name__,
+                 ", ".join(shown), extra={"fields": {"ignored_fields": shown}})
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Order (as vLLM and the OpenAI API document it): presence/frequency penalties on the raw logits, then
 temperature, then top-k, top-p and min-p filters on the tempered distribution, then one draw.
-temperature == 0 is greedy (argmax after penalties; ties go to the lowest id, as in llama.cpp).
+temperature below GREEDY_BELOW_TEMPERATURE is greedy (argmax after penalties; ties go to the lowest id, as in
+llama.cpp): vLLM's rule, and dividing logits by a tinier temperature overflows to inf - inf = NaN.
 A grammar's token bitmask (engine/grammar.py) comes first of all: disallowed tokens get -inf before the
 penalties, so every filter and the draw see only allowed tokens, and a disallowed token is never returned.
 """
@@ -11,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+# vLLM's _SAMPLING_EPS. A temperature this small is argmax in all but exact ties anyway; 5e-324 (a valid JSON
+# number the OpenAPI fuzz sends) made logits / temperature inf and the draw's probabilities NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 class Sampler:

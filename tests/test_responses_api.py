@@ -180,3 +180,15 @@ def test_custom_tool_call_and_unknown_tools_and_items_never_400(client, caplog):
     assert [item.type for item in reply.output] == ["custom_tool_call"]
     assert reply.output[0].name == "apply_patch" and isinstance(reply.output[0].input, str)
     assert all(name in caplog.text for name in ("item_reference", "input_image", "web_search", "namespace"))
+
+
+@pytest.mark.slow
+def test_a_request_without_model_is_served_by_the_loaded_model(server):
+    # found by tests/test_openapi_fuzz.py: OpenAI's document makes `model` optional, strata answered 400
+    url, state = server
+    reply = httpx.post(url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 2, "store": False},
+                       timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["model"] == state.served_name and reply.json()["usage"]["output_tokens"] == 2
+    unknown = httpx.post(url + "/v1/responses", json={"model": "gpt-5", "input": "Hi"}, timeout=60)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"

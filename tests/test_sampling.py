@@ -59,6 +59,13 @@ def test_low_temperature_concentrates_on_the_best():
     assert {s.sample(_logits(1.0, 2.0, 1.5)) for _ in range(100)} == {1}
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-6])
+def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
+    # found by tests/test_openapi_fuzz.py: logits / 5e-324 overflowed to inf and the draw saw NaN probabilities
+    s = Sampler(SamplingParams(temperature=temperature, presence_penalty=-0.1, seed=3))
+    assert [s.sample(_logits(1.0, 2.0, 2.0, -3.0)) for _ in range(5)] == [1] * 5
+
+
 @pytest.mark.parametrize(
     "field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5), ("max_tokens", 0)]
 )

@@ -7,6 +7,7 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
+from api import schemas_base
 from api.errors import APIError, context_overflow, from_validation_error, not_found_model, overloaded
 from api.schemas import (
     ApplyTemplateRequest,
@@ -276,3 +277,15 @@ def test_default_temperature_fills_only_an_unset_temperature():
     explicit = parse_body(ChatCompletionRequest, chat(temperature=0.7))
     assert explicit.sampling_params_for(8, default_temperature=0.0).temperature == 0.7
     assert unset.parallel_tool_calls is None  # unsaid: the tool format's default applies
+
+
+def test_an_unknown_field_is_logged_once_by_name_not_dropped_silently(caplog, monkeypatch):
+    # found by tests/test_openapi_fuzz.py: `modalities: ["audio"]` and `audio` (OpenAI's document) were
+    # accepted without a trace; strata cannot produce audio, so the operator at least sees the field's name
+    monkeypatch.setattr(schemas_base, "_logged_fields", set())  # once per process: forget earlier tests' bodies
+    caplog.set_level("INFO", logger="strata.api")
+    body = chat(modalities=["audio"], audio={"format": "mp3", "voice": "alloy"}, temperature=0.5)
+    assert parse_body(ChatCompletionRequest, body).temperature == 0.5
+    parse_body(ChatCompletionRequest, body)
+    logged = [r for r in caplog.records if "ignoring fields" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].fields == {"ignored_fields": ["audio", "modalities"]}

@@ -38,6 +38,16 @@ def test_empty_messages_is_400(url):
     assert error["param"] == "messages"
 
 
+def test_a_subnormal_temperature_samples_greedily_instead_of_failing_the_step(url):
+    # found by tests/test_openapi_fuzz.py: temperature 5e-324 was a 500 ("Probabilities contain NaN")
+    body = {**GOOD, "temperature": 5e-324, "presence_penalty": -0.1}
+    first, second = (httpx.post(url + CHAT, json=body, timeout=60) for _ in range(2))
+    assert first.status_code == 200, first.text
+    greedy = httpx.post(url + CHAT, json=GOOD, timeout=60).json()["choices"][0]["message"]["content"]
+    assert first.json()["choices"][0]["message"]["content"] == greedy
+    assert second.json()["choices"][0]["message"]["content"] == greedy
+
+
 def test_absurd_max_tokens_is_clamped_to_the_room_the_context_leaves(url):
     response = httpx.post(url + CHAT, json={**GOOD, "max_tokens": 10**9, "temperature": 0}, timeout=60)
     assert response.status_code == 200, response.text
