@@ -103,10 +103,16 @@ def _start_threading_layer() -> None:
     _state["lock"] = contextlib.nullcontext() if safe else threading.Lock()
 
 
-def _call(kernel, *args, threads: int | None = None) -> None:
+def _call(kernel, *args, threads: int | None = None):
     _apply_threads(threads)
     with _state["lock"]:
-        kernel(*args)
+        return kernel(*args)
+
+
+def call_kernel(fn, *args):
+    """fn(*args) under the kernel thread count and lock (for a jitted caller of several kernels, or Python
+    code that calls them: the fused decode step); returns what fn returns."""
+    return _call(fn, *args)
 
 
 def matmul_rows(kind: int, rows: np.ndarray, x: np.ndarray, y: np.ndarray, col0: int = 0) -> None:
