@@ -5,24 +5,23 @@
       qkv  = h @ Wqkv.T (+ bias)                      parallel region 1 (cpu_fused_matvec.matvec2)
       q, k = per-head rmsnorm (qwen3, gemma3); RoPE (half-split); q *= attn_scale
       K/V pool[slot] = k, v
-      a    = softmax(q . K) V over the sequence's paged keys (its window on sliding layers)
-                                                      parallel region 2 only for long contexts
-      x   += post_attn_norm?(a @ Wo.T)                region 3
+      a    = softmax(q . K) V over the sequence's paged keys (its window on sliding layers), serial
+      x   += post_attn_norm?(a @ Wo.T)                region 2
       h    = rmsnorm(x, ffn_norm)
-      x   += post_ffn_norm?(act(gate) * up  @ Wdown.T)  regions 4 (gate_up) and 5 (down)
+      x   += post_ffn_norm?(act(gate) * up  @ Wdown.T)  regions 3 (gate_up) and 4 (down)
 
 The same float32 operations as engine/model.py on the numpy backend, in one call instead of ~15 numpy
 and numba calls per layer (each a Python dispatch, several a wake-up of the thread pool). An optional
 weight (bias, QK-norm, post norms) is passed as a 0-length array when the model has none.
 numba's disk cache is keyed on this file only: it changes whenever the decoders do (cpu_quant_decode.py).
-Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4.
+Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4; decoder revision 2 (as cpu_quant_kernels).
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from engine.backends.cpu_fused_matvec import block_sums, matvec2
 
@@ -30,7 +29,6 @@ _F32 = np.float32
 _FASTMATH = {"reassoc", "contract", "nsz"}
 _GELU_C = _F32(math.sqrt(2.0 / math.pi))
 SILU, GELU_TANH = 0, 1  # activation ids
-PARALLEL_ATTENTION_MACS = 1 << 18  # below this many multiply-adds a thread-pool wake-up costs more than it saves
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -83,25 +81,13 @@ def _attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, 
         out[j] /= total
 
 
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def _attention_parallel(q, k_pool, v_pool, positions, tables, block_size, window, n_heads, group, out):
-    hd = k_pool.shape[2]
-    for job in prange(q.shape[0] * n_heads):
-        t, h = job // n_heads, job % n_heads
-        _attend_one(q[t, h * hd : (h + 1) * hd], k_pool, v_pool, h // group, positions[t], tables[t],
-                    block_size, window, out[t, h * hd : (h + 1) * hd])
-
-
 @njit(cache=True, fastmath=_FASTMATH)
 def _attention(q, k_pool, v_pool, positions, tables, block_size, window, n_heads, group, out):
-    """out [T, H * hd] for queries q [T, H * hd] (GQA: head h reads KV head h // group)."""
+    """out [T, H * hd] for queries q [T, H * hd] (GQA: head h reads KV head h // group), on the calling thread.
+
+    A prange over (token, head) took 7.5 ms of CPU for what costs 0.15 ms serially (SmolLM2, 4 x 129 keys;
+    cause not found), so attention stays serial: ~4 us per head and 128 keys."""
     hd = k_pool.shape[2]
-    macs = 0
-    for t in range(q.shape[0]):
-        macs += 2 * n_heads * hd * (positions[t] + 1 if window <= 0 else min(window, positions[t] + 1))
-    if macs >= PARALLEL_ATTENTION_MACS:
-        _attention_parallel(q, k_pool, v_pool, positions, tables, block_size, window, n_heads, group, out)
-        return
     for t in range(q.shape[0]):
         for h in range(n_heads):
             _attend_one(q[t, h * hd : (h + 1) * hd], k_pool, v_pool, h // group, positions[t], tables[t],
