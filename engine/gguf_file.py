@@ -6,12 +6,15 @@ llama.cpp), so every quant type it knows is supported; anything else fails at op
 from __future__ import annotations
 
 import logging
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
+
+from engine.gguf_header import read_gguf
 
 log = logging.getLogger("strata.gguf")
 
@@ -33,14 +36,10 @@ class GGUFFile:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        try:
-            self._reader = GGUFReader(self.path, "r")
-        except Exception as exc:  # the gguf reader raises bare ValueErrors on bad magic / truncation
+        try:  # engine/gguf_header.py: gguf.GGUFReader's field parts cost gemma3-270m 713 MiB of RSS
+            self.fields, self._tensors = read_gguf(self.path)
+        except (ValueError, struct.error, UnicodeDecodeError) as exc:
             raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
-        self.fields: dict[str, Any] = {
-            key: _field_value(field) for key, field in self._reader.fields.items() if not key.startswith("GGUF.")
-        }
-        self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_tensor_types()
 
     @property
@@ -102,14 +101,3 @@ class GGUFFile:
 
 def _type_name(tensor_type: Any) -> str:
     return getattr(tensor_type, "name", str(tensor_type))
-
-
-def _field_value(field: Any) -> Any:
-    """Convert a gguf ReaderField to a plain Python value."""
-    try:
-        value = field.contents()
-    except Exception:  # very old gguf versions: fall back to the raw parts
-        value = [field.parts[i].tolist() for i in field.data]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value

@@ -1,14 +1,16 @@
 """Benchmark of the numpy backend on one model: load time, prefill and decode throughput, peak RSS.
 
     .venv/bin/python scripts/bench_model.py [--model smollm2] [--threads 2] [--repeats 3]
-                                            [--cpu-weights quantized,f32]
+                                            [--cpu-weights quantized,quantized-unfused,f32]
 
 Prints a markdown table (medians over repeats) and the BLAS setup, so runs are comparable. Decode at
 batch B runs B sequences of 128 context tokens through one batched step per token. With several
 --cpu-weights values each runs in a fresh process, one after the other (peak RSS is per process), and the
 table has one column per value. "first step" is the first prefill after load: it includes loading (or, on
 the first run after an install, compiling) the numba kernels. The machine is shared: the load average is
-printed beside the figures.
+printed beside the figures; so is CPU time per decode step (--profile), which a busy machine inflates
+less than wall time. `quantized-unfused` is `quantized` with the fused decode step off
+(engine/backends/cpu_fused_decode.py): every decode step then runs the per-op path.
 """
 from __future__ import annotations
 
@@ -104,12 +106,13 @@ def profile_decode(runner: ModelRunner, batch: int, steps: int = 16) -> dict[str
             runner.ensure_blocks(seq, 128 + steps)
         runner.step([(seq, 128) for seq in seqs])
         totals.clear()  # decode steps only
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(steps):
             for seq in seqs:
                 seq.token_ids.append(42)
             runner.step([(seq, 1) for seq in seqs])
         totals["whole step"] = time.perf_counter() - t0
+        totals["whole step (CPU, all threads)"] = time.process_time() - cpu0
     finally:
         for seq in seqs:
             runner.release(seq)
@@ -125,7 +128,8 @@ def parse_args():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--cpu-weights", default="quantized,f32", help="comma-separated: quantized, f32")
+    ap.add_argument("--cpu-weights", default="quantized,f32",
+                    help="comma-separated: quantized, quantized-unfused (fused decode step off), f32")
     ap.add_argument("--profile", action="store_true", help="also print ms per decode step by Backend op")
     ap.add_argument("--bandwidth", action="store_true", help="also measure np.copyto bandwidth (after peak RSS)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON (used for the comparison)")
@@ -136,7 +140,10 @@ def measure(args) -> tuple[list[tuple[str, str]], dict, str]:
     """(rows, ms-per-op profiles, header line) for one --cpu-weights value in this process."""
     with limit_threads(args.threads):
         t0 = time.perf_counter()
-        loaded = open_model(args.model, max_positions=4096, cpu_weights=args.cpu_weights)
+        unfused = args.cpu_weights == "quantized-unfused"
+        loaded = open_model(args.model, max_positions=4096, cpu_weights="quantized" if unfused else args.cpu_weights)
+        if unfused:
+            loaded.model.backend.fused_decode = False
         load_s = time.perf_counter() - t0
         runner = ModelRunner(loaded.model, num_blocks=4096 // 16 * 3, block_size=16)
         t0 = time.perf_counter()

@@ -39,8 +39,11 @@ def _peak_rss_mib(pid: int) -> float:
 
 
 def _start(command: list[str], port: int) -> subprocess.Popen:
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1")})
+    # PYTHONPATH: the `strata` entry point imports whichever checkout the venv was installed from; this one
+    # benchmarks the checkout it lives in.
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1"),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if process.poll() is not None:

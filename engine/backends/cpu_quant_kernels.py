@@ -29,7 +29,7 @@ from numba import njit, prange  # noqa: E402
 from engine.backends.cpu_quant_decode import decode_row, f16_table  # noqa: E402
 # numba's disk cache is keyed on this file only (see cpu_quant_decode.py): this line changes whenever the
 # decoders do, so no checkout keeps machine code without them. Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1
-# q8_0 q4_k q5_k q6_k mxfp4.
+# q8_0 q4_k q5_k q6_k mxfp4. Decoder revision 2 (typed integer constants): bump it with every decoder edit.
 
 numba.config.THREADING_LAYER = "threadsafe"
 # reassoc lets LLVM split a dot product over SIMD lanes; contract allows FMA. No nnan/ninf: a NaN in the
@@ -103,10 +103,16 @@ def _start_threading_layer() -> None:
     _state["lock"] = contextlib.nullcontext() if safe else threading.Lock()
 
 
-def _call(kernel, *args, threads: int | None = None) -> None:
+def _call(kernel, *args, threads: int | None = None):
     _apply_threads(threads)
     with _state["lock"]:
-        kernel(*args)
+        return kernel(*args)
+
+
+def call_kernel(fn, *args):
+    """fn(*args) under the kernel thread count and lock (for a jitted caller of several kernels, or Python
+    code that calls them: the fused decode step); returns what fn returns."""
+    return _call(fn, *args)
 
 
 def matmul_rows(kind: int, rows: np.ndarray, x: np.ndarray, y: np.ndarray, col0: int = 0) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from engine.backends import numpy_moe
 from engine.backends.numpy_host import NumpyHostPool
-from engine.backends.page_release import release_pages
+from engine.backends.page_release import avoid_huge_pages, release_pages
 from engine.batch import BatchMeta, SeqSlice
 from engine.kv import KVLayout
 from engine.kv_quant import encode_rows, split_rows
@@ -41,6 +41,8 @@ class NumpyKVPool:
         shape = (layout.n_layers, layout.n_kv_heads, layout.num_slots, layout.row_elems)
         self.k = np.zeros(shape, dtype=layout.dtype)
         self.v = np.zeros(shape, dtype=layout.dtype)
+        avoid_huge_pages(self.k)  # pages are committed as blocks are written, not 2 MiB at a time
+        avoid_huge_pages(self.v)
 
     @property
     def nbytes(self) -> int:

@@ -8,14 +8,19 @@ Weights arrive as raw GGUF rows (engine/quant_weights.py) and become `QuantLinea
 """
 from __future__ import annotations
 
+import logging
+import weakref
+
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from engine.backends.cpu_fused_decode import FusedDecoder, fused_refusal
 from engine.backends.cpu_quant_linear import KERNEL_KINDS, QuantLinear
 from engine.backends.numpy_backend import NumpyBackend
 from engine.quant_weights import LinearPart
 
 _F32 = np.float32
+log = logging.getLogger("strata.numpy")
 
 
 class QuantizedNumpyBackend(NumpyBackend):
@@ -23,6 +28,11 @@ class QuantizedNumpyBackend(NumpyBackend):
 
     name = "numpy"
     fallback_quant_type = GGMLQuantizationType.F32  # exact, unlike the GPU's F16 fallback
+
+    def __init__(self, fused_decode: bool = True):
+        # fused_decode: decode steps run through cpu_fused_decode (False: the unfused reference path).
+        self.fused_decode = fused_decode
+        self._fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FusedDecoder | None
 
     def supports_quant_type(self, tensor_type: GGMLQuantizationType) -> bool:
         return tensor_type in KERNEL_KINDS
@@ -50,6 +60,21 @@ class QuantizedNumpyBackend(NumpyBackend):
         if scale != 1.0:
             rows *= _F32(scale)
         return rows
+
+    def run_forward(self, model, batch, pool) -> np.ndarray:
+        """A decode step through the fused layers when it can (cpu_fused_decode.py), else model.forward."""
+        fused = self._fused_decoder(model) if self.fused_decode else None
+        if fused is not None and fused.accepts(batch, pool):
+            return fused.forward(batch, pool)
+        return model.forward(batch, pool)
+
+    def _fused_decoder(self, model) -> FusedDecoder | None:
+        if model not in self._fused:
+            reason = fused_refusal(model)
+            if reason is not None:
+                log.info("fused decode off for %s: %s; decode steps run the unfused path", model.config.arch, reason)
+            self._fused[model] = None if reason else FusedDecoder(model)
+        return self._fused[model]
 
     def for_stage(self, stage: int) -> "QuantizedNumpyBackend":
         return self

@@ -1,0 +1,115 @@
+"""The fused decode step of the quantised numpy backend: every layer of a decode batch in one numba call each.
+
+A decode step on the unfused path (engine/model.py) makes ~15 backend calls per layer, each a Python
+dispatch and several a wake-up of numba's sleeping thread pool; on SmolLM2 (30 layers) that was most of
+a token. `FusedDecoder.forward` runs the same math with one compiled call per layer
+(cpu_fused_layer.decode_layer) plus the embedding lookup and the output head.
+
+It takes a step only when every sequence brings one new token, there are at most KERNEL_MAX_ROWS of them
+and the K/V pool is float32; anything else (prefill chunks, f16 / int8 K/V) returns None and the caller
+runs the unfused path, which stays the reference. Models it cannot run at all (MoE, lfm2's short
+convolutions, gpt-oss's output bias and sinks, a linear of more than two GGUF types) are refused once
+at build time with the reason, logged by the backend.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from engine.backends.cpu_fused_layer import GELU_TANH, SILU, decode_layer, rms_norm_into
+from engine.backends.cpu_fused_matvec import block_sums, matvec2
+from engine.backends.cpu_quant_decode import f16_table
+from engine.backends.cpu_quant_kernels import _LANES, call_kernel
+from engine.backends.cpu_quant_linear import KERNEL_MAX_ROWS, QuantLinear
+from engine.batch import BatchMeta
+
+_F32 = np.float32
+_TABLE = f16_table()
+_NONE = np.zeros(0, np.float32)  # an absent optional weight
+_NO_PART = (0, np.zeros((0, 1), np.uint8))  # the absent second part of a one-type linear
+_NO_PART[1].flags.writeable = False
+_ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH}
+
+
+def fused_refusal(model) -> str | None:
+    """Why `model` cannot run fused (None: it can)."""
+    c, w = model.config, model.weights
+    if c.n_experts or c.is_hybrid or c.has_attn_out_bias or c.has_attn_sinks:
+        return f"{c.arch} has experts, recurrent layers or attention sinks"
+    if c.activation not in _ACTIVATIONS:
+        return f"activation {c.activation}"
+    linears = [w.output] + [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+    if not all(isinstance(m, QuantLinear) and len(m.parts) <= 2 for m in linears):
+        return "a linear is not raw rows of at most two GGUF types"
+    if not isinstance(w.embedding, QuantLinear):
+        return "the embedding table is not raw rows"
+    return None
+
+
+def _parts(linear: QuantLinear) -> tuple:
+    (k0, r0, _), (k1, r1, _) = (linear.parts + [(*_NO_PART, 0)])[:2]
+    return k0, r0, k1, r1
+
+
+def _opt(array) -> np.ndarray:
+    return _NONE if array is None else array
+
+
+class FusedDecoder:
+    """The per-layer arguments of decode_layer, gathered once from a model's weights. Immutable."""
+
+    def __init__(self, model):
+        c, w = model.config, model.weights
+        self.config = c  # no reference to the model itself: the backend caches decoders by weak model keys
+        self.embedding, self.output_norm = w.embedding, w.output_norm
+        self.layers = []
+        for i, lw in enumerate(w.layers):
+            cos, sin = w.rope_local if c.layer_is_sliding[i] else w.rope_global
+            self.layers.append((
+                lw.attn_norm, *_parts(lw.wqkv), _opt(lw.bqkv), _opt(lw.q_norm), _opt(lw.k_norm), *_parts(lw.wo),
+                _opt(lw.post_attn_norm), lw.ffn_norm, *_parts(lw.w_gate_up), *_parts(lw.w_down),
+                _opt(lw.post_ffn_norm), cos, sin, c.sliding_window if c.layer_is_sliding[i] else 0))
+        self.output = _parts(w.output)
+        self.eps, self.scale = _F32(c.rms_eps), _F32(c.attn_scale)
+        self.act = _ACTIVATIONS[c.activation]
+
+    @staticmethod
+    def accepts(batch: BatchMeta, kv_pool) -> bool:
+        """A decode step this path runs: one new token per sequence, few sequences, a float32 pool."""
+        return (batch.num_tokens <= KERNEL_MAX_ROWS and batch.num_tokens == len(batch.seqs)
+                and kv_pool.layout.kv_type == "f32")
+
+    def forward(self, batch: BatchMeta, kv_pool) -> np.ndarray:
+        """Logits [len(batch.logit_rows), vocab] of a step `accepts` took; writes each layer's K/V."""
+        return call_kernel(self._forward, batch, kv_pool)
+
+    def _forward(self, batch: BatchMeta, kv_pool) -> np.ndarray:
+        c = self.config
+        x = self.embedding.gather(batch.token_ids)  # [T, d], as QuantizedNumpyBackend.embedding
+        if c.embed_scale != 1.0:
+            x *= _F32(c.embed_scale)
+        tables = _block_tables(batch)
+        for i, layer in enumerate(self.layers):
+            (attn_norm, qk0, qr0, qk1, qr1, bqkv, q_norm, k_norm, ok0, or0, ok1, or1, post_attn, ffn_norm,
+             gk0, gr0, gk1, gr1, dk0, dr0, dk1, dr1, post_ffn, cos, sin, window) = layer
+            decode_layer(x, attn_norm, qk0, qr0, qk1, qr1, bqkv, q_norm, k_norm, ok0, or0, ok1, or1, post_attn,
+                         ffn_norm, gk0, gr0, gk1, gr1, dk0, dr0, dk1, dr1, post_ffn, kv_pool.k[i], kv_pool.v[i],
+                         batch.positions, batch.slot_mapping, tables, batch.block_size, cos, sin, c.rope_dims,
+                         c.n_heads, c.n_kv_heads, window, self.scale, self.eps, self.act, _TABLE, _LANES)
+        h = np.ascontiguousarray(x[batch.logit_rows])
+        for t in range(h.shape[0]):
+            rms_norm_into(h[t], self.output_norm, h[t], self.eps)
+        xs = np.empty((h.shape[0], h.shape[1] // 32), _F32)
+        block_sums(h, xs)
+        logits = np.empty((h.shape[0], c.vocab_size), _F32)
+        matvec2(*self.output, h, xs, logits, _TABLE, _LANES)
+        return logits
+
+
+def _block_tables(batch: BatchMeta) -> np.ndarray:
+    """[T, max blocks] int64: row t is sequence t's block table, padded with 0 (never read past its context)."""
+    width = max(-(-s.context_len // batch.block_size) for s in batch.seqs)
+    tables = np.zeros((len(batch.seqs), width), np.int64)
+    for t, s in enumerate(batch.seqs):
+        n = -(-s.context_len // batch.block_size)
+        tables[t, :n] = s.block_table[:n]
+    return tables
