@@ -29,11 +29,12 @@ def test_a_range_is_an_elastic_pool_from_min_to_max():
     assert _size((64, 64)).min_blocks is None  # MIN == MAX: fixed
 
 
-def test_a_range_below_its_start_or_on_cuda_is_refused():
+def test_a_range_below_its_start_is_refused_and_cuda_takes_a_range_too():
     with pytest.raises(ValueError, match="below the starting pool"):
         _size((0, 8))  # 16 blocks < the default 32
-    with pytest.raises(ValueError, match="numpy backend only"):
-        _size((20, 64), backend=SimpleNamespace(name="cuda"))
+    # CUDA maps the range's chunks as it grows (engine/backends/cuda_kv_elastic.py): the same pool as numpy's
+    cuda = _size((20, 64), backend=SimpleNamespace(name="cuda"))
+    assert (cuda.reserved_blocks, cuda.min_blocks) == (128, 40)
 
 
 def test_auto_on_numpy_takes_its_share_of_the_room_counting_the_engine_once():
