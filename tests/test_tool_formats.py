@@ -327,6 +327,9 @@ def test_generic_json_replies_are_a_call_or_a_response_object() -> None:
     assert _accepts(none_choice, response) and not _accepts(none_choice, GOOD["generic"][0])
     deltas = _feed(fmt.create_parser(TOOLS), _split_chars(response))
     assert _joined(deltas)[0] == 'Hello "there" é'
+    # the end-of-turn token may end the answer inside its string (a small model must be able to stop)
+    assert _accepts(lazy, '{"response": "Hello \\"there') and not _accepts(lazy, '{"response": "a"b')
+    assert _joined(_feed(fmt.create_parser(TOOLS), _split_chars('{"response": "Hello \\"there')))[0] == 'Hello "there'
     assert '{"response": "<your answer>"}' in fmt.system_prompt(TOOLS)
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 'Hello "there" é'}]
     rendered = rewrite_history(history, "tools", json_answers=True)

@@ -172,9 +172,13 @@ class GenericFormat(ToolFormat):
         """(the direct answer's symbol, its rules, its terminals)."""
         if not self.json_answers:
             return "ANSWER_TEXT", [], (ANSWER_TEXT_TERMINAL,)
-        head = g.literal('"response": ')
-        return "answer_object", [f'answer_object: "{{" {head} answer_string "}}"',
-                                 f"answer_string: %json {g.schema_json({'type': 'string'})}"], ()
+        # The closing quote and brace are optional, so the model's end-of-turn token stays allowed inside the
+        # string: without that a small model could not stop (Codex on SmolLM2 wrote "...:</response>" until
+        # max_output_tokens). A reply that ends inside the string is its decoded text (GenericParser).
+        head = g.literal('"response": "')
+        return "answer_object", [f'answer_object: "{{" {head} ANSWER_CHARS (ANSWER_END)?'], (
+            r'ANSWER_CHARS: /([^"\\\x00-\x1f]|\\(["\\\/bfnrt]|u[0-9a-fA-F]{4}))*/',
+            r'ANSWER_END: /"\}/')
 
     def system_prompt(self, tools: list[dict]) -> str | None:
         """The tool list and the exact answer format. Deterministic (the conversation cache needs the same
