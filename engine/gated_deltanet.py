@@ -25,6 +25,7 @@ from engine.backends.base import Array
 from engine.batch import BatchMeta
 from engine.delta_rule import chunked, l2_normalize, recurrent_step
 from engine.qwen3next_config import DeltaNetShape
+from engine.short_conv import numpy_short_conv
 
 _F32 = np.float32
 
@@ -137,22 +138,9 @@ def gated_deltanet_block(b, w: DeltaNetWeights, h: Array, batch: BatchMeta, pool
 
 
 def _conv_silu(x: np.ndarray, kernel: np.ndarray, pool: DeltaNetStatePool, layer: int, batch: BatchMeta):
-    """silu of the depthwise causal conv of x [T, C] per sequence, reading and updating its conv rows."""
-    rows, out, states = pool.rows, np.empty_like(x), pool.conv[layer]
-    for seq in batch.seqs:
-        assert seq.state_slot >= 0, "a sequence of a hybrid model has no state slot"
-        new = x[seq.query_start : seq.query_start + seq.query_len]  # [n, C]
-        prev = states[seq.state_slot] if seq.start_pos > 0 else np.zeros((rows, x.shape[1]), _F32)
-        window = np.concatenate([prev, new])  # [L-1 + n, C]
-        acc = window[0 : seq.query_len] * kernel[:, 0]
-        for j in range(1, rows + 1):
-            acc += window[j : j + seq.query_len] * kernel[:, j]
-        out[seq.query_start : seq.query_start + seq.query_len] = acc
-        states[seq.state_slot] = window[-rows:]
-        for p in pool.capture.get(seq.state_slot, ()):
-            if seq.start_pos < p <= seq.context_len:  # conv rows after p tokens: inputs of positions p-L+1 .. p-1
-                offset = p - seq.start_pos
-                pool.captured.setdefault((seq.state_slot, p), {})[layer] = window[offset : offset + rows].copy()
+    """silu of the depthwise causal conv of x [T, C] per sequence: lfm2's conv (engine/short_conv.py), which
+    reads and updates the pool's conv rows and captures them at checkpoint positions the same way."""
+    out = numpy_short_conv(x, kernel, pool, layer, batch)
     return out / (1.0 + np.exp(-out))
 
 
