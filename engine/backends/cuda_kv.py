@@ -46,7 +46,22 @@ def block_bytes(layout: KVLayout) -> int:
     return layout.bytes_per_block
 
 
-class CudaKVPool:
+class KVPlanes:
+    """Addresses of a device K/V pool's planes (layer, K or V, head) within one segment of `seg_slots` token
+    rows: the fixed pool is one segment, the elastic pool (cuda_kv_elastic.py) repeats the layout per segment.
+    Needs `ptr`, `layout`, `seg_slots` and `row_words`."""
+
+    def _plane_bytes(self) -> int:
+        return self.seg_slots * self.row_words * 4
+
+    def layer_k(self, layer: int) -> int:
+        return self.ptr + (layer * 2) * self.layout.n_kv_heads * self._plane_bytes()
+
+    def layer_v(self, layer: int) -> int:
+        return self.ptr + (layer * 2 + 1) * self.layout.n_kv_heads * self._plane_bytes()
+
+
+class CudaKVPool(KVPlanes):
     """The device pool of one stage, one segment of every slot (an arena allocation, fixed in size).
 
     `layer_k(l)` / `layer_v(l)` are the pool_layer_k/v kernel arguments; `seg_slots` and `seg_rows` the kernels'
@@ -65,15 +80,6 @@ class CudaKVPool:
     @property
     def nbytes(self) -> int:
         return self.layout.total_bytes
-
-    def _plane_bytes(self) -> int:
-        return self.seg_slots * self.row_words * 4
-
-    def layer_k(self, layer: int) -> int:
-        return self.ptr + (layer * 2) * self.layout.n_kv_heads * self._plane_bytes()
-
-    def layer_v(self, layer: int) -> int:
-        return self.ptr + (layer * 2 + 1) * self.layout.n_kv_heads * self._plane_bytes()
 
     def resize(self, num_blocks: int, caller=None) -> None:
         """A fixed pool keeps its memory when the cache's pool shrinks (as numpy does off Linux)."""

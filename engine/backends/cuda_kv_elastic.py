@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.backends.cuda_kv import planes_of, row_words
+from engine.backends.cuda_kv import KVPlanes, planes_of, row_words
 from engine.backends.cuda_vmm import VirtualRange
 from engine.kv import KVLayout
 
@@ -32,7 +32,7 @@ log = logging.getLogger("strata.cuda")
 SEGMENT_BLOCKS = 64  # blocks per layout segment (the cache's growth segment is its own fact, device_pool.py)
 
 
-class ElasticKVPool:
+class ElasticKVPool(KVPlanes):
     """A stage's device pool over `layout.num_blocks` reserved ids, `mapped_blocks` of them backed at first.
 
     Same kernel-facing attributes as cuda_kv.CudaKVPool (ptr, planes, row_words, block_elems, seg_slots,
@@ -58,15 +58,6 @@ class ElasticKVPool:
     def nbytes(self) -> int:
         """Physical bytes backing the pool now."""
         return self.vmm.mapped_bytes
-
-    def _plane_bytes(self) -> int:
-        return self.seg_slots * self.row_words * 4
-
-    def layer_k(self, layer: int) -> int:
-        return self.ptr + (layer * 2) * self.layout.n_kv_heads * self._plane_bytes()
-
-    def layer_v(self, layer: int) -> int:
-        return self.ptr + (layer * 2 + 1) * self.layout.n_kv_heads * self._plane_bytes()
 
     def bytes_for(self, num_blocks: int) -> int:
         """The prefix of the range that ids 0..num_blocks-1 live in: whole segments."""
