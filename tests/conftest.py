@@ -1,5 +1,13 @@
 """Shared fixtures: the real default model, fetched through the project's own model store."""
+import os
+from pathlib import Path
+
 import pytest
+
+# Subprocesses the tests start (`strata serve`, helper scripts) import this checkout's code, not whichever
+# checkout the venv's editable install points at (a worktree sharing another checkout's venv).
+_ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
 
 def _fetch(name: str):
