@@ -49,13 +49,14 @@ def test_seed_002_on_the_cuda_pool_gives_the_numpy_tokens(cuda, tmp_path):
     from tests.test_device_pool import seed_002_sequence
 
     model, numpy_model, tokenizer = _tiny_llama(cuda, tmp_path)
-    reply2, cached, first_turn = seed_002_sequence(model, tokenizer, True, device_blocks=8)
+    lengths = {"long_len": 160, "short_len": 112}  # 11 + 7 blocks of 16: the pool outgrows 8 blocks
+    reply2, cached, first_turn = seed_002_sequence(model, tokenizer, True, device_blocks=8, **lengths)
     sizes = [n for n, _ in cuda.pool_sizes]
     shrink = sizes.index(8)
     assert max(sizes[:shrink]) > 8 and sizes[shrink + 1:] and cached == first_turn - 1  # grew, shrank, grew
     mapped = [nbytes for _, nbytes in cuda.pool_sizes]
     assert cuda.test_driver is None or mapped[shrink] < max(mapped[:shrink])  # the shrink gave chunks back
-    assert reply2 == seed_002_sequence(numpy_model, tokenizer, False)[0]
+    assert reply2 == seed_002_sequence(numpy_model, tokenizer, False, **lengths)[0]
 
 
 def test_blocks_moved_down_into_kept_segments_keep_their_bytes_on_cuda(cuda, tmp_path):
