@@ -40,9 +40,13 @@ class Checkpoints:
 
     `units` == 0 (a model without recurrent layers) disables everything: every hook is then a no-op."""
 
-    def __init__(self, units: int = 0, every_blocks: int = 0, store: CheckpointStore | None = None):
+    def __init__(self, units: int = 0, every_blocks: int = 0, store: CheckpointStore | None = None,
+                 window_tokens: int = 0):
         self.units = units  # block slots one checkpoint takes in its tier
         self.every_blocks = every_blocks  # 0: none but the hints, the prompt's end and release
+        # > 0 (lfm2 on numpy): the state at any cached position can be recomputed from this many tokens
+        # before it (engine/state_window.py), so a match ends where the K/V does when that is cheaper
+        self.window_tokens = window_tokens
         self.store = store or CheckpointStore()
         self.nodes: dict[int, CachedBlock] = {}  # id -> node that carries checkpoints
         self.reserved = 0  # checkpoints running requests will take (device slots held for them)
@@ -121,6 +125,11 @@ class Checkpoints:
                 if k <= common and (best is None or pos + k > best[0]):
                     best = (pos + k, len(match.shared), child, k)
         kv_tokens, salt, conv = match.num_tokens, match.salt, match.conversation
+        nearest = best[0] if best is not None else 0
+        if self.window_tokens and kv_tokens - nearest > self.window_tokens:  # a window costs less
+            out = PrefixMatch(list(match.shared), match.cow_source, match.cow_tokens, salt, conv)
+            out.kv_tokens, out.state_window, out.nearest_checkpoint = kv_tokens, self.window_tokens, nearest
+            return out
         if best is None:
             out = PrefixMatch([], None, 0, salt, conv)
         elif best[1] < len(match.shared) and best[3] == len(best[2].tokens):  # a full shared block's end

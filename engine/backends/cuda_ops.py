@@ -89,6 +89,8 @@ class CudaOps:
         return x
 
     def store_kv(self, pool, layer: int, k, v, batch: BatchMeta) -> None:
+        # No state windows here (writes_kv_rows is unset): the cache keeps checkpoints only on CUDA.
+        assert batch.kv_write_rows is None, "a step with rows that write no K/V on the CUDA backend"
         T, KVH, hd = k.shape
         self.launch(f"store_kv_{pool.layout.kv_type}", pool_layer_k=pool.layer_k(layer), pool_layer_v=pool.layer_v(layer), k=k, v=v,
                     slots=self._index(batch.slot_mapping, np.int64), T=T, KVH=KVH, hd=hd,
