@@ -131,3 +131,16 @@ def build_batch(
         block_size=block_size,
         kv_write_rows=None if row == sum(map(len, writes)) else np.concatenate(writes).astype(np.int64),
     )
+
+
+def store_slots(batch: BatchMeta) -> np.ndarray:
+    """The slot each row's K/V goes to, -1 for a state window's rows (they write none): the CUDA store_kv
+    kernels skip negative slots. The same array for every layer of the step (cached on the batch)."""
+    if batch.kv_write_rows is None:
+        return batch.slot_mapping
+    cache = batch.__dict__.setdefault("_store_slots", {})
+    if "slots" not in cache:
+        slots = np.full_like(batch.slot_mapping, -1)
+        slots[batch.kv_write_rows] = batch.slot_mapping[batch.kv_write_rows]
+        cache["slots"] = slots
+    return cache["slots"]

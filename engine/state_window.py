@@ -21,7 +21,9 @@ arithmetic: the window's rows are computed in other batch shapes than a full pre
 differs (measured in that test).
 
 Models whose recurrent layers have unbounded memory (qwen3next's gated DeltaNet: its delta-rule matrix
-sums every earlier token) have no such window: they keep using checkpoints only (window 0).
+sums every earlier token) have no such window: they keep using checkpoints only (window 0). A backend runs
+windows when its store_kv can leave rows out (`writes_kv_rows`): numpy (batch.kv_write_rows) and CUDA (slot
+-1 for those rows, which the store_kv kernels skip).
 """
 from __future__ import annotations
 

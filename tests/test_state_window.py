@@ -131,8 +131,8 @@ def test_the_window_s_own_k_v_of_its_early_rows_is_wrong(model):
 
 
 def test_backends_without_row_writes_and_delta_nets_have_no_window(model):
-    """CUDA's store_kv writes every row (no `writes_kv_rows`): its runner keeps checkpoints only; a
-    qwen3next config (gated DeltaNet, unbounded memory) has no window at all."""
+    """A backend whose store_kv writes every row (no `writes_kv_rows`; numpy and CUDA both have it) keeps
+    checkpoints only; a qwen3next config (gated DeltaNet, unbounded memory) has no window at all."""
     stage = SimpleNamespace(layers=range(model.config.n_layers), backend=SimpleNamespace(), state_pool=None)
     assert RecurrentStates(model.config, [stage]).window_tokens == 0
     delta = SimpleNamespace(delta_net=object(), is_hybrid=True, conv_kernel=4, recurrent_layers=(0, 1))
