@@ -35,17 +35,29 @@ def _branching_turns(seed: int, count: int = 24, conversations: int = 6):
     return turns
 
 
-@pytest.mark.parametrize("seed,pressure", [(0, "none"), (1, "host"), (2, "disk"), (3, "disk")])
+@pytest.mark.parametrize("seed,pressure", [(0, "none"), (1, "host"), (2, "disk"), (3, "disk"), (0, "preempt")])
 def test_cache_on_and_off_produce_identical_replies_with_windows(lfm2, seed, pressure, tmp_path):  # noqa: F811
     turns = _branching_turns(seed)
     extra = {"none": {}, "host": dict(num_blocks=60, host_blocks=20),
-             "disk": dict(num_blocks=60, host_blocks=8, disk_root=tmp_path, disk_blocks=400)}[pressure]
+             "disk": dict(num_blocks=60, host_blocks=8, disk_root=tmp_path, disk_blocks=400),
+             "preempt": dict(num_blocks=36, host_blocks=40)}[pressure]
     on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3, every=8, **extra)
     off, _, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3, num_blocks=60)
     assert on == off
     assert loop.cache.stats["state_windows"] > 0
     if pressure != "none":
         assert loop.cache.stats["parks"] > 0
+    if pressure == "preempt":  # a 36-block pool preempts running requests (they resume by their match)
+        assert loop.num_preemptions > 0
+
+
+def test_windows_through_pipeline_stages_and_batch_groups(lfm2):  # noqa: F811
+    """Three stages (each its share of the conv states; the window's rows skip every stage's K/V store) and
+    three groups in flight."""
+    turns = _branching_turns(4, count=15)
+    on, _, _, loop, _ = _run(lfm2, turns, concurrency=3, every=8, layer_split=(1, 3), groups=3)
+    off, _, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
+    assert on == off and loop.cache.stats["state_windows"] > 0
 
 
 def test_a_branch_far_from_a_checkpoint_reuses_the_k_v_and_computes_the_window(lfm2):  # noqa: F811
