@@ -79,13 +79,14 @@ def test_a_branch_far_from_a_checkpoint_reuses_the_k_v_and_computes_the_window(l
         assert np.abs(got - ref).max() <= LOGIT_BOUND * scale
 
 
-def test_a_branch_near_a_checkpoint_restores_it_instead(lfm2):  # noqa: F811
-    """The K/V match ends 5 tokens past a checkpoint (at 32, every 2 blocks of 4): restoring it and
-    computing 5 costs less than a 6-token window."""
-    shared = list(range(30, 67))
+@pytest.mark.parametrize("shared_len, cached, windows", [(37, 32, 0), (38, 32, 0), (39, 39 - WINDOW, 1)])
+def test_a_branch_near_a_checkpoint_restores_it_instead(lfm2, shared_len, cached, windows):  # noqa: F811
+    """The K/V match ends 5, 6 or 7 tokens past a checkpoint (at 32, every 2 blocks of 4): restoring it and
+    computing 5 costs less than a 6-token window, 6 the same (the checkpoint: bitwise exact), 7 more."""
+    shared = list(range(30, 30 + shared_len))
     turns = [(0, shared + [200, 201, 202, 203, 204], 2), (1, shared + [210, 211], 2)]
     _, usage, _, loop, _ = _run(lfm2, turns, every=2)
-    assert usage[1][1] == 32 and loop.cache.stats["state_windows"] == 0
+    assert usage[1][1] == cached and loop.cache.stats["state_windows"] == windows
 
 
 def test_the_log_says_the_state_came_from_a_window(lfm2, caplog):  # noqa: F811
