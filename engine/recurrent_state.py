@@ -34,7 +34,7 @@ class RecurrentStates:
         self.window_tokens = 0  # > 0: the state at p can be recomputed from [p - this, p) (start_window)
         if not self.enabled:
             return
-        if all(getattr(stage.backend, "writes_kv_rows", False) for stage in stages):  # cuda: checkpoints only
+        if all(getattr(stage.backend, "writes_kv_rows", False) for stage in stages):  # else checkpoints only
             self.window_tokens = state_window_tokens(config)
         for stage in stages:
             layers = tuple(i for i in stage.layers if config.layer_is_recurrent[i])

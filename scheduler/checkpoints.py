@@ -45,7 +45,7 @@ class Checkpoints:
                  window_tokens: int = 0):
         self.units = units  # block slots one checkpoint takes in its tier
         self.every_blocks = every_blocks  # 0: none but the hints, the prompt's end and release
-        # > 0 (lfm2 on numpy): the state at any cached position can be recomputed from this many tokens
+        # > 0 (lfm2): the state at any cached position can be recomputed from this many tokens
         # before it (engine/state_window.py), so a match ends where the K/V does when that is cheaper
         self.window_tokens = window_tokens
         self.store = store or CheckpointStore()
