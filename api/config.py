@@ -119,7 +119,7 @@ class ServerConfig:
     seed: int | None = _opt(None, "sampling seed for requests that give none (unset: random)")
 
     def __post_init__(self) -> None:
-        if isinstance(self.kv_cache_mib, int) and not isinstance(self.kv_cache_mib, bool):
+        if isinstance(self.kv_cache_mib, (int, float)) and not isinstance(self.kv_cache_mib, bool):
             object.__setattr__(self, "kv_cache_mib", str(self.kv_cache_mib))  # replace(cfg, kv_cache_mib=17)
         validate_config(self)
 

@@ -75,6 +75,9 @@ class BatchMeta:
     seqs: tuple[SeqSlice, ...]
     logit_rows: np.ndarray  # rows whose logits are returned (default: the last row of every sequence)
     block_size: int = field(default=16)
+    # Rows whose K/V the step writes; None: all. A state window's rows (engine/state_window.py) read the
+    # cached K/V of their positions and write none.
+    kv_write_rows: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,13 +89,15 @@ def build_batch(
     block_size: int,
     all_logits: bool = False,
     state_slots: Sequence[int] | None = None,
+    state_windows: Sequence[int] | None = None,
 ) -> BatchMeta:
     """Pack (new token ids, start position, block table) per sequence into a BatchMeta.
 
     With all_logits the logits of every row come back (reference tests); otherwise only each sequence's
     last row, which is all that sampling needs. `state_slots` (hybrid models): each sequence's state row.
+    `state_windows`: per sequence, how many of its first rows are a state window (they write no K/V).
     """
-    seqs, ids, positions, logit_rows = [], [], [], []
+    seqs, ids, positions, logit_rows, writes = [], [], [], [], []
     row = 0
     for index, (new_ids, start_pos, table) in enumerate(items):
         n = len(new_ids)
@@ -109,6 +114,9 @@ def build_batch(
         pos = np.arange(start_pos, start_pos + n, dtype=np.int64)
         positions.append(pos)
         logit_rows.append(np.arange(row, row + n) if all_logits else np.array([row + n - 1]))
+        window = 0 if state_windows is None else int(state_windows[index])
+        assert 0 <= window < n, f"a state window of {window} rows in a step of {n}"
+        writes.append(np.arange(row + window, row + n))
         row += n
     positions_flat = np.concatenate(positions)
     slot_mapping = np.concatenate(
@@ -121,4 +129,18 @@ def build_batch(
         seqs=tuple(seqs),
         logit_rows=np.concatenate(logit_rows).astype(np.int64),
         block_size=block_size,
+        kv_write_rows=None if row == sum(map(len, writes)) else np.concatenate(writes).astype(np.int64),
     )
+
+
+def store_slots(batch: BatchMeta) -> np.ndarray:
+    """The slot each row's K/V goes to, -1 for a state window's rows (they write none): the CUDA store_kv
+    kernels skip negative slots. The same array for every layer of the step (cached on the batch)."""
+    if batch.kv_write_rows is None:
+        return batch.slot_mapping
+    cache = batch.__dict__.setdefault("_store_slots", {})
+    if "slots" not in cache:
+        slots = np.full_like(batch.slot_mapping, -1)
+        slots[batch.kv_write_rows] = batch.slot_mapping[batch.kv_write_rows]
+        cache["slots"] = slots
+    return cache["slots"]

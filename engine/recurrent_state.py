@@ -20,6 +20,7 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.gated_deltanet import DeltaNetStatePool
 from engine.short_conv import ConvStatePool
+from engine.state_window import state_window_tokens
 
 
 class RecurrentStates:
@@ -30,8 +31,11 @@ class RecurrentStates:
         self.stages = stages
         self._free: list[int] = []
         self._next = 0
+        self.window_tokens = 0  # > 0: the state at p can be recomputed from [p - this, p) (start_window)
         if not self.enabled:
             return
+        if all(getattr(stage.backend, "writes_kv_rows", False) for stage in stages):  # else checkpoints only
+            self.window_tokens = state_window_tokens(config)
         for stage in stages:
             layers = tuple(i for i in stage.layers if config.layer_is_recurrent[i])
             stage.state_pool = _state_pool(config, layers, stage.backend)
@@ -93,6 +97,13 @@ class RecurrentStates:
         for stage in self.stages[1:]:
             stage.state_pool.capture.pop(slot, None)
         return out
+
+    def start_window(self, seq) -> None:
+        """Have the sequence's next step recompute its state at num_computed from window_tokens tokens before
+        it (their K/V cached), starting from zero states (engine/state_window.py)."""
+        assert 0 < self.window_tokens <= seq.num_computed, f"no state window at {seq.num_computed}"
+        self.write(seq, np.zeros(self.shape, np.float32))
+        seq.state_window = self.window_tokens
 
     def write(self, seq, state: np.ndarray) -> None:
         """Load a checkpoint into the sequence's slot (the state after its num_computed tokens)."""

@@ -25,6 +25,9 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     state_slot: int = -1  # hybrid models: its row of the runner's recurrent-state pools (-1: none yet)
+    # hybrid models: tokens before num_computed its next step runs again from zero states, reading their
+    # cached K/V and writing none, to recompute the state at num_computed (engine/state_window.py)
+    state_window: int = 0
 
     @property
     def num_pending(self) -> int:
@@ -192,11 +195,15 @@ class ModelRunner:
         reserved with ensure_blocks."""
         items = []
         slots = [self.states.slot_of(seq) for seq, _ in work] if self.states.enabled else None
+        windows = [seq.state_window for seq, _ in work]
+        assert not any(windows) or self.states.window_tokens, "a state window on a runner that has none"
         for seq, n in work:
             assert 0 < n <= seq.num_pending, f"asked for {n} tokens of a sequence with {seq.num_pending} pending"
-            start = seq.num_computed
-            items.append((seq.token_ids[start : start + n], start, np.asarray(seq.block_table, dtype=np.int32)))
-        return build_batch(items, self.block_size, all_logits=all_logits, state_slots=slots)
+            start = seq.num_computed - seq.state_window  # the window's rows come first
+            items.append((seq.token_ids[start : seq.num_computed + n], start,
+                          np.asarray(seq.block_table, dtype=np.int32)))
+        return build_batch(items, self.block_size, all_logits=all_logits, state_slots=slots,
+                           state_windows=windows if any(windows) else None)
 
     def run_stage(self, stage: Stage, batch: BatchMeta, hidden):
         """One stage's share of a forward: embeds on the first stage, applies the head on the last (then
@@ -219,9 +226,11 @@ class ModelRunner:
 
     @staticmethod
     def commit(work: list[tuple[Sequence, int]]) -> None:
-        """Count the tokens a finished forward computed (their K/V is now in the blocks)."""
+        """Count the tokens a finished forward computed (their K/V is now in the blocks); a state window
+        ran with them is done."""
         for seq, n in work:
             seq.num_computed += n
+            seq.state_window = 0
 
     def step(self, work: list[tuple[Sequence, int]], all_logits: bool = False) -> np.ndarray:
         """Compute the next n pending tokens of each (sequence, n) through every stage in turn; returns

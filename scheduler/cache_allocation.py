@@ -28,6 +28,7 @@ class Allocation:
     # hybrid models (scheduler/checkpoints.py): the state to load into the sequence, the checkpoints the
     # request has room reserved for, and those it took (position -> state) that its release attaches
     checkpoint_state: Any = None
+    state_window: int = 0  # or (no checkpoint near the match's end): tokens that recompute the state
     checkpoints_reserved: int = 0
     pending_checkpoints: dict[int, Any] = field(default_factory=dict)
     branch_points: set[int] = field(default_factory=set)  # pending ones where prompts branch (given up last)

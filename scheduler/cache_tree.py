@@ -66,6 +66,10 @@ class PrefixMatch:
     # hybrid models (scheduler/checkpoints.py): the checkpoint the match ends at, and the K/V match length
     checkpoint: tuple[CachedBlock, int] | None = None
     kv_tokens: int = 0
+    # lfm2: no checkpoint near the K/V match's end, so the state there is recomputed from this many tokens
+    # before it (engine/state_window.py; checkpoint is None); where the nearest checkpoint was (0: none)
+    state_window: int = 0
+    nearest_checkpoint: int = 0
 
     @property
     def num_tokens(self) -> int:

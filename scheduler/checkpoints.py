@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from scheduler.cache_tree import CachedBlock, PrefixMatch, common_prefix_len
+from scheduler import checkpoint_match
+from scheduler.cache_tree import CachedBlock, PrefixMatch
 from scheduler.checkpoint_store import CheckpointStore
 
 if TYPE_CHECKING:
@@ -40,9 +41,13 @@ class Checkpoints:
 
     `units` == 0 (a model without recurrent layers) disables everything: every hook is then a no-op."""
 
-    def __init__(self, units: int = 0, every_blocks: int = 0, store: CheckpointStore | None = None):
+    def __init__(self, units: int = 0, every_blocks: int = 0, store: CheckpointStore | None = None,
+                 window_tokens: int = 0):
         self.units = units  # block slots one checkpoint takes in its tier
         self.every_blocks = every_blocks  # 0: none but the hints, the prompt's end and release
+        # > 0 (lfm2): the state at any cached position can be recomputed from this many tokens
+        # before it (engine/state_window.py), so a match ends where the K/V does when that is cheaper
+        self.window_tokens = window_tokens
         self.store = store or CheckpointStore()
         self.nodes: dict[int, CachedBlock] = {}  # id -> node that carries checkpoints
         self.reserved = 0  # checkpoints running requests will take (device slots held for them)
@@ -97,49 +102,15 @@ class Checkpoints:
         out.update(p for p in hints if 0 < p < prompt_len - 1)
         return sorted(out) + [prompt_len - 1]
 
-    # -- matching ------------------------------------------------------------------------------------
+    # -- matching (scheduler/checkpoint_match.py) ----------------------------------------------------
     def trim(self, match: PrefixMatch, rest: list[int] | None = None, root: CachedBlock | None = None) -> PrefixMatch:
-        """The longest prefix of `match` whose end carries a checkpoint (nothing when none does). With `rest`
-        (the prompt's tokens after the shared blocks, up to the match limit) and the root, every child of
-        the last shared block that agrees with `rest` is a candidate, not only the copy source: siblings
-        that agree equally far (prompts that branched at the same token) may differ in their checkpoints."""
-        if not self.enabled:
-            return match
-        best, pos = None, 0
-        for i, node in enumerate(match.shared):
-            for k in node.checkpoints:
-                if best is None or pos + k > best[0]:
-                    best = (pos + k, i, node, k)
-            pos += len(node.tokens)
-        source = match.cow_source
-        parent = match.shared[-1] if match.shared else root
-        candidates = [(source, match.cow_tokens)] if source is not None else []
-        if rest is not None and parent is not None:
-            candidates = [(c, common_prefix_len(c.tokens, rest)) for c in parent.children.values() if c.checkpoints]
-        for child, common in candidates:
-            for k in child.checkpoints:
-                if k <= common and (best is None or pos + k > best[0]):
-                    best = (pos + k, len(match.shared), child, k)
-        kv_tokens, salt, conv = match.num_tokens, match.salt, match.conversation
-        if best is None:
-            out = PrefixMatch([], None, 0, salt, conv)
-        elif best[1] < len(match.shared) and best[3] == len(best[2].tokens):  # a full shared block's end
-            out = PrefixMatch(match.shared[: best[1] + 1], None, 0, salt, conv)
-        else:  # inside a block, or the partial block's end: that block's head is copied
-            out = PrefixMatch(match.shared[: best[1]], best[2], best[3], salt, conv)
-        if best is not None:
-            out.checkpoint = (best[2], best[3])
-        out.kv_tokens = kv_tokens
-        return out
+        """The longest prefix of `match` whose end carries a checkpoint, or (lfm2) the K/V match with a
+        state window; see checkpoint_match.trim."""
+        return checkpoint_match.trim(self, match, rest, root)
 
     def shorter(self, match: PrefixMatch) -> PrefixMatch:
-        """A strictly shorter match, for a request the device cannot take with `match` while nothing else
-        runs (the parked blocks it restores bring their checkpoints along, `units` slots each): without its
-        copied head, else without its last block, back to the last checkpoint in what is left."""
-        kept = match.shared if match.cow_source is not None else match.shared[:-1]
-        out = self.trim(PrefixMatch(list(kept), None, 0, match.salt, match.conversation))
-        out.kv_tokens = match.kv_tokens
-        return out
+        """A strictly shorter match (checkpoint_match.shorter)."""
+        return checkpoint_match.shorter(self, match)
 
     # -- bytes follow their node ---------------------------------------------------------------------
     def read(self, node: CachedBlock, k: int) -> np.ndarray | None:

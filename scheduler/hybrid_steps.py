@@ -3,8 +3,9 @@
 For a model without recurrent layers every method here is a no-op (and `reserve_at_admission` is 0),
 so the loop calls them unconditionally. For a hybrid model, per request:
 
-    admit         its state slot; the state of the checkpoint its match ends at is written into it; where
-                  its prompt leaves a cached sequence beyond that checkpoint, a checkpoint position
+    admit         its state slot; the state of the checkpoint its match ends at is written into it, or (lfm2,
+                  no checkpoint near the K/V match's end) zeros and a state window its first step runs
+                  (engine/state_window.py); where its prompt leaves a cached sequence, a checkpoint position
     reserve       a step that passes checkpoint positions (scheduler/checkpoints.py) reserves a device
                   slot for each, and asks the state pools to capture the state there (inside the chunk)
     after a step  the captured states are held by the allocation until release
@@ -31,7 +32,7 @@ def create_checkpoints(runner, disk, every_blocks: int) -> Checkpoints | None:
         return None
     units = max(1, math.ceil(states.state_bytes / runner.layout.bytes_per_block))
     store = CheckpointStore(states.shape, disk.dir if disk is not None else None, disk.key if disk is not None else b"")
-    return Checkpoints(units, every_blocks, store)
+    return Checkpoints(units, every_blocks, store, window_tokens=states.window_tokens)
 
 
 def load_checkpoint_index(cache) -> int:
@@ -77,7 +78,8 @@ class HybridSteps:
 
     def _passed(self, request, n: int) -> tuple[int, ...]:
         start = request.seq.num_computed
-        return tuple(p for p in self._positions(request) if start < p <= start + n)
+        first = start if request.seq.state_window else start + 1  # a window's step yields the state at start too
+        return tuple(p for p in self._positions(request) if first <= p <= start + n)
 
     def checkpoints_after(self, request, n: int) -> int:
         """Checkpoints the request's next step of n tokens takes: those it passes, as many as the device
@@ -111,13 +113,17 @@ class HybridSteps:
         the last checkpoint), it will take a checkpoint too: that is where the next variant branches off."""
         if not self.enabled:
             return
-        if match.kv_tokens > match.num_tokens and request.seq.num_computed == match.num_tokens:
-            request.checkpoint_positions = tuple(sorted({*request.checkpoint_positions, match.kv_tokens}))
         seq, allocation = request.seq, request.allocation
+        branch = seq.num_computed if allocation.state_window else \
+            match.kv_tokens if match.kv_tokens > match.num_tokens == seq.num_computed else 0
+        if branch:
+            request.checkpoint_positions = tuple(sorted({*request.checkpoint_positions, branch}))
         self.runner.states.slot_of(seq)  # on the loop's thread, before any step of it
         if allocation.checkpoint_state is not None:
             self.runner.states.write(seq, allocation.checkpoint_state)
             allocation.checkpoint_state = None
+        elif allocation.state_window:
+            self.runner.states.start_window(seq)  # its first step recomputes the state (engine/state_window.py)
         assert seq.num_computed == 0 or self.keeps_checkpoints, "a cached prefix without its state"
 
     def take_checkpoints(self, work) -> None:
@@ -141,8 +147,8 @@ class HybridSteps:
 
     def final_state(self, request):
         """The state after the request's computed tokens, for its release (None: nothing to keep)."""
-        if not self.keeps_checkpoints or request.seq.num_computed == 0:
-            return None
+        if not self.keeps_checkpoints or request.seq.num_computed == 0 or request.seq.state_window:
+            return None  # (a window not run yet: the slot holds zeros, not the state)
         return self.runner.states.read(request.seq)
 
     def release(self, request) -> None:

@@ -77,8 +77,8 @@ class OutputProcessor:
         if miss is None:
             return
         position = miss["position"]
-        where = request.describe_position(position) if request.describe_position else ""
-        where = f" ({where})" if where else ""
+        described = request.describe_position(position) if request.describe_position else ""
+        where = f" ({described})" if described else ""
         named = f"conversation {request.conversation_key!r}: " if request.conversation_key else ""
         base = {"request_id": request.request_id, "position": position}
         if request.conversation_key:
@@ -101,6 +101,14 @@ class OutputProcessor:
             log.info("%sprompt diverged from the cache at token %d%s: the rest was evicted from the %s tier "
                      "%.0f s ago (%s)", named, position, where, miss["tier"], age_s, miss["reason"],
                      extra={"fields": {**base, "miss": "evicted"}})
+        elif miss["cause"] == "state_window":  # a hit, explained: engine/state_window.py
+            nearest = f"the nearest state checkpoint is at token {miss['checkpoint']}" if miss["checkpoint"] \
+                else "no state checkpoint before it"
+            log.info("%srestored the K/V of %d cached tokens (state recomputed from a %d-token window at %d%s; "
+                     "%s)", named, position, miss["window"], position, f", in {described}" if described else "",
+                     nearest,
+                     extra={"fields": {**base, "miss": "state_window", "window": miss["window"],
+                                       "checkpoint": miss["checkpoint"]}})
         elif miss["cause"] == "no_checkpoint":
             log.info("%sprompt matched %d cached tokens, but the nearest state checkpoint is at token %d%s: "
                      "recomputing from there (a hybrid model's recurrent state cannot be cut from a later one; "

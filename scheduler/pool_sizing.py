@@ -17,6 +17,8 @@ change when nothing sensible fits.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from scheduler.admission import MachineMemory, read_machine_memory
@@ -34,7 +36,8 @@ class PoolSize:
 
 
 def parse_kv_cache_mib(spec: str, max_mib: int = 0) -> tuple[int, int] | None:
-    """(MIN, MAX) MiB of `--kv-cache-mib` (MAX 0: a fixed pool), or None for auto. ValueError on a bad one."""
+    """(MIN, MAX) MiB of `--kv-cache-mib` (MAX 0: a fixed pool), or None for auto. ValueError on a bad one.
+    A fractional MiB is taken as it is (scripts/bench_cache.py sizes tiny models' pools in whole blocks)."""
     text = str(spec).strip().lower()
     if text == "auto":
         if max_mib:
@@ -42,7 +45,7 @@ def parse_kv_cache_mib(spec: str, max_mib: int = 0) -> tuple[int, int] | None:
         return None
     low, sep, high = text.partition(":")
     try:
-        lo, hi = int(low), int(high) if sep else max_mib
+        lo, hi = _mib(low), _mib(high) if sep else max_mib
     except ValueError:
         raise ValueError(f"--kv-cache-mib {spec!r} is not MiB, MIN:MAX or auto (e.g. 2048, 1024:8192)") from None
     if sep and max_mib:
@@ -54,16 +57,23 @@ def parse_kv_cache_mib(spec: str, max_mib: int = 0) -> tuple[int, int] | None:
     return lo, hi
 
 
+def _mib(text: str) -> int | float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return int(value) if value.is_integer() else value
+
+
 def size_kv_pool(spec: tuple[int, int] | None, *, bytes_per_block: int, slot_blocks: int, batch: int,
                  backend, weight_bytes: int, min_free_mib: int, machine: MachineMemory | None = None) -> PoolSize:
     """The pool for a parsed --kv-cache-mib (spec None: auto) on this backend and machine."""
     default = slot_blocks * batch
     if spec is not None:
         lo, hi = spec
-        start = max(slot_blocks, lo * MIB // bytes_per_block) if lo else default
+        start = max(slot_blocks, int(lo * MIB) // bytes_per_block) if lo else default
         if not hi:
             return PoolSize(start, None, f"--kv-cache-mib {lo}" if lo else "--batch * --ctx-size")
-        reserved = hi * MIB // bytes_per_block
+        reserved = int(hi * MIB) // bytes_per_block
         if reserved < start:
             raise ValueError(f"--kv-cache-mib MAX {hi} is below the starting pool of {start * bytes_per_block // MIB} "
                              "MiB (MIN, or --batch * --ctx-size)")

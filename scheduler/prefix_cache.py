@@ -74,7 +74,8 @@ class PrefixCache:
         self.ckpt.on_change = self.index.sync  # a node's checkpoints came or went: its weight changed
         self.stats = {"parks": 0, "restores": 0, "spills": 0, "disk_loads": 0, "dropped_blocks": 0,
                       "dropped_tokens": 0, "hits": 0, "misses": 0, "miss_diverged": 0, "miss_evicted": 0,
-                      "refused_plans": 0, "device_grows": 0, "device_shrinks": 0, "miss_no_checkpoint": 0}
+                      "refused_plans": 0, "device_grows": 0, "device_shrinks": 0, "miss_no_checkpoint": 0,
+                      "state_windows": 0}
 
     # -- queries -------------------------------------------------------------------------------------
     def match(self, token_ids: list[int], max_tokens: int | None = None, salt: str = "",
@@ -95,6 +96,10 @@ class PrefixCache:
         miss = explain_miss(self._root(match.salt), token_ids, match, self.drops.dropped, self.block_size)
         if match.kv_tokens > match.num_tokens:  # the K/V was there, a state checkpoint was not
             miss = {"cause": "no_checkpoint", "position": match.num_tokens, "kv_tokens": match.kv_tokens}
+        if match.state_window:  # a hit: the state is recomputed from a window (engine/state_window.py)
+            self.stats["state_windows"] += 1
+            return {"cause": "state_window", "position": match.num_tokens, "window": match.state_window,
+                    "checkpoint": match.nearest_checkpoint}
         if miss is not None:
             self.stats["miss_" + miss["cause"]] += 1
         return miss
@@ -131,6 +136,8 @@ class PrefixCache:
         how many the request will take (hybrid models), each a device slot reserved from now on."""
         self.activity.expire()  # re-ranks conversations whose window passed; moves nothing
         match, payloads, unreadable = read_disk_blocks(self, match)
+        if unreadable:  # shortened: back to a checkpoint (or a state window) in what is left
+            match = self.ckpt.trim(match)
         match, state = self.ckpt.read_matched(match)
         fresh = blocks_needed(num_tokens, self.block_size) - len(match.shared)
         plan = Plan("allocate", fresh=fresh, match=match, payloads=payloads, unreadable=unreadable,
@@ -246,7 +253,7 @@ class PrefixCache:
         match, source = plan.match, plan.match.cow_source
         alloc = Allocation([], len(match.shared), match.num_tokens, reused_by_tier=reuse, salt=match.salt,
                            conversation=match.conversation, checkpoint_state=plan.checkpoint_state,
-                           checkpoints_reserved=plan.reserve_checkpoints)
+                           checkpoints_reserved=plan.reserve_checkpoints, state_window=match.state_window)
         self.ckpt.reserved += plan.reserve_checkpoints
         if plan.checkpoint_state is not None:
             self.ckpt.stats["restored"] += 1

@@ -106,7 +106,8 @@ class RequestMemory:
                                                                     "recomputed": lost}})
         if request.seq is None:
             self.output.report_miss(request, self._explain_miss(request, match, allocation))
-            request.cached_tokens = allocation.cached_tokens
+            # A state window's tokens are computed again (their K/V is reused): not counted as cached.
+            request.cached_tokens = allocation.cached_tokens - allocation.state_window
             request.sampler = Sampler(request.params)
             request.admitted_s = time.perf_counter()
         request.allocation = allocation

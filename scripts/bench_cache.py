@@ -227,6 +227,8 @@ def main() -> int:
         ttft = statistics.median(r["ttft"] for r in rows) * 1e3
         tiers = f"{usage['parks']} parks, {usage['restores']} restores, {usage['spills']} spills, " \
                 f"{usage['dropped_blocks']} dropped"
+        if usage.get("state_windows"):  # lfm2: states recomputed from a window (engine/state_window.py)
+            tiers += f", {usage['state_windows']} state windows"
         if args.pressure:
             tiers = f"pool {usage['device_total']}, host {usage['host_total']} blocks; " + tiers
         moves = usage.get("moves", {})

@@ -126,6 +126,44 @@ def test_states_captured_inside_a_chunk_equal_numpy(models):
         _close(captured[0][position], captured[1][position], REDUCE)
 
 
+def _window_step(model, position: int = 15, new: int = 2):
+    """A reference sequence computes PROMPT[:position] in chunks of 5; a second one gets byte copies of its
+    blocks, zero states and the 6-token state window (engine/state_window.py), then `new` tokens in one step
+    (8 rows: the fp32 matvec) capturing the state at `position`. (reference state, window state, the step's
+    logits, the copied blocks before and after)."""
+    runner = ModelRunner(model, num_blocks=32, block_size=BLOCK)
+    ref, win = Sequence(list(PROMPT)), Sequence(list(PROMPT))
+    runner.ensure_blocks(ref, len(PROMPT))
+    runner.ensure_blocks(win, len(PROMPT))
+    while ref.num_computed < position:
+        runner.step([(ref, min(5, position - ref.num_computed))])
+    used = -(-position // BLOCK)
+    for a, b in zip(ref.block_table[:used], win.block_table[:used]):
+        runner.write_block(b, *runner.read_block("device", a))
+    before = [runner.read_block("device", b) for b in win.block_table[:used]]
+    win.num_computed = position
+    runner.states.start_window(win)
+    assert win.state_window == 6 == runner.states.window_tokens
+    runner.states.capture(win, (position,))
+    logits = runner.step([(win, new)], all_logits=True)
+    after = [runner.read_block("device", b) for b in win.block_table[:used]]
+    return runner.states.read(ref), runner.states.take_captured(win)[position], logits, before, after
+
+
+def test_a_state_window_recomputes_the_state_and_writes_no_k_v_as_numpy(models):
+    """The window's rows write no K/V on CUDA (store_kv's slot -1: the blocks before the window's end keep
+    their bytes), the state it recomputes is the reference's, and the step's logits are numpy's."""
+    outs = [_window_step(model) for model in models]
+    for ref_state, state, _, before, after in outs:
+        _close(state, ref_state, REDUCE)
+        for block, ((k0, v0), (k1, v1)) in enumerate(zip(before, after)):
+            keys = slice(0, min(BLOCK, 15 - block * BLOCK))  # positions < 15 only
+            np.testing.assert_array_equal(k1[:, :, keys], k0[:, :, keys])
+            np.testing.assert_array_equal(v1[:, :, keys], v0[:, :, keys])
+    _close(outs[0][1], outs[1][1], REDUCE)
+    _close(outs[0][2], outs[1][2], REDUCE)
+
+
 def test_turns_through_the_engine_loop_reuse_checkpoints_and_give_numpy_tokens(models, tmp_path):
     """Two conversations, two turns each, through the engine loop with the cache on (checkpoints every 2
     blocks, restored into fresh slots): the CUDA replies are numpy's and the second turns reuse their prefix.
@@ -146,6 +184,7 @@ def test_turns_through_the_engine_loop_reuse_checkpoints_and_give_numpy_tokens(m
 
         replies = dict(zip(firsts, await asyncio.gather(*(serve(k, p) for k, p in firsts.items()))))
         seconds = {k: firsts[k] + replies[k][0] + [40, 41] for k in firsts}
+        seconds["c"] = PROMPT[:15] + [60, 61]  # branches off a 7 tokens past its checkpoint at 8: a state window
         again = dict(zip(seconds, await asyncio.gather(*(serve(k + "2", p) for k, p in seconds.items()))))
         await loop.shutdown(1)
         return replies, again
@@ -153,6 +192,7 @@ def test_turns_through_the_engine_loop_reuse_checkpoints_and_give_numpy_tokens(m
     got, want = asyncio.run(run(models[0])), asyncio.run(run(models[1]))
     assert got == want
     assert all(cached > 0 for _, cached in got[1].values())  # the second turns reused their checkpoints
+    assert got[1]["c"][1] == 15 - 6  # c reused the K/V of 15 tokens, its 6-token window computed again
 
 
 def test_lfm2_served_with_steps_launched_from_the_loop_gives_numpy_tokens(tmp_path, monkeypatch):

@@ -230,12 +230,16 @@ def test_a_miss_for_want_of_a_checkpoint_says_where_the_nearest_one_is(hybrid, c
 
 def test_where_a_prompt_leaves_a_cached_sequence_it_leaves_a_checkpoint(hybrid):
     """The second prompt branches off the first at token 21, between checkpoints: it recomputes from the
-    start but keeps the state at 21, so a third one branching there reuses exactly 21 tokens."""
+    start (qwen3next) or from a state window (lfm2: 6 tokens, engine/state_window.py) but keeps the state at
+    21, so a third one branching there reuses exactly 21 tokens."""
     shared = list(range(40, 61))
     turns = [(c, shared + [100 + 10 * c + i for i in range(9)], 2) for c in range(3)]
     _, usage, _, loop, _ = _run(hybrid, turns, every=0)
-    assert [c for _, c, _ in usage] == [0, 0, 21]
-    assert loop.cache.stats["miss_no_checkpoint"] == 1
+    window = loop.cache.ckpt.window_tokens
+    assert window == (6 if hybrid[0].config.arch == "lfm2" else 0)
+    assert [c for _, c, _ in usage] == [0, 21 - window if window else 0, 21]
+    assert loop.cache.stats["miss_no_checkpoint"] == (0 if window else 1)
+    assert loop.cache.stats["state_windows"] == (1 if window else 0)
 
 
 def test_checkpoint_hints_of_a_request_are_kept(hybrid):
@@ -319,5 +323,8 @@ def test_a_corrupt_checkpoint_file_only_shortens_the_match(hybrid, tmp_path):
     on, usage, _, loop, _ = _run(hybrid, second, disk_root=tmp_path, every=2, history=history, on_start=corrupt)
     off, _, _, _, _ = _run(hybrid, second, cache_on=False, history=saved)
     assert on == off
-    assert usage[0][1] == 0  # every checkpoint on the path was unreadable: nothing reusable
-    assert loop.cache.ckpt.count("disk") == 0 and loop.cache.stats["disk_loads"] == 0
+    # Every checkpoint on the path was unreadable: nothing reusable, or (lfm2) each unreadable one shortens
+    # the match back to the next (34, 28, 24), until a window is cheaper: 24 less its 6 tokens.
+    assert usage[0][1] == (24 - 6 if loop.cache.ckpt.window_tokens else 0)
+    assert loop.cache.ckpt.count("disk") == 0  # and lfm2 loads the 6 blocks of those 24 tokens
+    assert loop.cache.stats["disk_loads"] == (24 // BLOCK if loop.cache.ckpt.window_tokens else 0)

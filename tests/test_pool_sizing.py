@@ -22,6 +22,17 @@ def test_a_fixed_size_and_the_default():
     assert _size((1, 0)).reserved_blocks == 8  # never below one slot's context
 
 
+def test_a_fractional_mib_is_taken_as_it_is():
+    """scripts/bench_cache.py --pressure sizes a tiny model's pool in whole blocks of a few KiB."""
+    from scheduler.pool_sizing import parse_kv_cache_mib
+
+    assert parse_kv_cache_mib("10.5") == (10.5, 0) and parse_kv_cache_mib("12") == (12, 0)
+    assert _size(parse_kv_cache_mib("10.75")).reserved_blocks == 21  # floor(10.75 MiB / 0.5 MiB)
+    for bad in ("nan", "inf", "1e400"):
+        with pytest.raises(ValueError, match="is not MiB"):
+            parse_kv_cache_mib(bad)
+
+
 def test_a_range_is_an_elastic_pool_from_min_to_max():
     pool = _size((20, 64))
     assert (pool.reserved_blocks, pool.min_blocks) == (128, 40) and pool.rule == "--kv-cache-mib 20:64"

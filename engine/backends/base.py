@@ -95,7 +95,8 @@ class Backend(Protocol):
         """Rotate the first rope_dims of each head ([T, H, hd]) by position, half-split (NeoX) layout."""
 
     def store_kv(self, pool: Any, layer: int, k: Array, v: Array, batch: BatchMeta) -> None:
-        """Write the new tokens' K/V ([T, KVH, hd]) to their slots."""
+        """Write the new tokens' K/V ([T, KVH, hd]) to their slots; only rows batch.kv_write_rows where a
+        backend sets `writes_kv_rows` (state windows, engine/state_window.py), else that is None."""
 
     def attention(self, q: Array, pool: Any, layer: int, batch: BatchMeta, scale: float, window: int) -> Array:
         """Causal paged attention of q [T, H, hd] over each sequence's context -> [T, H * hd].

@@ -54,6 +54,7 @@ class CudaBackend(CudaMemory, CudaStreams, CudaStepIndex, CudaOps):
     # --kv-type: f16 by default (half the bytes of f32, logits within docs/BENCHMARKS.md's bound), int8 with
     # per-token scales, f32 the reference; every type has its store and attention kernels (kv_blocks.cu, attention.cu).
     kv_types = ("f16", "int8", "f32")
+    writes_kv_rows = True  # store_kv skips a state window's rows (slot -1, kv_blocks.cu): lfm2 windows run here
 
     def __init__(self, device: int = 0, stream=None, stage: int = 0, wait_mode: str | None = None,
                  graphs: bool | None = None):

@@ -11,7 +11,7 @@ import numpy as np
 
 from cuda_kernels import attention as attention_geometry
 from engine.backends import cuda_conv_state, cuda_linear, cuda_moe
-from engine.batch import BatchMeta
+from engine.batch import BatchMeta, store_slots
 
 CHUNK_KEYS = 512  # keys per flash-decoding chunk of paged_attention_split_f32
 SPLIT_MAX_T = 64  # more query rows than this fill the GPU without splitting the keys
@@ -91,7 +91,7 @@ class CudaOps:
     def store_kv(self, pool, layer: int, k, v, batch: BatchMeta) -> None:
         T, KVH, hd = k.shape
         self.launch(f"store_kv_{pool.layout.kv_type}", pool_layer_k=pool.layer_k(layer), pool_layer_v=pool.layer_v(layer), k=k, v=v,
-                    slots=self._index(batch.slot_mapping, np.int64), T=T, KVH=KVH, hd=hd,
+                    slots=self._index(store_slots(batch), np.int64), T=T, KVH=KVH, hd=hd,
                     num_slots=pool.seg_slots, seg_rows=pool.seg_rows)
 
     def attention(self, q, pool, layer: int, batch: BatchMeta, scale: float, window: int, sinks=None):

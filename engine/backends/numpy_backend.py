@@ -60,6 +60,7 @@ class NumpyBackend:
 
     name = "numpy"
     kv_types = ("f32", "f16", "int8")  # --kv-type auto: the first (exact, and the cheapest here: docs/BENCHMARKS.md)
+    writes_kv_rows = True  # store_kv honours batch.kv_write_rows: hybrid models may recompute state windows
 
     def upload(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=_F32)
@@ -143,9 +144,11 @@ class NumpyBackend:
 
     def store_kv(self, pool: NumpyKVPool, layer: int, k: np.ndarray, v: np.ndarray, batch: BatchMeta) -> None:
         # k, v: [T, KVH, hd] -> rows [T, KVH, row] (quantised for int8) -> pool[layer][:, slot, :]
-        kv_type = pool.layout.kv_type
-        pool.k[layer][:, batch.slot_mapping, :] = encode_rows(k, kv_type).transpose(1, 0, 2)
-        pool.v[layer][:, batch.slot_mapping, :] = encode_rows(v, kv_type).transpose(1, 0, 2)
+        kv_type, slots, rows = pool.layout.kv_type, batch.slot_mapping, batch.kv_write_rows
+        if rows is not None:  # a state window's rows write nothing (engine/state_window.py)
+            k, v, slots = k[rows], v[rows], slots[rows]
+        pool.k[layer][:, slots, :] = encode_rows(k, kv_type).transpose(1, 0, 2)
+        pool.v[layer][:, slots, :] = encode_rows(v, kv_type).transpose(1, 0, 2)
 
     def attention(self, q, pool: NumpyKVPool, layer: int, batch: BatchMeta, scale: float, window: int,
                   sinks: np.ndarray | None = None):

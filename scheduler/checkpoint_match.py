@@ -1,0 +1,71 @@
+"""Where a hybrid model's cached prefix ends: the K/V match cut back to a state checkpoint, or (lfm2) kept
+whole with a state window (engine/state_window.py). Called as `Checkpoints.trim` / `.shorter`.
+
+    K/V match   ────────────────────────────────────> p
+    checkpoint  ──────────────────> c
+    p - c <= W: reuse up to c, restore its state, compute p - c tokens again (K/V too)
+    p - c >  W: reuse up to p (K/V of every token), recompute the state from [p - W, p): W tokens
+
+W = 0 (qwen3next, or no model support): always the first. Equal cost goes to the checkpoint, which is
+bitwise exact where the window is exact only to float rounding.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler.cache_tree import CachedBlock, PrefixMatch, common_prefix_len
+
+if TYPE_CHECKING:
+    from scheduler.checkpoints import Checkpoints
+
+
+def trim(ckpt: "Checkpoints", match: PrefixMatch, rest: list[int] | None = None,
+         root: CachedBlock | None = None) -> PrefixMatch:
+    """The longest prefix of `match` whose end carries a checkpoint (nothing when none does), unless a state
+    window costs less (then `match` itself, with `state_window` and `nearest_checkpoint` set). With `rest`
+    (the prompt's tokens after the shared blocks, up to the match limit) and the root, every child of the
+    last shared block that agrees with `rest` is a candidate, not only the copy source: siblings that agree
+    equally far (prompts that branched at the same token) may differ in their checkpoints."""
+    if not ckpt.enabled:
+        return match
+    best, pos = None, 0
+    for i, node in enumerate(match.shared):
+        for k in node.checkpoints:
+            if best is None or pos + k > best[0]:
+                best = (pos + k, i, node, k)
+        pos += len(node.tokens)
+    source = match.cow_source
+    parent = match.shared[-1] if match.shared else root
+    candidates = [(source, match.cow_tokens)] if source is not None else []
+    if rest is not None and parent is not None:
+        candidates = [(c, common_prefix_len(c.tokens, rest)) for c in parent.children.values() if c.checkpoints]
+    for child, common in candidates:
+        for k in child.checkpoints:
+            if k <= common and (best is None or pos + k > best[0]):
+                best = (pos + k, len(match.shared), child, k)
+    kv_tokens, salt, conv = match.num_tokens, match.salt, match.conversation
+    nearest = best[0] if best is not None else 0
+    if ckpt.window_tokens and kv_tokens - nearest > ckpt.window_tokens:  # a window costs less
+        out = PrefixMatch(list(match.shared), match.cow_source, match.cow_tokens, salt, conv)
+        out.kv_tokens, out.state_window, out.nearest_checkpoint = kv_tokens, ckpt.window_tokens, nearest
+        return out
+    if best is None:
+        out = PrefixMatch([], None, 0, salt, conv)
+    elif best[1] < len(match.shared) and best[3] == len(best[2].tokens):  # a full shared block's end
+        out = PrefixMatch(match.shared[: best[1] + 1], None, 0, salt, conv)
+    else:  # inside a block, or the partial block's end: that block's head is copied
+        out = PrefixMatch(match.shared[: best[1]], best[2], best[3], salt, conv)
+    if best is not None:
+        out.checkpoint = (best[2], best[3])
+    out.kv_tokens = kv_tokens
+    return out
+
+
+def shorter(ckpt: "Checkpoints", match: PrefixMatch) -> PrefixMatch:
+    """A strictly shorter match, for a request the device cannot take with `match` while nothing else runs
+    (the parked blocks it restores bring their checkpoints along, `units` slots each): without its copied
+    head, else without its last block, back to the last checkpoint in what is left (or a window there)."""
+    kept = match.shared if match.cow_source is not None else match.shared[:-1]
+    out = trim(ckpt, PrefixMatch(list(kept), None, 0, match.salt, match.conversation))
+    out.kv_tokens = match.kv_tokens
+    return out
