@@ -90,9 +90,10 @@ class ServerConfig:
               "keeps every conversation but the last seconds' work (0: write only on spills and at shutdown)")
     conversation_active_s: float = _opt(300.0, "a conversation with a turn this recent keeps its cached blocks "
                                                "longer than one-off prompts' (0: plain least recently used)")
-    state_checkpoint_every: int = _opt(8, "hybrid models (lfm2): keep the recurrent state every N KV blocks of "
-                                          "a long prompt, besides its end and each reply's end (0: only those)",
-                                       metavar="N")
+    state_checkpoint_every: str = _opt("auto", "hybrid models (lfm2, qwen3next): keep the recurrent state every N "
+                                               "KV blocks of a long prompt, besides message starts, its end and each "
+                                               "reply's end (0: only those; auto: N from the state's bytes, so states "
+                                               "cost at most half the K/V between them)", metavar="N|auto")
     max_body_mib: float = _opt(16.0, "largest request body accepted, in MiB")
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication); several "
                                      "comma-separated keys are tenants whose cached KV is never shared",
@@ -121,6 +122,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_mib, (int, float)) and not isinstance(self.kv_cache_mib, bool):
             object.__setattr__(self, "kv_cache_mib", str(self.kv_cache_mib))  # replace(cfg, kv_cache_mib=17)
+        if isinstance(self.state_checkpoint_every, int) and not isinstance(self.state_checkpoint_every, bool):
+            object.__setattr__(self, "state_checkpoint_every", str(self.state_checkpoint_every))
         validate_config(self)
 
     def as_log_dict(self) -> dict[str, Any]:
@@ -142,6 +145,13 @@ class ServerConfig:
         from scheduler.pool_sizing import parse_kv_cache_mib
 
         return parse_kv_cache_mib(self.kv_cache_mib, self.kv_cache_max_mib)
+
+    @property
+    def checkpoint_every_blocks(self) -> int | None:
+        """--state-checkpoint-every as blocks; None for auto (resolved from the model's bytes at load,
+        scheduler/checkpoint_spacing.py)."""
+        value = self.state_checkpoint_every
+        return None if value == "auto" else int(value)
 
     def groups_for(self, num_stages: int) -> int:
         """--batch-groups resolved: auto gives each stage a group of its own (at most --batch groups)."""
@@ -276,10 +286,10 @@ def _convert(name: str, raw: Any, source: str) -> Any:
     else:
         raise ValueError(f"{source}: {raw!r} is not {_KIND_WORDS[kind]}")
     choices = ServerConfig.__dataclass_fields__[name].metadata["choices"]
-    return value.lower() if choices or name == "batch_groups" else value
+    return value.lower() if choices or name in ("batch_groups", "state_checkpoint_every") else value
 
 
-_JSON_LIST_OR_INT = ("layer_split", "batch_groups", "kv_cache_mib")
+_JSON_LIST_OR_INT = ("layer_split", "batch_groups", "kv_cache_mib", "state_checkpoint_every")
 _KIND_WORDS = {int: "an integer", float: "a number", str: "a string"}
 
 

@@ -50,8 +50,10 @@ def validate_config(cfg: "ServerConfig") -> None:
          and float(cfg.expert_cache_mib) > 0, f"--expert-cache-mib takes a MiB count > 0 or auto (got "
          f"{cfg.expert_cache_mib!r})")
     cfg.kv_cache_range_mib  # noqa: B018 -- raises a ValueError naming the flag on a bad N, MIN:MAX or auto
-    need(cfg.state_checkpoint_every >= 0,
-         f"--state-checkpoint-every must be >= 0 blocks (got {cfg.state_checkpoint_every})")
+    every = cfg.state_checkpoint_every
+    need(isinstance(every, str) and (every == "auto" or re.fullmatch(r"\d+", every) is not None),
+         f"--state-checkpoint-every must be auto or a whole number of KV blocks >= 0 (got {every!r}; 0 keeps "
+         f"only message starts, prompt and reply ends)")
     for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib",
                  "conversation_cache_write_behind_mib_s"):
         need(getattr(cfg, name) >= 0, f"{flag_name(name)} must be >= 0 (got {getattr(cfg, name)})")

@@ -83,7 +83,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                         disk=disk, batch_groups=groups, admission=admission,
                         write_behind_mib_s=config.conversation_cache_write_behind_mib_s,
                         conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks,
-                        state_checkpoint_every=config.state_checkpoint_every)
+                        state_checkpoint_every=config.checkpoint_every_blocks)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens; K/V %s, %d bytes per token",

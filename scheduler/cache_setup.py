@@ -2,21 +2,27 @@
 admission's budgets, the elastic pool's range, and what the disk tier kept from the last run."""
 from __future__ import annotations
 
+import logging
+
 from engine.sequence import ModelRunner
 from scheduler.block_mover import EngineBlockMover
 from scheduler.cache_persistence import load_disk_index
+from scheduler.checkpoint_spacing import resolve_spacing
 from scheduler.device_pool import SEGMENT_BLOCKS
 from scheduler.disk_tier import DiskTier
 from scheduler.hybrid_steps import create_checkpoints, load_checkpoint_index
 from scheduler.memory_admission import MemoryAdmission
 from scheduler.prefix_cache import PrefixCache
 
+log = logging.getLogger("strata.cache")
+
 
 def create_cache(runner: ModelRunner, disk: DiskTier | None, admission: MemoryAdmission | None, *, enabled: bool,
-                 device_min_blocks: int | None, active_window_s: float, checkpoint_every: int) -> PrefixCache:
+                 device_min_blocks: int | None, active_window_s: float, checkpoint_every: int | None) -> PrefixCache:
     """Claims the runner's block ids for the cache. An elastic device pool (device_min_blocks below the
     ids the runner reserved) starts at device_min_blocks and grows up to them; a fixed pool's size is the
-    whole device budget. Without an admission the host tier is what the runner committed at start, fixed."""
+    whole device budget. Without an admission the host tier is what the runner committed at start, fixed.
+    checkpoint_every: --state-checkpoint-every in blocks, None for auto (scheduler/checkpoint_spacing.py)."""
     runner.claim_blocks("conversation cache")  # one owner of block ids: the cache's allocator
     block_bytes = runner.layout.bytes_per_block
     admission = admission or MemoryAdmission(runner.host_layout.num_blocks, block_bytes)
@@ -30,8 +36,18 @@ def create_cache(runner: ModelRunner, disk: DiskTier | None, admission: MemoryAd
                         host_blocks=admission.host_budget_blocks, disk_blocks=disk.capacity_blocks if disk else 0,
                         mover=EngineBlockMover(runner, disk), block_bytes=block_bytes, admission=admission,
                         active_window_s=active_window_s,
-                        checkpoints=create_checkpoints(runner, disk, checkpoint_every))
+                        checkpoints=create_checkpoints(runner, disk, _spacing(runner, checkpoint_every)))
     if disk is not None and enabled:
         load_disk_index(cache, disk.scan())
         load_checkpoint_index(cache)
     return cache
+
+
+def _spacing(runner: ModelRunner, requested: int | None) -> int:
+    """Periodic checkpoint spacing in blocks for a hybrid model (logged with its reason); 0 for other models."""
+    if not runner.states.enabled:
+        return 0
+    spacing = resolve_spacing(requested, runner.states.state_bytes, runner.layout.bytes_per_block, runner.block_size)
+    log.info("%s", spacing.describe(), extra={"fields": {"state_checkpoint_every": spacing.every_blocks,
+                                                    "state_checkpoint_bytes": spacing.state_bytes}})
+    return spacing.every_blocks

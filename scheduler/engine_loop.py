@@ -67,7 +67,7 @@ class EngineLoop:
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
                  batch_groups: int = 1, admission: MemoryAdmission | None = None,
                  conversation_active_s: float = ACTIVE_WINDOW_S, write_behind_mib_s: float = 0,
-                 device_min_blocks: int | None = None, state_checkpoint_every: int = 8):
+                 device_min_blocks: int | None = None, state_checkpoint_every: int | None = 8):
         self.runner = runner
         self.disk = disk
         self.cache = create_cache(runner, disk, admission, enabled=prefix_cache, device_min_blocks=device_min_blocks,

@@ -76,7 +76,7 @@ class Replayer:
         shared = max((common_prefix_len(prompt, s) for s in self.seen), default=0)
         computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
         self.rows.append({"prompt": usage["prompt_tokens"], "computed": computed,
-                          "ideal": len(prompt) - shared + 1, "ttft": ttft or 0.0,
+                          "ideal": len(prompt) - shared + 1, "ttft": ttft or 0.0, "shared": shared,
                           "reread": not first_of_conversation and computed > 0.9 * usage["prompt_tokens"]})
         reply = "".join(text)
         self.seen.append(prompt + self.loaded.tokenizer.encode(reply, add_special=False))
@@ -197,7 +197,8 @@ def main() -> int:
                     help="--pressure: the context (= device pool) in tokens (default: from each workload)")
     ap.add_argument("--plot", default=None, help="write an SVG of time to first token per request here")
     ap.add_argument("--model", default="smollm2", help="smollm2, tiny-lfm2, tiny-qwen3next, gemma3-270m or a GGUF path")
-    ap.add_argument("--state-checkpoint-every", type=int, default=8, help="hybrid models: see strata serve")
+    ap.add_argument("--state-checkpoint-every", default="auto", help="hybrid models: N blocks or auto, see strata serve")
+    ap.add_argument("--per-request", action="store_true", help="print each request's computed vs ideal")
     ap.add_argument("--only", default="", help="comma-separated workload names to run (default: all)")
     args = ap.parse_args()
     model_dir = tempfile.TemporaryDirectory()
@@ -222,6 +223,10 @@ def main() -> int:
                 play(replayer, args.turns)
                 usage = state.engine.cache.usage()
         rows = replayer.rows
+        if args.per_request:  # where a workload loses: computed - ideal per request
+            for i, r in enumerate(rows):
+                print(f"  {name} #{i}: prompt {r['prompt']}, shared with an earlier one {r['shared']}, "
+                      f"computed {r['computed']}, ideal {r['ideal']}, excess {r['computed'] - r['ideal']}")
         series[name] = [(r["prompt"], r["ttft"] * 1e3, r["computed"]) for r in rows]
         prompt, computed, ideal = (sum(r[k] for r in rows) for k in ("prompt", "computed", "ideal"))
         ttft = statistics.median(r["ttft"] for r in rows) * 1e3
