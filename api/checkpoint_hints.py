@@ -1,4 +1,5 @@
-"""Where a hybrid model's prompt is worth a state checkpoint: just before each message of the conversation.
+"""Where a hybrid model's prompt is worth a state checkpoint: just before each message of the conversation,
+and, for the periodic ones, at the start of a line.
 
 Agents' conversations diverge at message boundaries (a trimmed history, a toggled tool list, a fan-out of
 questions over one context), and a hybrid model can only reuse a cached prefix up to a checkpoint
@@ -31,3 +32,29 @@ def message_starts(prompt_ids: list[int], token_id: int | None) -> tuple[int, ..
     if token_id is None:
         return ()
     return tuple(int(p) for p in np.flatnonzero(np.asarray(prompt_ids) == token_id) if p > 0)
+
+
+def find_line_end_ids(tokenizer) -> frozenset[int]:
+    """Tokens after which a line begins: a newline followed by nothing but spaces or tabs (BPE vocabularies
+    merge a newline with the next line's indentation). Special tokens are never line ends."""
+    special = tokenizer.special_ids
+    out = []
+    for token_id in range(tokenizer.vocab_size):
+        piece = tokenizer.token_piece(token_id)
+        if b"\n" in piece and token_id not in special and not piece[piece.rindex(b"\n") + 1 :].strip(b" \t"):
+            out.append(token_id)
+    return frozenset(out)
+
+
+def line_starts(prompt_ids: list[int], line_end_ids: frozenset[int]) -> tuple[int, ...]:
+    """Positions p of the prompt where a line begins (token p - 1 ends a line), ascending; of a run of line
+    ends (blank lines) only the first counts: a list that grows by a line branches there, where the shorter
+    text has its blank line. Texts change a line at a time (a tool added to a list, a file edited), so a
+    periodic checkpoint there is more often where a later prompt leaves this one than one a few tokens
+    into a line (scheduler/checkpoints.py)."""
+    if not line_end_ids or not prompt_ids:
+        return ()
+    ends = np.isin(np.asarray(prompt_ids), np.fromiter(line_end_ids, np.int64, len(line_end_ids)))
+    first = ends.copy()
+    first[1:] &= ~ends[:-1]  # [t] ends a line and [t - 1] does not
+    return tuple(int(p) + 1 for p in np.flatnonzero(first[:-1]))

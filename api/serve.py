@@ -15,7 +15,7 @@ import threading
 
 import uvicorn
 
-from api.checkpoint_hints import find_message_start_id
+from api.checkpoint_hints import find_line_end_ids, find_message_start_id
 from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
@@ -99,8 +99,9 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                                     config.reasoning_format)
     message_start = find_message_start_id(loaded.chat_template, loaded.tokenizer) \
         if loaded.model.config.is_hybrid else None
+    line_ends = find_line_end_ids(loaded.tokenizer) if loaded.model.config.is_hybrid else frozenset()
     return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol,
-                       message_start_id=message_start)
+                       message_start_id=message_start, line_end_ids=line_ends)
 
 
 def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:

@@ -46,6 +46,7 @@ class ServerState:
     is_shutting_down: bool = False
     protocol: ChatProtocol | None = None  # tool-call format, reasoning tags, grammar (api/chat_protocol.py)
     message_start_id: int | None = None  # hybrid models: checkpoint before each message (api/checkpoint_hints.py)
+    line_end_ids: frozenset[int] = frozenset()  # hybrid models: tokens that end a line (the same file)
 
 
 def _openai_error(exc: APIError) -> Response:

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Callable, Mapping
 
 from starlette.requests import Request as HTTPRequest
 
-from api.checkpoint_hints import message_starts
+from api.checkpoint_hints import line_starts, message_starts
 from api.chat_output import ReplyAssembler
 from api.chat_turn import ChatTurn, PreparedTurn, prepare_turn, render_turn
 from api.errors import APIError, bad_request, context_overflow, overloaded
@@ -80,7 +80,8 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
                       num_tools=len(turn.specs.tools) if num_tools is None else num_tools,
                       conversation_key=conversation_name(turn.conversation_key, http_request.headers),
                       earlier_turns=sum(m.get("role") == "assistant" for m in turn.messages),
-                      checkpoint_positions=message_starts(prepared.prompt_ids, state.message_start_id))
+                      checkpoint_positions=message_starts(prepared.prompt_ids, state.message_start_id),
+                      line_starts=line_starts(prepared.prompt_ids, state.line_end_ids))
     stream = submit(state, request)
     return TurnRun(request, stream, prepared, ReplyAssembler(prepared.create_parser(), state.protocol.reasoning_field))
 

@@ -30,9 +30,10 @@ def trim(ckpt: "Checkpoints", match: PrefixMatch, rest: list[int] | None = None,
         return match
     best, pos = None, 0
     for i, node in enumerate(match.shared):
-        for k in node.checkpoints:
-            if best is None or pos + k > best[0]:
-                best = (pos + k, i, node, k)
+        for holder, common in _block_and_siblings(node, rest is not None):
+            for k in holder.checkpoints:
+                if k <= common and (best is None or pos + k > best[0]):
+                    best = (pos + k, i, holder, k)
         pos += len(node.tokens)
     source = match.cow_source
     parent = match.shared[-1] if match.shared else root
@@ -51,14 +52,31 @@ def trim(ckpt: "Checkpoints", match: PrefixMatch, rest: list[int] | None = None,
         return out
     if best is None:
         out = PrefixMatch([], None, 0, salt, conv)
-    elif best[1] < len(match.shared) and best[3] == len(best[2].tokens):  # a full shared block's end
+    elif best[1] < len(match.shared) and best[2] is match.shared[best[1]] and best[3] == len(best[2].tokens):
+        # a full shared block's end
         out = PrefixMatch(match.shared[: best[1] + 1], None, 0, salt, conv)
-    else:  # inside a block, or the partial block's end: that block's head is copied
+    else:  # inside a block, the partial block's end or a sibling's checkpoint: that block's head is copied
         out = PrefixMatch(match.shared[: best[1]], best[2], best[3], salt, conv)
     if best is not None:
         out.checkpoint = (best[2], best[3])
     out.kv_tokens = kv_tokens
     return out
+
+
+def _block_and_siblings(node: CachedBlock, siblings: bool):
+    """(node, its length), then (`siblings`) each sibling that carries checkpoints with the tokens it shares
+    with node: a sibling's state after k <= shared tokens is the state at that position of this path too
+    (the same parent, so the same prefix and salt). A request that copied a partial block and extended it
+    leaves the partial one, with the earlier reply's end state, beside the full one (fan-out under
+    pressure). Only in a match's first trim: a re-trim (a disk read or checkpoint file that failed) keeps
+    to blocks whose bytes the plan has read already."""
+    yield node, len(node.tokens)
+    parent = node.parent
+    if not siblings or parent is None:
+        return
+    for sibling in parent.children.values():
+        if sibling is not node and sibling.checkpoints:
+            yield sibling, common_prefix_len(sibling.tokens, node.tokens)
 
 
 def shorter(ckpt: "Checkpoints", match: PrefixMatch) -> PrefixMatch:

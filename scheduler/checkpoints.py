@@ -24,6 +24,7 @@ they take before the step that takes it (`Allocation.checkpoints_reserved`), so 
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -92,13 +93,16 @@ class Checkpoints:
             before = list(node.checkpoints)
         return tokens - max(before) if before else tokens
 
-    def positions(self, prompt_len: int, block_size: int, hints: tuple[int, ...] = ()) -> list[int]:
+    def positions(self, prompt_len: int, block_size: int, hints: tuple[int, ...] = (),
+                  line_starts: tuple[int, ...] = ()) -> list[int]:
         """Where a request takes checkpoints while it computes its prompt (ascending): every N blocks, at
-        the hints (where its messages begin, api/checkpoint_hints.py) and at prompt_len - 1."""
+        the hints (where its messages begin, api/checkpoint_hints.py) and at prompt_len - 1. A periodic one
+        moves back to the last line start within half a period before it (`line_starts`, ascending), where
+        a later prompt more likely branches; its count stays the same (the byte rule's density)."""
         if not self.enabled or prompt_len < 2:
             return []
         step = self.every_blocks * block_size
-        out = set(range(step, prompt_len - 1, step)) if step else set()
+        out = {_snap(p, step, line_starts) for p in range(step, prompt_len - 1, step)} if step else set()
         out.update(p for p in hints if 0 < p < prompt_len - 1)
         return sorted(out) + [prompt_len - 1]
 
@@ -278,3 +282,12 @@ class Checkpoints:
             "checkpoints_unsaved": sum(map(len, map(self.unsaved_of, self.unsaved.values()))),
             "checkpoint_state_bytes": store.state_bytes,
             "checkpoint_units": self.units, **{"checkpoints_" + k: v for k, v in self.stats.items()}}
+
+
+def _snap(position: int, step: int, line_starts: tuple[int, ...]) -> int:
+    """The last line start in (position - step / 2, position], else position itself. It depends only on the
+    tokens before `position`, so prompts that share a prefix keep their checkpoints at the same places."""
+    i = bisect_right(line_starts, position)
+    if i and line_starts[i - 1] > position - step // 2:
+        return line_starts[i - 1]
+    return position

@@ -76,6 +76,7 @@ class Request:
     earlier_turns: int = 0  # assistant replies the prompt carries (0: the conversation's first turn)
     preemptions: int = 0  # times its blocks were given back to the cache for a request that needed room
     checkpoint_positions: tuple[int, ...] = ()  # hybrid models: where messages begin, worth a state checkpoint
+    line_starts: tuple[int, ...] = ()  # hybrid models: where lines begin; periodic checkpoints move back to one
 
     @property
     def prompt_len(self) -> int:

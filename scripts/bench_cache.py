@@ -234,6 +234,9 @@ def main() -> int:
                 f"{usage['dropped_blocks']} dropped"
         if usage.get("state_windows"):  # lfm2: states recomputed from a window (engine/state_window.py)
             tiers += f", {usage['state_windows']} state windows"
+        if args.per_request and "checkpoints_taken" in usage:
+            tiers += "; checkpoints " + ", ".join(f"{k} {usage['checkpoints_' + k]}" for k in (
+                "taken", "attached", "restored", "dropped", "device", "host", "disk"))
         if args.pressure:
             tiers = f"pool {usage['device_total']}, host {usage['host_total']} blocks; " + tiers
         moves = usage.get("moves", {})

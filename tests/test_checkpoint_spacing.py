@@ -116,3 +116,33 @@ def test_direct_construction_env_and_file(tmp_path):
     assert load_config(["--config", str(path)], environ={}).checkpoint_every_blocks == 4
     path.write_text('{"state-checkpoint-every": "auto"}')
     assert load_config(["--config", str(path)], environ={}).checkpoint_every_blocks is None
+
+
+def test_periodic_checkpoints_move_back_to_a_line_start_within_half_a_period():
+    from scheduler.checkpoints import Checkpoints
+
+    ckpt = Checkpoints(units=3, every_blocks=2)  # every 32 tokens of 16-token blocks
+    assert ckpt.positions(100, 16) == [32, 64, 96, 99]
+    lines = (5, 20, 30, 47, 60, 81)
+    assert ckpt.positions(100, 16, line_starts=lines) == [30, 60, 81, 99]  # the last in (p - 16, p]
+    assert ckpt.positions(100, 16, line_starts=(5, 10, 48)) == [32, 64, 96, 99]  # 48 is not > 64 - 16
+    assert ckpt.positions(100, 16, line_starts=(5, 10, 48, 49)) == [32, 49, 96, 99]
+    assert ckpt.positions(100, 16, hints=(60,), line_starts=(60,)) == [32, 60, 96, 99]  # one state, not two
+    assert Checkpoints(units=3, every_blocks=0).positions(100, 16, line_starts=lines) == [99]
+
+
+def test_line_starts_of_a_prompt(tmp_path):
+    from api.checkpoint_hints import find_line_end_ids, line_starts
+    from engine.gguf_file import GGUFFile
+    from engine.tokenizer import Tokenizer
+
+    write_tiny_lfm2(tmp_path / "t.gguf", seed=1, n_ctx=64)
+    tokenizer = Tokenizer.from_gguf_fields(GGUFFile(tmp_path / "t.gguf").fields)
+    ends = find_line_end_ids(tokenizer)
+    newline = tokenizer.encode("\n", add_special=False)
+    assert len(newline) == 1 and newline[0] in ends
+    assert not ends & tokenizer.special_ids and tokenizer.encode("a", add_special=False)[0] not in ends
+    ids = tokenizer.encode("ab\ncd\n\n\nef\ng", add_special=False)  # byte tokens: one per character
+    assert line_starts(ids, ends) == (3, 6, 11)  # a blank-line run counts once, after its first newline
+    assert line_starts(ids, frozenset()) == () and line_starts([], ends) == ()
+    assert line_starts(tokenizer.encode("x\n", add_special=False), ends) == ()  # nothing after the last one

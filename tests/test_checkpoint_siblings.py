@@ -1,0 +1,28 @@
+"""A checkpoint on a sibling of a shared block serves the match (scheduler/checkpoint_match.py): a request
+that copied a partial block and extended it leaves the partial one, with the earlier reply's end state,
+beside the full one it made; a later prompt that shares the full one reuses that state. Both tiny hybrid
+models, through the engine loop with the integrity check after every step (tests/test_hybrid_cache.py)."""
+from tests.test_hybrid_cache import BLOCK, _run, hybrid  # noqa: F401 (hybrid: the fixture)
+
+
+def test_a_siblings_checkpoint_is_a_match_end(hybrid):  # noqa: F811
+    first = list(range(30, 39))  # 9 prompt tokens + 3 replied: 11 computed, block 2 holds 3 (a partial block)
+    turns = [(0, first, 3), (0, list(range(60, 66)), 3)]  # the same conversation goes on: block 2 fills up
+    replies, usage, _, loop, history = _run(hybrid, turns, every=0)
+    assert [c for _, c, _ in usage] == [0, 11]  # the second turn restored the reply's end (state at 11)
+    branch = history[0][:14]  # shares blocks 0-2 (block 2 now the full one) and 2 tokens of block 3
+    third = [(1, branch + list(range(90, 95)), 2)]
+    _, usage3, _, loop3, _ = _run(hybrid, turns + third, every=0)
+    partial = [n for n in _nodes(loop3.cache) if len(n.tokens) == 3 and 3 in n.checkpoints]
+    assert len(partial) == 1 and len(partial[0].parent.children) == 2  # beside the full block it grew into
+    assert [c for _, c, _ in usage3] == [0, 11, 11]  # not 8 (the first prompt's end, on the shared path)
+    assert loop3.cache.stats["miss_no_checkpoint"] == 1  # 14 matched, 11 reused: said in the log
+
+
+def _nodes(cache):
+    stack, out = list(cache._roots.values()), []
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return out
