@@ -209,12 +209,13 @@ class Checkpoints:
 
     def give_up_pending(self, allocation: "Allocation") -> None:
         """A running request short of room gives back one checkpoint slot (the caller asks again while it
-        is short): a reservation not used yet, else the earliest state it took (branch points, where a
-        message begins or the prompt left a cached sequence, last), else the one kept for its release."""
+        is short): a reservation not used yet, else the least useful state it took (`most_useful`: branch
+        points, where a message begins or the prompt left a cached sequence, last), else the one kept for
+        its release."""
         assert allocation.checkpoints_reserved > 0, "no checkpoint slot to give up"
         pending = allocation.pending_checkpoints
         if allocation.checkpoints_reserved - 1 <= len(pending) and pending:
-            position = min(pending, key=lambda p: (p in allocation.branch_points, p))
+            position = most_useful(pending, allocation.cached_tokens, allocation.branch_points)[-1]
             del pending[position]
             allocation.branch_points.discard(position)
             self.stats["dropped"] += 1
@@ -261,11 +262,13 @@ class Checkpoints:
         """A released request's checkpoints (those it took, and `final_state` after num_computed tokens)
         join the nodes of `path` (its blocks in the tree, in order) they end in; its reservations are given
         back. An empty path (the cache is off) attaches nothing. Only as many as it reserved slots for
-        (a request admitted without room for them has none): the final state first, then the latest."""
+        (a request admitted without room for them has none): the final state first, then `most_useful`."""
         states = dict(allocation.pending_checkpoints)
+        kept = most_useful(states, allocation.cached_tokens, allocation.branch_points)
         if final_state is not None and num_computed > 0:
             states[num_computed] = final_state
-        kept = sorted(states, reverse=True)[: allocation.checkpoints_reserved]
+            kept = [num_computed] + [p for p in kept if p != num_computed]
+        kept = kept[: allocation.checkpoints_reserved]
         states = {p: states[p] for p in kept}
         self.reserved -= allocation.checkpoints_reserved
         allocation.checkpoints_reserved, allocation.pending_checkpoints = 0, {}
@@ -291,3 +294,18 @@ def _snap(position: int, step: int, line_starts: tuple[int, ...]) -> int:
     if i and line_starts[i - 1] > position - step // 2:
         return line_starts[i - 1]
     return position
+
+
+def most_useful(positions, start: int, branch_points) -> list[int]:
+    """A request's checkpoint positions, the most useful first: the order in which they are given up when
+    room is short is the reverse. The least useful is the one whose loss costs least recompute, the
+    smallest gap to the one before it (or to `start`, where the request's own computation began), periodic
+    ones before branch points (`branch_points`: where a message begins, the prompt ends or it left a
+    cached sequence), the earlier on a tie; gaps are counted again after each one goes. Under pressure
+    this keeps a trimmed history's system-message boundary rather than three states a few tokens apart."""
+    kept, given_up = sorted(positions), []
+    while kept:
+        i = min(range(len(kept)), key=lambda j: (kept[j] in branch_points, kept[j] - (kept[j - 1] if j else start),
+                                                 kept[j]))
+        given_up.append(kept.pop(i))
+    return given_up[::-1]

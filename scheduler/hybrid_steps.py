@@ -20,7 +20,7 @@ import math
 
 from engine.kv import blocks_needed
 from scheduler.checkpoint_store import CheckpointStore
-from scheduler.checkpoints import Checkpoints
+from scheduler.checkpoints import Checkpoints, most_useful
 
 log = logging.getLogger("strata.cache")
 
@@ -134,10 +134,14 @@ class HybridSteps:
         for request, _ in work:
             allocation = request.allocation
             captured = self.runner.states.take_captured(request.seq)
-            for position in sorted(captured, key=lambda p: (self._branch_point(request, p), p), reverse=True):
-                if allocation is not None and len(allocation.pending_checkpoints) + 1 < allocation.checkpoints_reserved:
-                    branch_point = self._branch_point(request, position)
-                    self.cache.ckpt.take(allocation, position, captured[position], branch_point)
+            if allocation is None:
+                continue
+            held = allocation.pending_checkpoints  # from earlier chunks: before these
+            start = max(held, default=allocation.cached_tokens)
+            branch = {p for p in captured if self._branch_point(request, p)}
+            for position in most_useful(captured, start, branch):  # when fewer slots than states, these first
+                if len(held) + 1 < allocation.checkpoints_reserved:
+                    self.cache.ckpt.take(allocation, position, captured[position], position in branch)
 
     @staticmethod
     def _branch_point(request, position: int) -> bool:
