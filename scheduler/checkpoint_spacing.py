@@ -13,8 +13,8 @@ Why AUTO_SHARE = 1/2: a request that branches far from every other checkpoint (m
 reply ends, branch points) recomputes up to N blocks, N/2 on average, and N grows as 1 / share; the states'
 memory grows as share. At 1/2 periodic states take at most a third of a long prompt's cached bytes (the K/V
 keeps two thirds), and a branch costs at most 2 x units blocks of recompute. 1/4 (N=12 on tiny-qwen3next)
-measured worse on every branching workload (docs/BENCHMARKS.md). Examples (f16 K/V unless said, 16-token
-blocks):
+measured worse (toggling tool list 1.12 with a full re-read, docs/BENCHMARKS.md). Examples (f16 K/V unless
+said, 16-token blocks):
 
     model               state / checkpoint          K/V block   units   N (blocks)   tokens
     tiny-lfm2 (f32)     1.5 KiB (3 conv x 2 x 64)   8 KiB       1       2            32

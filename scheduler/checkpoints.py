@@ -7,6 +7,7 @@ state; k == len(tokens) is "after its last token"). Where the engine takes them,
 
     prompt:  |-- N blocks --|-- N blocks --|-- ... --|x|       x = prompt_len - 1: the same prompt again
              ^ every N blocks (--state-checkpoint-every)  ^         reuses all but its last token
+               (each moved to the nearest line start within N/2 blocks, api/checkpoint_hints.py)
              + where each message begins (the API's hints, api/checkpoint_hints.py)
              + where the prompt left the cached sequence it matched (the next variant branches there too)
     release: the end of what the request computed (its reply, or where it was preempted)
@@ -97,12 +98,12 @@ class Checkpoints:
                   line_starts: tuple[int, ...] = ()) -> list[int]:
         """Where a request takes checkpoints while it computes its prompt (ascending): every N blocks, at
         the hints (where its messages begin, api/checkpoint_hints.py) and at prompt_len - 1. A periodic one
-        moves back to the last line start within half a period before it (`line_starts`, ascending), where
-        a later prompt more likely branches; its count stays the same (the byte rule's density)."""
+        moves to the nearest line start within half a period (`line_starts`, ascending), where a later
+        prompt more likely branches; their count stays the same (the byte rule's density)."""
         if not self.enabled or prompt_len < 2:
             return []
         step = self.every_blocks * block_size
-        out = {_snap(p, step, line_starts) for p in range(step, prompt_len - 1, step)} if step else set()
+        out = {_snap(p, step, line_starts, prompt_len - 1) for p in range(step, prompt_len - 1, step)} if step else set()
         out.update(p for p in hints if 0 < p < prompt_len - 1)
         return sorted(out) + [prompt_len - 1]
 
@@ -287,13 +288,14 @@ class Checkpoints:
             "checkpoint_units": self.units, **{"checkpoints_" + k: v for k, v in self.stats.items()}}
 
 
-def _snap(position: int, step: int, line_starts: tuple[int, ...]) -> int:
-    """The last line start in (position - step / 2, position], else position itself. It depends only on the
-    tokens before `position`, so prompts that share a prefix keep their checkpoints at the same places."""
+def _snap(position: int, step: int, line_starts: tuple[int, ...], end: int) -> int:
+    """The line start nearest `position` within half a period either way (the earlier on a tie; below
+    `end`), else position itself. Nearest, not the last before: a checkpoint that catches no branch is
+    then on average where it was. Whether s is chosen depends only on tokens before s, so prompts that
+    share a prefix keep their checkpoints at the same places in it."""
     i = bisect_right(line_starts, position)
-    if i and line_starts[i - 1] > position - step // 2:
-        return line_starts[i - 1]
-    return position
+    near = [s for s in line_starts[max(0, i - 1) : i + 1] if abs(s - position) < step / 2 and 0 < s < end]
+    return min(near, key=lambda s: (abs(s - position), s)) if near else position
 
 
 def most_useful(positions, start: int, branch_points) -> list[int]:

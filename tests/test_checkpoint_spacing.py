@@ -118,16 +118,20 @@ def test_direct_construction_env_and_file(tmp_path):
     assert load_config(["--config", str(path)], environ={}).checkpoint_every_blocks is None
 
 
-def test_periodic_checkpoints_move_back_to_a_line_start_within_half_a_period():
+def test_periodic_checkpoints_move_to_the_nearest_line_start_within_half_a_period():
     from scheduler.checkpoints import Checkpoints
 
     ckpt = Checkpoints(units=3, every_blocks=2)  # every 32 tokens of 16-token blocks
     assert ckpt.positions(100, 16) == [32, 64, 96, 99]
     lines = (5, 20, 30, 47, 60, 81)
-    assert ckpt.positions(100, 16, line_starts=lines) == [30, 60, 81, 99]  # the last in (p - 16, p]
+    assert ckpt.positions(100, 16, line_starts=lines) == [30, 60, 81, 99]  # within 16 of 32, 64, 96
     assert ckpt.positions(100, 16, line_starts=(5, 10, 48)) == [32, 64, 96, 99]  # 48 is not > 64 - 16
     assert ckpt.positions(100, 16, line_starts=(5, 10, 48, 49)) == [32, 49, 96, 99]
     assert ckpt.positions(100, 16, hints=(60,), line_starts=(60,)) == [32, 60, 96, 99]  # one state, not two
+    assert ckpt.positions(100, 16, line_starts=(35, 70)) == [35, 70, 96, 99]  # later ones too
+    assert ckpt.positions(100, 16, line_starts=(28, 36)) == [28, 64, 96, 99]  # a tie: the earlier
+    assert ckpt.positions(100, 16, line_starts=(97,)) == [32, 64, 97, 99]
+    assert ckpt.positions(100, 16, line_starts=(99,)) == [32, 64, 96, 99]  # not at or past the prompt's end
     assert Checkpoints(units=3, every_blocks=0).positions(100, 16, line_starts=lines) == [99]
 
 
