@@ -7,7 +7,9 @@ whole with a state window (engine/state_window.py). Called as `Checkpoints.trim`
     p - c >  W: reuse up to p (K/V of every token), recompute the state from [p - W, p): W tokens
 
 W = 0 (qwen3next, or no model support): always the first. Equal cost goes to the checkpoint, which is
-bitwise exact where the window is exact only to float rounding.
+bitwise exact where the window is exact only to float rounding. c may lie on a shared block, on a child of
+the last one that agrees with the prompt, or (first trim only) on a sibling of a shared block within the
+tokens they share (the partial block a request copied and extended still holds the earlier reply's end).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""How far apart a hybrid model's periodic state checkpoints sit: `--state-checkpoint-every auto` (the
-default) picks the spacing from the model's bytes, so the checkpoints of a long prompt cost a bounded share
-of the K/V they sit between.
+"""Where a hybrid model's state checkpoints sit. How far apart the periodic ones are:
+`--state-checkpoint-every auto` (the default) picks the spacing from the model's bytes, so the checkpoints
+of a long prompt cost a bounded share of the K/V they sit between; each moves to the nearest line start
+(`snap_to_line`); and which of its states a request keeps when room is short (`most_useful`).
 
     prompt  |-- N blocks of K/V --|x|-- N blocks of K/V --|x| ...     x = one checkpoint (the recurrent state)
     cost(x) <= AUTO_SHARE * N * kv_bytes_per_block   =>   N = max(1, ceil(cost(x) / (AUTO_SHARE * kv_bytes_per_block)))
@@ -28,6 +29,7 @@ matters little there; a DeltaNet model (qwen3next) has only checkpoints.
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -76,3 +78,28 @@ def resolve_spacing(requested: int | str | None, state_bytes: int, block_bytes: 
     every = int(requested)
     assert every >= 0, f"--state-checkpoint-every {every}"
     return CheckpointSpacing(every, str(every), state_bytes, block_bytes, block_tokens)
+
+
+def snap_to_line(position: int, step: int, line_starts: tuple[int, ...], end: int) -> int:
+    """The line start nearest `position` within half a period either way (the earlier on a tie; below
+    `end`), else position itself. Nearest, not the last before: a checkpoint that catches no branch is
+    then on average where it was. Whether s is chosen depends only on tokens before s, so prompts that
+    share a prefix keep their checkpoints at the same places in it."""
+    i = bisect_right(line_starts, position)
+    near = [s for s in line_starts[max(0, i - 1) : i + 1] if abs(s - position) < step / 2 and 0 < s < end]
+    return min(near, key=lambda s: (abs(s - position), s)) if near else position
+
+
+def most_useful(positions, start: int, branch_points) -> list[int]:
+    """A request's checkpoint positions, the most useful first: the order in which they are given up when
+    room is short is the reverse. The least useful is the one whose loss costs least recompute, the
+    smallest gap to the one before it (or to `start`, where the request's own computation began), periodic
+    ones before branch points (`branch_points`: where a message begins, the prompt ends or it left a
+    cached sequence), the earlier on a tie; gaps are counted again after each one goes. Under pressure
+    this keeps a trimmed history's system-message boundary rather than three states a few tokens apart."""
+    kept, given_up = sorted(positions), []
+    while kept:
+        i = min(range(len(kept)), key=lambda j: (kept[j] in branch_points, kept[j] - (kept[j - 1] if j else start),
+                                                 kept[j]))
+        given_up.append(kept.pop(i))
+    return given_up[::-1]

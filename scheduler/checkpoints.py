@@ -25,12 +25,12 @@ they take before the step that takes it (`Allocation.checkpoints_reserved`), so 
 """
 from __future__ import annotations
 
-from bisect import bisect_right
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from scheduler import checkpoint_match
+from scheduler.checkpoint_spacing import most_useful, snap_to_line
 from scheduler.cache_tree import CachedBlock, PrefixMatch
 from scheduler.checkpoint_store import CheckpointStore
 
@@ -103,7 +103,7 @@ class Checkpoints:
         if not self.enabled or prompt_len < 2:
             return []
         step = self.every_blocks * block_size
-        out = {_snap(p, step, line_starts, prompt_len - 1) for p in range(step, prompt_len - 1, step)} if step else set()
+        out = {snap_to_line(p, step, line_starts, prompt_len - 1) for p in range(step, prompt_len - 1, step)} if step else set()
         out.update(p for p in hints if 0 < p < prompt_len - 1)
         return sorted(out) + [prompt_len - 1]
 
@@ -287,27 +287,3 @@ class Checkpoints:
             "checkpoint_state_bytes": store.state_bytes,
             "checkpoint_units": self.units, **{"checkpoints_" + k: v for k, v in self.stats.items()}}
 
-
-def _snap(position: int, step: int, line_starts: tuple[int, ...], end: int) -> int:
-    """The line start nearest `position` within half a period either way (the earlier on a tie; below
-    `end`), else position itself. Nearest, not the last before: a checkpoint that catches no branch is
-    then on average where it was. Whether s is chosen depends only on tokens before s, so prompts that
-    share a prefix keep their checkpoints at the same places in it."""
-    i = bisect_right(line_starts, position)
-    near = [s for s in line_starts[max(0, i - 1) : i + 1] if abs(s - position) < step / 2 and 0 < s < end]
-    return min(near, key=lambda s: (abs(s - position), s)) if near else position
-
-
-def most_useful(positions, start: int, branch_points) -> list[int]:
-    """A request's checkpoint positions, the most useful first: the order in which they are given up when
-    room is short is the reverse. The least useful is the one whose loss costs least recompute, the
-    smallest gap to the one before it (or to `start`, where the request's own computation began), periodic
-    ones before branch points (`branch_points`: where a message begins, the prompt ends or it left a
-    cached sequence), the earlier on a tie; gaps are counted again after each one goes. Under pressure
-    this keeps a trimmed history's system-message boundary rather than three states a few tokens apart."""
-    kept, given_up = sorted(positions), []
-    while kept:
-        i = min(range(len(kept)), key=lambda j: (kept[j] in branch_points, kept[j] - (kept[j - 1] if j else start),
-                                                 kept[j]))
-        given_up.append(kept.pop(i))
-    return given_up[::-1]

@@ -20,7 +20,8 @@ import math
 
 from engine.kv import blocks_needed
 from scheduler.checkpoint_store import CheckpointStore
-from scheduler.checkpoints import Checkpoints, most_useful
+from scheduler.checkpoint_spacing import most_useful
+from scheduler.checkpoints import Checkpoints
 
 log = logging.getLogger("strata.cache")
 

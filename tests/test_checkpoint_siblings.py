@@ -32,7 +32,7 @@ def test_the_most_useful_states_are_kept_when_room_is_short():
     """A trimmed history's first prompt (tiny qwen3next, a one-context pool) passes 90 (where the user
     message begins), 95 (periodic, moved to the line start after its role), 125 (the generation prompt)
     and 134 (its end) with room for two: the system message's boundary and the prompt's last message."""
-    from scheduler.checkpoints import most_useful
+    from scheduler.checkpoint_spacing import most_useful
 
     assert most_useful([134, 90, 125, 95], 0, {90, 125, 134}) == [90, 125, 134, 95]
     assert most_useful([16, 20, 36], 0, {20}) == [20, 36, 16]  # equal gaps: the earlier goes first

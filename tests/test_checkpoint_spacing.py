@@ -150,3 +150,33 @@ def test_line_starts_of_a_prompt(tmp_path):
     assert line_starts(ids, ends) == (3, 6, 11)  # a blank-line run counts once, after its first newline
     assert line_starts(ids, frozenset()) == () and line_starts([], ends) == ()
     assert line_starts(tokenizer.encode("x\n", add_special=False), ends) == ()  # nothing after the last one
+
+
+def test_the_server_passes_line_starts_for_a_hybrid_model(tmp_path):
+    """build_state finds the line-end tokens of a hybrid model's vocabulary; a chat turn's Request carries
+    where its prompt's lines begin (api/turn_runner.py)."""
+    from api.checkpoint_hints import line_starts
+    from api.serve import build_state
+    from engine.loader import open_model
+
+    write_tiny_qwen3next(tmp_path / "q3n.gguf", seed=1, n_ctx=512)
+    loaded = open_model(str(tmp_path / "q3n.gguf"), max_positions=512)
+    state = build_state(ServerConfig(port=0, batch=1, ctx_size=256, conversation_cache_mib=0), loaded)
+    newline = loaded.tokenizer.encode("\n", add_special=False)[0]
+    assert newline in state.line_end_ids
+    assert state.engine.cache.ckpt.every_blocks == 6  # auto, the default
+    ids = loaded.tokenizer.encode("a\nbc\nd", add_special=False)
+    assert line_starts(ids, state.line_end_ids) == (2, 5)
+
+    import httpx
+
+    from tests.server_harness import running_server
+
+    with running_server(loaded, ctx_size=256) as (url, live):
+        seen, submit = [], live.engine.submit
+        live.engine.submit = lambda request: seen.append(request) or submit(request)
+        body = {"model": "q3n", "messages": [{"role": "user", "content": "one\ntwo\nthree"}], "max_tokens": 2}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    (request,) = seen
+    assert request.line_starts == line_starts(request.prompt_ids, live.line_end_ids) and request.line_starts
+    assert set(request.checkpoint_positions) <= set(request.line_starts) | {0}  # messages begin on a line
