@@ -22,8 +22,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from scheduler.budget_holder import BudgetHolder
 from scheduler.cache_plan import Plan
+from scheduler.budget_holder import BudgetHolder, room_from_holders
 
 log = logging.getLogger("strata.admission")
 
@@ -49,16 +49,23 @@ class MemoryService:
         self._serving = False
         self.num_served = 0  # requests served from the queue (by the task or inline ahead of a grant)
         self.holders: dict[str, BudgetHolder] = {}
+        self.num_waits_for_holders = 0  # engine grants refused while a holder gives room back
 
     def start(self) -> None:
         """Start the admission task on the running loop."""
         self._queue = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="strata-memory-admission")
+        for holder in self.holders.values():
+            if holder.tier is not None:
+                holder.tier.start()
 
     async def close(self) -> None:
         """Serve what is queued, then stop the task; later requests are served at once, as without a loop."""
         self.serve_queued()
         self._queue = None
+        for holder in self.holders.values():
+            if holder.tier is not None:
+                holder.tier.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -71,9 +78,15 @@ class MemoryService:
     # -- the engine's path (synchronous, between steps) ----------------------------------------------
     def grant(self, planner: Callable[[], Plan | None]) -> Grant:
         """Serve what is queued ahead, then plan now, grant or refuse the plan whole, and apply it if
-        granted. Mutates the cache only on a grant. Never awaits."""
+        granted. Mutates the cache only on a grant. Never awaits. A plan that would park, drop or find no
+        room while a budget holder could give the pool that room is refused for now instead (the holder
+        shrinks, gives back, and the asker's retry grows the pool: budget_holder.room_from_holders)."""
         if self._queue is not None and not self._queue.empty():
             self.serve_queued()
+        waiting = room_from_holders(self, planner)
+        if waiting is not None:
+            self.num_waits_for_holders += 1
+            return Grant(waiting)
         return self._plan_grant_apply(planner)
 
     def grant_plan(self, planner: Callable[[], Plan | None]) -> Grant:
@@ -134,6 +147,14 @@ class MemoryService:
             return serve()
         finally:
             self._serving = False
+
+    @property
+    def device_reachable_blocks(self) -> int:
+        """Where the pool could grow to with what the holders can give back (above their floors): the
+        ceiling a request waits for before it is planned at all. Changes nothing."""
+        give = {h.name: h.tier.reclaimable_bytes() for h in self.holders.values() if h.tier is not None}
+        with self.admission.released_for_planning(give):
+            return self.admission.device_ceiling_blocks
 
     # -- other budget holders ------------------------------------------------------------------------
     def register_budget(self, name: str, tier: str = "device") -> BudgetHolder:
