@@ -72,7 +72,9 @@ class VmmSlotMemory:
     def __init__(self, device, slot_bytes: int, max_slots: int):
         self.device = device
         self.slot_bytes = slot_bytes
-        self.vmm = VirtualRange(device, max_slots * slot_bytes, slot_bytes)
+        # Chunks of the allocation granularity (2 MiB on an H100): the budget rounds the slots up by less than
+        # a chunk; a few thousand cuMemCreate chunks for a 30B MoE's cache are cheap next to its copies.
+        self.vmm = VirtualRange(device, max_slots * slot_bytes, 1)
         self.max_slots = max_slots
         self.num_slots = 0
 
