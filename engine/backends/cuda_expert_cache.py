@@ -17,9 +17,10 @@ for them; the round's kernels follow. A layer needing more experts than there ar
 Decode steps with an expert cache are not captured in CUDA graphs (the read-back is a host round trip).
 
 Budget: a server sizes the slots at start through the memory admission and resizes them as the KV pool needs
-room or gives it back (cuda_expert_cache_budget.py); `request_resize(num_slots)` takes effect at the next step
-start (`at_step_start`), never mid-step; a shrink evicts the least recently used and moves the rest down. Pipeline stages share the cache: one MoE
-layer at a time plans and queues (a lease from `begin` to `finish`), and a load into a slot another stage read
+room or gives it back (cuda_expert_cache_budget.py; where the slots live: cuda_expert_cache_memory.py);
+`request_resize(num_slots)` takes effect at the next step start (`at_step_start`), never mid-step; a shrink
+evicts the least recently used and moves the rest down. Pipeline stages share the cache: one MoE layer at a
+time plans and queues (a lease from `begin` to `finish`), and a load into a slot another stage read
 last waits (on the copy stream) for that stage's fence event. Per-layer counts are keyed by MoE layer ordinal
 (the order the layers were loaded in).
 """
@@ -28,7 +29,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,45 +36,14 @@ from cuda_kernels.moe import plan_groups
 from engine.backends import cuda_device
 from engine.backends.cuda_arena import round_up
 from engine.backends.cuda_device import PinnedBuffer, check
+from engine.backends.cuda_expert_cache_layout import ROLES, SLOT_ALIGN, CacheRound, ExpertLayer, round_ranges
 from engine.backends.cuda_expert_cache_memory import ArenaSlotMemory
 from engine.backends.cuda_expert_cache_slots import ExpertSlots
 from engine.backends.cuda_expert_cache_stats import cache_stats, maybe_log
 
 log = logging.getLogger("strata.expert_cache")
 MIB = 2**20
-ROLES = ("gate", "up", "down")
-SLOT_ALIGN = 256  # each matrix of a slot starts aligned, whatever its rows' byte length
 AUTO_HEADROOM_BYTES = 512 * MIB  # `auto` leaves this much of the arena for activations and graphs
-
-
-@dataclass
-class ExpertLayer:
-    """One MoE layer's experts in the host arena: role -> (offset of expert 0, bytes per expert)."""
-
-    index: int
-    n_experts: int
-    host: PinnedBuffer
-    parts: dict  # role -> (host offset, expert bytes)
-    slot_offsets: dict  # role -> offset inside a slot
-    table: np.ndarray  # uint64 [3, E] host mirror of the slot addresses
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.slot_offsets["down"] + self.parts["down"][1]
-
-
-@dataclass(frozen=True)
-class CacheRound:
-    """A round of one layer's step: its groups [g0, g1) and pairs [p0, p1) of the sorted pair plan."""
-
-    experts: tuple
-    loads: tuple  # (expert, slot)
-    evicted: tuple  # (layer, expert) keys the loads displace
-    g0: int
-    g1: int
-    p0: int
-    p1: int
-    slots: tuple = ()  # every slot the round reads
 
 
 class ExpertCache:
@@ -263,16 +232,7 @@ class ExpertCache:
             raise
         maybe_log(self)
         plan = plan_groups(ids_host, group_rows)
-        return [self._ranges(r, plan) for r in rounds]
-
-    @staticmethod
-    def _ranges(r, plan) -> CacheRound:
-        group_expert = plan["group_expert"]
-        g0 = int(np.searchsorted(group_expert, r.experts[0], "left"))
-        g1 = int(np.searchsorted(group_expert, r.experts[-1], "right"))
-        p0 = int(plan["group_start"][g0])
-        p1 = int(plan["group_start"][g1 - 1] + plan["group_len"][g1 - 1])
-        return CacheRound(r.experts, r.loads, r.evicted, g0, g1, p0, p1, r.slots)
+        return [round_ranges(r, plan) for r in rounds]
 
     def load(self, backend, layer: ExpertLayer, r: CacheRound):
         """Queue the round's copies on the copy stream (the compute stream waits for them). Returns (role ->
