@@ -140,6 +140,14 @@ def test_the_kv_pool_takes_room_from_the_expert_cache_instead_of_parking_and_tok
     assert engine.memory.num_waits_for_holders >= 1 and checked["after_resize"] == 1 + cache.num_shrinks
     assert checked["failed"] == []
     assert cache.stats()["expert_cache_held_bytes"] == checked["held"] < 16 * 6912
+    from scheduler.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.watch_expert_cache(cache)
+    text = metrics.render().decode()
+    assert f'strata_expert_cache_resizes_total{{direction="shrink"}} {float(cache.num_shrinks)}' in text
+    assert f'strata_expert_cache_bytes{{where="device_held"}} {float(checked["held"])}' in text
+    assert "strata_expert_cache_hit_rate" in text  # the hit-rate figures keep working beside the budget's
     reference, ref_cached, ref_engine, _ = _sequence(numpy_model, tokenizer, False)
     assert replies == reference and cached == ref_cached
 
@@ -161,11 +169,18 @@ def test_without_the_expert_cache_in_the_budget_the_same_sequence_parks(moe):
     assert asyncio.run(run()) > 0
 
 
-def test_a_refused_grow_back_changes_nothing_and_a_granted_one_maps_the_slots_back(moe):
+def test_a_refused_grow_back_changes_nothing_and_a_granted_one_maps_the_slots_back(moe, monkeypatch):
+    from engine.backends import cuda_expert_cache_budget
+
     model, numpy_model, tokenizer = moe
     cache = model.backend.expert_cache
 
     async def after(engine, budget):
+        budget._seen = (0, 0)  # the growth check's window: since start (the sequence missed plenty)
+        wanted_after_reclaim = budget.wants_to_grow()  # reclaimed moments ago: the cooldown holds it back
+        monkeypatch.setattr(cuda_expert_cache_budget, "RECLAIM_COOLDOWN_S", 0.0)
+        budget._seen = (0, 0)
+        assert not wanted_after_reclaim and budget.wants_to_grow()
         before = (cache.num_slots, budget.holder.held_bytes, engine.cache.num_blocks, engine.cache.stats["parks"],
                   cache.slots.resident())
         refused = await budget.grow_back()  # the pool's ids all hold cached blocks: it would have to park
@@ -208,3 +223,52 @@ def test_a_shrink_evicts_the_least_recently_used_and_moves_the_rest_down_with_th
     check_slots(model.backend, cache)
     assert _greedy(model, range(3, 15), steps=6)[0] == _greedy(numpy_model, range(3, 15), steps=6)[0]
     check_slots(model.backend, cache)
+
+
+def _served_state(tmp_path, monkeypatch, emulator_dir, expert_cache_mib, **moe):  # noqa: F811
+    from dataclasses import replace
+
+    from api.config import ServerConfig
+    from api.serve import build_state
+    from engine.backends.cuda_backend import CudaBackend
+    from engine.loader import open_model
+    from tests import fake_cuda_emulated
+
+    write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, expert_quant="Q8_0", **moe)
+    fake_cuda_emulated.install(monkeypatch, emulator_dir).vmm_granularity = PAGE
+    backend = CudaBackend(graphs=False)
+    loaded = open_model(str(tmp_path / "m.gguf"), backend=backend, fetch=False, expert_cache_mib=expert_cache_mib)
+    config = replace(ServerConfig(port=0), batch=1, ctx_size=64, conversation_cache_mib=0, kv_cache_mib="0:1",
+                     expert_cache_mib=expert_cache_mib, backend="cuda")
+    return backend, lambda: build_state(config, loaded)
+
+
+def test_served_with_an_elastic_pool_the_slots_are_granted_beside_it_and_shown(tmp_path, monkeypatch, emulator_dir,  # noqa: F811
+                                                                              caplog):
+    from scheduler.engine_views import tier_budgets
+
+    backend, build = _served_state(tmp_path, monkeypatch, emulator_dir, "auto")
+    with caplog.at_level("INFO", logger="strata.expert_cache"):
+        state = build()
+    cache, engine = backend.expert_cache, state.engine
+    holder = engine.memory.holders["moe_experts"]
+    assert cache.memory.kind == "vmm" and cache.num_slots == cache.total_experts == 16  # auto: all fit beside
+    assert holder.held_bytes == cache.device_bytes == cache.memory.bytes_for(16) == 27 * PAGE
+    admission = engine.cache.admission
+    assert admission.device_budget_bytes == 2**20  # the pool's MAX, shared: counted once
+    assert admission.device_ceiling_blocks == (2**20 - 27 * PAGE) // admission.block_bytes
+    assert "held_by_moe_experts_mib" in tier_budgets(engine)["device"]
+    assert any("device budget 1.0 MiB" in r.getMessage() and "moe_experts" in r.getMessage() for r in caplog.records)
+    text = state.metrics.render().decode()
+    assert f'strata_expert_cache_bytes{{where="device_held"}} {float(27 * PAGE)}' in text
+    assert 'strata_expert_cache_resizes_total{direction="shrink"} 0.0' in text  # the start-up size is no resize
+    assert 'strata_expert_cache_resizes_total{direction="grow"} 0.0' in text
+    backend.close()
+
+
+def test_slots_that_do_not_fit_beside_the_pools_start_fail_at_start_naming_the_flags(tmp_path, monkeypatch,
+                                                                                     emulator_dir):  # noqa: F811
+    backend, build = _served_state(tmp_path, monkeypatch, emulator_dir, "2", n_expert=128)  # 256 slots, 1.7 MiB
+    with pytest.raises(ValueError, match="raise --kv-cache-mib MAX or lower --expert-cache-mib"):
+        build()
+    backend.close()
