@@ -96,20 +96,20 @@ class BudgetHolder:
         return False
 
 
-def room_from_holders(service: "MemoryService", planner):
-    """For an engine grant (allocate / extend): when its plan would park, drop or find no room, but would
-    not with bytes the holders could give back, ask them for the fewest blocks' worth that does and return
-    that plan, to be refused for now: the asker retries once the bytes are back. The fewest is found by
-    planning with b blocks released (a what-if that changes nothing), bisected: the pool grows in whole
-    segments while it has room, so planning with all the holders' bytes released would take them all.
-    None: plan and grant as usual (no holder has bytes above its floor, or they would not avoid the park)."""
+def room_from_holders(service: "MemoryService", planner) -> tuple[bool, object]:
+    """For an engine grant (allocate / extend): (wait, plan). When the plan would park, drop or find no room,
+    but would not with bytes the holders could give back, ask them for the fewest blocks' worth that does
+    and return (True, that plan), to be refused for now: the asker retries once the bytes are back. The
+    fewest is found by planning with b blocks released (a what-if that changes nothing), bisected: the pool
+    grows in whole segments while it has room, so planning with all the holders' bytes released would take
+    them all. Else (False, the plan to grant as usual), planned once more after any what-if (a planner may
+    record what it matched, e.g. request_memory's admission)."""
     admission = service.admission
     tiers = [h for h in service.holders.values() if h.tier is not None and h.tier.reclaimable_bytes() > 0]
-    if not tiers or not admission.device_reserved_blocks:
-        return None
     plan = planner()
-    if plan is not None and (plan.kind not in ("allocate", "extend") or not (plan.parks or plan.device_drops)):
-        return None
+    if not tiers or not admission.device_reserved_blocks or plan is not None and (
+            plan.kind not in ("allocate", "extend") or not (plan.parks or plan.device_drops)):
+        return False, plan
     block_bytes = max(1, admission.block_bytes)
     reclaimable = {h.name: h.tier.reclaimable_bytes() for h in tiers}
 
@@ -120,7 +120,7 @@ def room_from_holders(service: "MemoryService", planner):
 
     low, high = 0, sum(reclaimable.values()) // block_bytes  # plan_with(low) is not clean
     if high == 0 or plan_with(high) is None:
-        return None
+        return False, planner()
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (low, mid) if plan_with(mid) is not None else (mid, high)
@@ -130,8 +130,8 @@ def room_from_holders(service: "MemoryService", planner):
         if take:
             holder.tier.reclaim(take)
     if admission.device_ceiling_blocks > ceiling:
-        return None  # given back at once (no step in flight, no loop): plan and grant now
-    return plan_with(high)
+        return False, planner()  # given back at once (no step in flight, no loop): plan and grant now
+    return True, plan_with(high)
 
 
 def _take(reclaimable: dict[str, int], nbytes: int) -> dict[str, int]:

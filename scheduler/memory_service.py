@@ -83,11 +83,11 @@ class MemoryService:
         shrinks, gives back, and the asker's retry grows the pool: budget_holder.room_from_holders)."""
         if self._queue is not None and not self._queue.empty():
             self.serve_queued()
-        waiting = room_from_holders(self, planner)
-        if waiting is not None:
+        waiting, plan = room_from_holders(self, planner)
+        if waiting:
             self.num_waits_for_holders += 1
-            return Grant(waiting)
-        return self._plan_grant_apply(planner)
+            return Grant(plan)
+        return self._grant_apply(plan)
 
     def grant_plan(self, planner: Callable[[], Plan | None]) -> Grant:
         """For a queued request's `serve`: plan, grant, apply, at its turn (no queue drained: it is the turn)."""
@@ -95,7 +95,9 @@ class MemoryService:
         return self._plan_grant_apply(planner)
 
     def _plan_grant_apply(self, planner) -> Grant:
-        plan = planner()
+        return self._grant_apply(planner())
+
+    def _grant_apply(self, plan: Plan | None) -> Grant:
         if plan is None:
             return Grant(None)
         if not self.admission.grant(plan):

@@ -17,7 +17,7 @@ pool's start) are granted from the spare budget, then made. Later, between steps
                     conversations, whose bytes exist nowhere else once parking fails (drops); an expert's bytes
                     are always in the pinned arena, so a smaller cache costs re-copies, never a lost token.
     spare again     every GROW_CHECK_S: below its target, missing more than GROW_MISS_RATE of its uses since the
-                    last check, and no reclaim for RECLAIM_COOLDOWN_S (no ping-pong), the cache asks to grow
+                    last check, and no reclaim or refusal for RECLAIM_COOLDOWN_S (no ping-pong), it asks to grow
                     back: a queued request of the admission that takes spare budget and free ids of the pool
                     (cached blocks moved down, never parked) or is refused whole; the new size is set inside
                     that grant's turn, so it is never applied stale.
@@ -52,7 +52,7 @@ class ExpertBudget:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._timer = None
         self._growing = False
-        self._last_reclaim_s = float("-inf")
+        self._last_reclaim_s = self._last_refusal_s = float("-inf")  # a refused grow waits the cooldown too
         self._seen = (0, 0)  # (hits, misses) at the last growth check
         self.num_reclaims = self.num_grow_backs = 0
         cache.on_resized, cache.budget = self._posted, self
@@ -70,6 +70,11 @@ class ExpertBudget:
                              f"of {admission.device_budget_bytes / MIB:.1f} MiB; raise --kv-cache-mib MAX or lower "
                              f"--expert-cache-mib")
         self.cache.create_slots(self.target_slots, self.memory)
+        if self.cache.num_slots < self.target_slots:  # the arena stopped short: that is the size from now on
+            self.target_slots = self.cache.num_slots
+            self.floor_slots = min(self.floor_slots, self.target_slots)
+            if nbytes > self.memory.bytes_for(self.target_slots):
+                self.holder.give_back(nbytes - self.memory.bytes_for(self.target_slots))
 
     def start(self) -> None:
         """On the running loop: resizes report here, and the growth check runs every GROW_CHECK_S."""
@@ -80,6 +85,7 @@ class ExpertBudget:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self.loop = None  # a resize after the loop ends reports on its own thread
 
     # -- the KV pool needs room (called by MemoryService.grant, on the loop) ---------------------------------
     @property
@@ -121,7 +127,7 @@ class ExpertBudget:
         new_hits, new_misses = hits - self._seen[0], misses - self._seen[1]
         self._seen = (hits, misses)
         missing = new_misses > GROW_MISS_RATE * (new_hits + new_misses)
-        calm = time.monotonic() - self._last_reclaim_s >= RECLAIM_COOLDOWN_S
+        calm = time.monotonic() - max(self._last_reclaim_s, self._last_refusal_s) >= RECLAIM_COOLDOWN_S
         return missing and calm and not self._growing and self.requested_slots < self.target_slots
 
     async def grow_back(self) -> bool:
@@ -138,6 +144,8 @@ class ExpertBudget:
         if granted:
             self.num_grow_backs += 1
             self._apply_if_idle()
+        else:
+            self._last_refusal_s = time.monotonic()
         return granted
 
     def _grown(self) -> None:

@@ -91,11 +91,18 @@ class VmmSlotMemory:
 
     def resize(self, num_slots: int) -> int:
         """Map (or unmap, from the top) the chunks slots 0 .. num_slots-1 need; the caller has waited for
-        every kernel and copy reading a slot a shrink unmaps. MemoryError when the driver has no chunk."""
+        every kernel and copy reading a slot a shrink unmaps. Returns the slots backed: a growth stops where
+        the driver has no chunk (MemoryError only when not one slot is backed)."""
         assert 0 <= num_slots <= self.max_slots, f"{num_slots} expert slots outside 0 .. {self.max_slots}"
-        self.vmm.map_to(self.bytes_for(num_slots))
-        self.num_slots = num_slots
-        return num_slots
+        try:
+            self.vmm.map_to(self.bytes_for(num_slots))
+            self.num_slots = num_slots
+        except MemoryError as error:  # a growth the driver cannot back: keep what was mapped
+            self.num_slots = min(num_slots, self.vmm.mapped_bytes // self.slot_bytes)
+            if not self.num_slots:
+                raise
+            log.warning("expert cache: %d of %d slots mapped (%s)", self.num_slots, num_slots, error)
+        return self.num_slots
 
     def close(self) -> None:
         self.vmm.close()
