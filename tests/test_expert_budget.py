@@ -46,14 +46,14 @@ def moe(tmp_path, monkeypatch, emulator_dir):  # noqa: F811
     backend.close()
 
 
-def _engine(model, tokenizer, connect: bool):
+def _engine(model, tokenizer, connect: bool, layer_split=(), groups: int = 1):
     from engine.backends.cuda_expert_cache_budget import connect_expert_budget
     from engine.sequence import ModelRunner
     from scheduler.engine_loop import EngineLoop
 
-    runner = ModelRunner(model, RESERVED, 16, host_blocks=64, device_blocks=MIN_BLOCKS)
-    engine = EngineLoop(runner, tokenizer, num_slots=1, prefill_chunk=64, max_queue=4, integrity_checks=True,
-                        device_min_blocks=MIN_BLOCKS)
+    runner = ModelRunner(model, RESERVED, 16, host_blocks=64, device_blocks=MIN_BLOCKS, layer_split=layer_split)
+    engine = EngineLoop(runner, tokenizer, num_slots=groups, prefill_chunk=64, max_queue=4, integrity_checks=True,
+                        device_min_blocks=MIN_BLOCKS, batch_groups=groups)
     budget = connect_expert_budget(model.backend.expert_cache, engine, top_k=2) if connect else None
     return engine, budget
 
@@ -272,3 +272,38 @@ def test_slots_that_do_not_fit_beside_the_pools_start_fail_at_start_naming_the_f
     with pytest.raises(ValueError, match="raise --kv-cache-mib MAX or lower --expert-cache-mib"):
         build()
     backend.close()
+
+
+def test_on_two_stages_and_two_groups_the_pool_takes_slots_while_the_other_group_steps(moe):
+    """Both conversations at once through 2 pipeline stages x 2 batch groups: a group's grant waits while the
+    other group's step is in flight, the shrink applies at a stage's step start on its worker thread, its
+    give-back reaches the loop; nothing parked or dropped, every slot checked after each resize, numpy's tokens."""
+    import threading
+
+    model, numpy_model, tokenizer = moe
+    cache = model.backend.expert_cache
+    seen, resize = {"threads": set(), "failed": []}, cache._resize
+
+    def checked_resize(wanted):
+        resize(wanted)
+        seen["threads"].add(threading.current_thread().name)
+        try:
+            check_slots(model.backend, cache)
+        except AssertionError as failure:
+            seen["failed"].append(failure)
+
+    cache._resize = checked_resize
+
+    async def run():
+        engine, budget = _engine(model, tokenizer, True, layer_split=(1,), groups=2)
+        engine.start()
+        replies = await asyncio.gather(*(_serve(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        _budget_holds(engine, budget)
+        await engine.shutdown(1)
+        return [r for r, _ in replies], engine
+
+    replies, engine = asyncio.run(run())
+    assert engine.cache.stats["parks"] == 0 and engine.cache.stats["dropped_blocks"] == 0
+    assert cache.num_shrinks >= 1 and seen["failed"] == []
+    assert seen["threads"] - {threading.main_thread().name}  # some resize ran on a stage's worker thread
+    assert replies == _sequence(numpy_model, tokenizer, False)[0][:2]
