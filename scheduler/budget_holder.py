@@ -1,4 +1,4 @@
-"""A holder of device memory beside the KV pool (the MoE expert cache, later), through the memory admission.
+"""A holder of device memory beside the KV pool (the MoE expert cache), through the memory admission.
 
     holder = engine.memory.register_budget("experts")      # once, at start
     if await holder.grow(64 * 2**20): ...upload experts...  # granted whole, or refused changing nothing
@@ -11,6 +11,9 @@ down or parked to host RAM, never dropped); a shrink that cannot reach the size 
 request's block, no host room) is refused whole, so the pool and every block stay where they were. What a
 holder holds lowers the pool's ceiling (MemoryAdmission.device_ceiling_blocks) until given back. The
 holder allocates its own memory after a grant and frees it before give_back; the admission only counts.
+
+The other way (`room_from_holders`): when the KV pool would park a conversation for lack of the bytes a holder
+holds, the engine's grant waits while the holder's `tier` gives the fewest blocks' worth back.
 """
 from __future__ import annotations
 

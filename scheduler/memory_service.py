@@ -12,8 +12,9 @@ an extra loop tick: with nothing queued, `grant` is plan + grant + apply inline;
 those requests are served first, inline, so arrival order holds either way. A refused plan leaves every
 block where it was (nothing was touched to make it).
 
-Other budget holders (the MoE expert cache, later) take device memory through `register_budget`: their
-grows are queued requests like an operator's shrink; what they hold lowers the KV pool's ceiling.
+Other budget holders (the MoE expert cache) take device memory through `register_budget`: their grows are
+queued requests like an operator's shrink; what they hold lowers the KV pool's ceiling, and an engine grant
+that would park for lack of it waits while they give some back (budget_holder.room_from_holders).
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from scheduler.cache_plan import Plan
 from scheduler.budget_holder import BudgetHolder, room_from_holders
+from scheduler.cache_plan import Plan
 
 log = logging.getLogger("strata.admission")
 
