@@ -307,3 +307,30 @@ def test_on_two_stages_and_two_groups_the_pool_takes_slots_while_the_other_group
     assert cache.num_shrinks >= 1 and seen["failed"] == []
     assert seen["threads"] - {threading.main_thread().name}  # some resize ran on a stage's worker thread
     assert replies == _sequence(numpy_model, tokenizer, False)[0][:2]
+
+
+def test_the_growth_check_grows_the_cache_back_once_the_pool_has_room_and_experts_miss(moe, monkeypatch):
+    """The timer's path: with the check every 20 ms and no cooldown, after the operator shrinks the pool a
+    request that misses experts makes the check ask for, and be granted, the slots back."""
+    from engine.backends import cuda_expert_cache_budget
+
+    monkeypatch.setattr(cuda_expert_cache_budget, "GROW_CHECK_S", 0.02)
+    monkeypatch.setattr(cuda_expert_cache_budget, "RECLAIM_COOLDOWN_S", 0.0)
+    model, _, tokenizer = moe
+    cache = model.backend.expert_cache
+
+    async def after(engine, budget):
+        await engine.resize_device_pool(MIN_BLOCKS)
+        shrunk = cache.num_slots
+        await _serve(engine, "b2", PROMPTS[1] + [9, 9, 9])
+        for _ in range(100):
+            if cache.num_slots == 16:
+                break
+            await asyncio.sleep(0.02)
+        _budget_holds(engine, budget)
+        return shrunk, budget.num_grow_backs
+
+    _, _, engine, (shrunk, grow_backs) = _sequence(model, tokenizer, True, after)
+    assert shrunk < 16 and cache.num_slots == 16 and grow_backs >= 1
+    assert engine.cache.stats["dropped_blocks"] == 0
+    check_slots(model.backend, cache)
