@@ -20,6 +20,7 @@ from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.server import ServerState, create_app
 from engine.backends.cuda_device import leave_outside_arena
+from engine.backends.cuda_expert_cache_budget import connect_expert_budget
 from engine.loader import LoadedModel, open_model
 from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type
 from engine.sequence import ModelRunner
@@ -83,7 +84,9 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                         disk=disk, batch_groups=groups, admission=admission,
                         write_behind_mib_s=config.conversation_cache_write_behind_mib_s,
                         conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks,
-                        state_checkpoint_every=config.checkpoint_every_blocks)
+                         state_checkpoint_every=config.checkpoint_every_blocks)
+    if expert_cache is not None:  # its slots granted by the memory admission, beside the KV pool
+        connect_expert_budget(expert_cache, engine, loaded.model.config.n_experts_used)
     served = config.served_model_name or loaded.path.stem
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens; K/V %s, %d bytes per token",

@@ -27,6 +27,9 @@ def create_cache(runner: ModelRunner, disk: DiskTier | None, admission: MemoryAd
     block_bytes = runner.layout.bytes_per_block
     admission = admission or MemoryAdmission(runner.host_layout.num_blocks, block_bytes)
     assert admission.host_committed_blocks == runner.host_layout.num_blocks, "runner and admission disagree"
+    if admission.block_bytes != block_bytes:  # no host tier: create_admission had no block size to take (1)
+        assert not admission.host_budget_blocks, f"block bytes {admission.block_bytes} != the runner's {block_bytes}"
+        admission.block_bytes = block_bytes  # the device budget and its holders count in real blocks
     reserved = runner.layout.num_blocks
     if device_min_blocks is not None and device_min_blocks < reserved:
         admission.set_device_pool(device_min_blocks, reserved, SEGMENT_BLOCKS)

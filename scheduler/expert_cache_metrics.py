@@ -28,6 +28,9 @@ class ExpertCacheMetrics:
                                     "layer's routing back (the step's needed experts)", registry=r)
         self.slots = Gauge("strata_expert_cache_slots", "Device expert slots", ["state"], registry=r)
         self.bytes = Gauge("strata_expert_cache_bytes", "Expert cache memory", ["where"], registry=r)
+        self.resizes = Counter("strata_expert_cache_resizes", "Expert cache resizes granted by the memory "
+                               "admission (shrink: the KV pool needed the room; grow: it was spare again)",
+                               ["direction"], registry=r)
         self._last: dict = {}
 
     def observe(self) -> None:
@@ -40,10 +43,13 @@ class ExpertCacheMetrics:
                              (self.wait_seconds, "expert_cache_wait_seconds"),
                              (self.sync_seconds, "expert_cache_routing_sync_seconds")):
             self._inc(counter, key, s[key])
+        self._inc(self.resizes.labels("grow"), "expert_cache_grows", s["expert_cache_grows"])
+        self._inc(self.resizes.labels("shrink"), "expert_cache_shrinks", s["expert_cache_shrinks"])
         self.slots.labels("total").set(s["expert_cache_slots"])
         self.slots.labels("used").set(s["expert_cache_slots_used"])
         self.bytes.labels("device").set(s["expert_cache_device_bytes"])
         self.bytes.labels("host_pinned").set(s["expert_cache_host_bytes"])
+        self.bytes.labels("device_held").set(s["expert_cache_held_bytes"])  # granted by the memory admission
 
     def _inc(self, counter, key, value: float) -> None:
         delta = value - self._last.get(key, 0)

@@ -12,8 +12,8 @@ asks for commit-at-start (`--conversation-cache-commit at-start`).
     used       |===========|                                    slots holding parked blocks
 
 The device tier has a budget too: the KV pool's ids (`device_budget_bytes`, the reserve of an elastic
-pool) shared with the other budget holders (the MoE expert cache, later: scheduler/memory_service.py's
-`register_budget`). What they hold lowers the pool's ceiling:
+pool) shared with the other budget holders (the MoE expert cache: scheduler/memory_service.py's
+`register_budget`, engine/backends/cuda_expert_cache_budget.py). What they hold lowers the pool's ceiling:
 
     device budget |=============================================|
     KV pool       |==================|          |===============|  held by other budget holders
@@ -26,6 +26,7 @@ logged).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable
 
@@ -59,10 +60,28 @@ class MemoryAdmission:
         self.budgets: dict[str, object] = {}  # other tiers sized between steps (register_budget)
 
     def register_budget(self, name: str, budget) -> None:
-        """A tier the admission may resize between steps. The expert cache (engine/backends/cuda_expert_cache.py)
-        offers slot_bytes, num_slots, device_bytes, request_resize(num_slots), request_grow(n) and request_shrink(n),
-        applied at its next step start. (Not yet connected to memory_service.BudgetHolder's device budget.)"""
+        """A tier the admission may resize between steps, for the views (the expert cache). Its device bytes
+        are granted through memory_service.MemoryService.register_budget's holder (for the expert cache:
+        engine/backends/cuda_expert_cache_budget.py), counted in held_device_bytes."""
         self.budgets[name] = budget
+
+    def add_device_budget(self, nbytes: int) -> None:
+        """A fixed pool's device budget is its own bytes; a holder beside it brings its bytes along
+        (counted once: the pool never grows into them, the holder never takes the pool's)."""
+        assert not self.device_reserved_blocks, "an elastic pool's budget is its reserve, shared with the holders"
+        self.device_budget_bytes += nbytes
+
+    @contextlib.contextmanager
+    def released_for_planning(self, nbytes_by_holder: dict[str, int]):
+        """Plan as if each holder held that many bytes less (what it could give back): a what-if, restored
+        on exit; only plans (which change nothing) may run inside."""
+        for name, nbytes in nbytes_by_holder.items():
+            self.held_device_bytes[name] -= nbytes
+        try:
+            yield
+        finally:
+            for name, nbytes in nbytes_by_holder.items():
+                self.held_device_bytes[name] += nbytes
 
     def set_device_pool(self, min_blocks: int, reserved_blocks: int, segment_blocks: int) -> None:
         """An elastic device pool of min_blocks .. reserved_blocks, growing by segment_blocks."""

@@ -12,8 +12,9 @@ an extra loop tick: with nothing queued, `grant` is plan + grant + apply inline;
 those requests are served first, inline, so arrival order holds either way. A refused plan leaves every
 block where it was (nothing was touched to make it).
 
-Other budget holders (the MoE expert cache, later) take device memory through `register_budget`: their
-grows are queued requests like an operator's shrink; what they hold lowers the KV pool's ceiling.
+Other budget holders (the MoE expert cache) take device memory through `register_budget`: their grows are
+queued requests like an operator's shrink; what they hold lowers the KV pool's ceiling, and an engine grant
+that would park for lack of it waits while they give some back (budget_holder.room_from_holders).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from scheduler.budget_holder import BudgetHolder
+from scheduler.budget_holder import BudgetHolder, room_from_holders
 from scheduler.cache_plan import Plan
 
 log = logging.getLogger("strata.admission")
@@ -49,16 +50,23 @@ class MemoryService:
         self._serving = False
         self.num_served = 0  # requests served from the queue (by the task or inline ahead of a grant)
         self.holders: dict[str, BudgetHolder] = {}
+        self.num_waits_for_holders = 0  # engine grants refused while a holder gives room back
 
     def start(self) -> None:
         """Start the admission task on the running loop."""
         self._queue = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="strata-memory-admission")
+        for holder in self.holders.values():
+            if holder.tier is not None:
+                holder.tier.start()
 
     async def close(self) -> None:
         """Serve what is queued, then stop the task; later requests are served at once, as without a loop."""
         self.serve_queued()
         self._queue = None
+        for holder in self.holders.values():
+            if holder.tier is not None:
+                holder.tier.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -71,10 +79,16 @@ class MemoryService:
     # -- the engine's path (synchronous, between steps) ----------------------------------------------
     def grant(self, planner: Callable[[], Plan | None]) -> Grant:
         """Serve what is queued ahead, then plan now, grant or refuse the plan whole, and apply it if
-        granted. Mutates the cache only on a grant. Never awaits."""
+        granted. Mutates the cache only on a grant. Never awaits. A plan that would park, drop or find no
+        room while a budget holder could give the pool that room is refused for now instead (the holder
+        shrinks, gives back, and the asker's retry grows the pool: budget_holder.room_from_holders)."""
         if self._queue is not None and not self._queue.empty():
             self.serve_queued()
-        return self._plan_grant_apply(planner)
+        waiting, plan = room_from_holders(self, planner)
+        if waiting:
+            self.num_waits_for_holders += 1
+            return Grant(plan)
+        return self._grant_apply(plan)
 
     def grant_plan(self, planner: Callable[[], Plan | None]) -> Grant:
         """For a queued request's `serve`: plan, grant, apply, at its turn (no queue drained: it is the turn)."""
@@ -82,7 +96,9 @@ class MemoryService:
         return self._plan_grant_apply(planner)
 
     def _plan_grant_apply(self, planner) -> Grant:
-        plan = planner()
+        return self._grant_apply(planner())
+
+    def _grant_apply(self, plan: Plan | None) -> Grant:
         if plan is None:
             return Grant(None)
         if not self.admission.grant(plan):
@@ -134,6 +150,14 @@ class MemoryService:
             return serve()
         finally:
             self._serving = False
+
+    @property
+    def device_reachable_blocks(self) -> int:
+        """Where the pool could grow to with what the holders can give back (above their floors): the
+        ceiling a request waits for before it is planned at all. Changes nothing."""
+        give = {h.name: h.tier.reclaimable_bytes() for h in self.holders.values() if h.tier is not None}
+        with self.admission.released_for_planning(give):
+            return self.admission.device_ceiling_blocks
 
     # -- other budget holders ------------------------------------------------------------------------
     def register_budget(self, name: str, tier: str = "device") -> BudgetHolder:

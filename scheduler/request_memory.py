@@ -58,7 +58,7 @@ class RequestMemory:
                 table.waiting.popleft()  # can never fit: the API checks this, so this is a bug guard
                 fail(request, f"{total} tokens do not fit the KV pool")
                 continue
-            if needed > max(cache.num_blocks, cache.admission.device_ceiling_blocks):
+            if needed > max(cache.num_blocks, self.memory.device_reachable_blocks):
                 break  # an elastic pool held low for now (POST /cache/device-pool): wait for its ceiling
             tokens = request.seq.token_ids if request.seq is not None else request.prompt_ids
             found = {}

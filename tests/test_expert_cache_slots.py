@@ -45,15 +45,28 @@ def test_a_layer_needing_more_experts_than_slots_runs_in_rounds_of_consecutive_i
     slots.check_integrity()
 
 
-def test_shrink_frees_free_slots_first_then_evicts_lru_and_grow_adds_new_ids():
+def test_shrink_evicts_lru_until_the_rest_fit_and_moves_those_above_the_top_down():
     slots = ExpertSlots(4)
     slots.plan(0, [0, 1])
-    slots.plan(1, [0])  # residents (LRU first): (0,0) (0,1) (1,0); slot 3 free
-    added, removed, evicted = slots.resize(2)
-    assert added == [] and removed == [3, 0] and evicted == [(0, 0)]
-    assert slots.resident() == [(0, 1), (1, 0)] and slots.slot_ids == [1, 2]
-    added, removed, evicted = slots.resize(3)
-    assert added == [4] and removed == [] and evicted == []
+    slots.plan(1, [0])  # residents (LRU first): (0,0)@0 (0,1)@1 (1,0)@2; slot 3 free
+    added, removed, evicted, moves = slots.resize(2)
+    assert added == [] and removed == [2, 3] and evicted == [(0, 0)]
+    assert moves == [((1, 0), 2, 0)]  # (1,0) sat above the new top: into the id (0,0) left
+    assert slots.resident() == [(0, 1), (1, 0)] and slots.slot_ids == [0, 1]
+    assert slots.slot_of(1, 0) == 0 and slots.slot_of(0, 1) == 1
+    added, removed, evicted, moves = slots.resize(3)
+    assert added == [2] and removed == [] and evicted == [] and moves == []
     (r,) = slots.plan(1, [7])
-    assert r.loads == ((7, 4),)
+    assert r.loads == ((7, 2),)
+    slots.check_integrity()
+
+
+def test_a_shrink_with_free_ids_below_the_top_evicts_nothing():
+    slots = ExpertSlots(4)
+    slots.plan(0, [0, 1, 2, 3])
+    slots.resize(4)
+    slots.plan(1, [5])  # evicts (0,0) from slot 0
+    _, _, evicted, _ = slots.resize(6)
+    added, removed, evicted, moves = slots.resize(4)  # slots 4, 5 are free: nothing moves
+    assert removed == [4, 5] and evicted == [] and moves == [] and len(slots.resident()) == 4
     slots.check_integrity()

@@ -16,9 +16,11 @@ stream's queued work (so a slot still read by earlier kernels is not overwritten
 for them; the round's kernels follow. A layer needing more experts than there are slots runs in rounds.
 Decode steps with an expert cache are not captured in CUDA graphs (the read-back is a host round trip).
 
-Budget: `request_resize(num_slots)` (the memory admission's hook, scheduler/memory_admission.register_budget)
-takes effect at the next step start (`at_step_start`), never mid-step. Pipeline stages share the cache: one MoE
-layer at a time plans and queues (a lease from `begin` to `finish`), and a load into a slot another stage read
+Budget: a server sizes the slots at start through the memory admission and resizes them as the KV pool needs
+room or gives it back (cuda_expert_cache_budget.py; where the slots live: cuda_expert_cache_memory.py);
+`request_resize(num_slots)` takes effect at the next step start (`at_step_start`), never mid-step; a shrink
+evicts the least recently used and moves the rest down. Pipeline stages share the cache: one MoE layer at a
+time plans and queues (a lease from `begin` to `finish`), and a load into a slot another stage read
 last waits (on the copy stream) for that stage's fence event. Per-layer counts are keyed by MoE layer ordinal
 (the order the layers were loaded in).
 """
@@ -27,7 +29,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,44 +36,14 @@ from cuda_kernels.moe import plan_groups
 from engine.backends import cuda_device
 from engine.backends.cuda_arena import round_up
 from engine.backends.cuda_device import PinnedBuffer, check
+from engine.backends.cuda_expert_cache_layout import ROLES, SLOT_ALIGN, CacheRound, ExpertLayer, round_ranges
+from engine.backends.cuda_expert_cache_memory import ArenaSlotMemory
 from engine.backends.cuda_expert_cache_slots import ExpertSlots
+from engine.backends.cuda_expert_cache_stats import cache_stats, maybe_log
 
 log = logging.getLogger("strata.expert_cache")
 MIB = 2**20
-ROLES = ("gate", "up", "down")
-SLOT_ALIGN = 256  # each matrix of a slot starts aligned, whatever its rows' byte length
 AUTO_HEADROOM_BYTES = 512 * MIB  # `auto` leaves this much of the arena for activations and graphs
-LOG_INTERVAL_S = 30.0
-
-
-@dataclass
-class ExpertLayer:
-    """One MoE layer's experts in the host arena: role -> (offset of expert 0, bytes per expert)."""
-
-    index: int
-    n_experts: int
-    host: PinnedBuffer
-    parts: dict  # role -> (host offset, expert bytes)
-    slot_offsets: dict  # role -> offset inside a slot
-    table: np.ndarray  # uint64 [3, E] host mirror of the slot addresses
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.slot_offsets["down"] + self.parts["down"][1]
-
-
-@dataclass(frozen=True)
-class CacheRound:
-    """A round of one layer's step: its groups [g0, g1) and pairs [p0, p1) of the sorted pair plan."""
-
-    experts: tuple
-    loads: tuple  # (expert, slot)
-    evicted: tuple  # (layer, expert) keys the loads displace
-    g0: int
-    g1: int
-    p0: int
-    p1: int
-    slots: tuple = ()  # every slot the round reads
 
 
 class ExpertCache:
@@ -83,7 +54,10 @@ class ExpertCache:
         self.budget_mib = budget_mib  # int MiB or "auto"; the slot count is fixed at the first step
         self.layers: list[ExpertLayer] = []
         self.slots: ExpertSlots | None = None
-        self._slot_address: dict[int, int] = {}
+        self.memory = None  # cuda_expert_cache_memory.ArenaSlotMemory / VmmSlotMemory, from the first size
+        self.on_resized = None  # called with the slot count after a resize applied (the budget's hook)
+        self.budget = None  # cuda_expert_cache_budget.ExpertBudget, when a server's admission sizes the slots
+        self.num_grows = self.num_shrinks = self.evicted_by_shrinks = self.moved_by_shrinks = 0
         self._pending_slots: int | None = None
         self._lock = threading.Lock()  # the bookkeeping: pipeline stages on one device share the cache
         # One MoE layer at a time plans and queues (begin .. finish): pipeline stages run on their own threads,
@@ -129,32 +103,50 @@ class ExpertCache:
         return sum(layer.n_experts for layer in self.layers)
 
     def _create_slots(self) -> None:
-        """At the first step (every layer registered): the slot count from the budget, the slots reserved."""
-        slot_bytes = self.slot_bytes
-        if self._pending_slots is not None:  # asked for before the first step (the admission, or a test)
-            wanted, self._pending_slots = min(self.total_experts, self._pending_slots), None
-        elif self.budget_mib == "auto":
-            room = self.device.arena.largest_free - AUTO_HEADROOM_BYTES
-            wanted = min(self.total_experts, max(1, room // slot_bytes))
+        """At the first step without a budget (tools, tests): the slot count from --expert-cache-mib, the
+        slots pieces of the arena. A server makes them at start instead (`create_slots`)."""
+        if self._pending_slots is not None:  # asked for before the first step (a test)
+            wanted, self._pending_slots = self._pending_slots, None
         else:
-            wanted = min(self.total_experts, int(self.budget_mib * MIB) // slot_bytes)
-            if wanted < 1:
-                raise ValueError(f"--expert-cache-mib {self.budget_mib} is smaller than one expert slot "
-                                 f"({slot_bytes / MIB:.2f} MiB: gate, up and down of one expert)")
-        self.slots = ExpertSlots(0)
-        self._resize(wanted)
-        log.info("expert cache (MoE weights, not the prompt cache): %d device slots of %.2f MiB for %d experts "
-                 "(%d layers), host arena %.0f MiB pinned", self.slots.num_slots, slot_bytes / MIB,
-                 self.total_experts, len(self.layers), self.host_arena_bytes / MIB)
+            wanted = self.wanted_slots(self.device.arena.largest_free - AUTO_HEADROOM_BYTES)
+        self.create_slots(wanted, ArenaSlotMemory(self.device, self.slot_bytes))
 
-    # -- budget (the admission's hook) --------------------------------------------------------------------
+    def wanted_slots(self, auto_room_bytes: int) -> int:
+        """Slots --expert-cache-mib asks for (auto: what auto_room_bytes holds), at most every expert."""
+        if self.budget_mib == "auto":
+            return min(self.total_experts, max(1, auto_room_bytes // self.slot_bytes))
+        wanted = min(self.total_experts, int(self.budget_mib * MIB) // self.slot_bytes)
+        if wanted < 1:
+            raise ValueError(f"--expert-cache-mib {self.budget_mib} is smaller than one expert slot "
+                             f"({self.slot_bytes / MIB:.2f} MiB: gate, up and down of one expert)")
+        return wanted
+
+    def create_slots(self, num_slots: int, memory) -> None:
+        """The device slots, once, every layer registered: num_slots of them in `memory`
+        (cuda_expert_cache_memory.py). Before the first step; later sizes go through request_resize."""
+        assert self.slots is None, "the expert cache's slots exist already"
+        self.memory = memory
+        self.slots = ExpertSlots(0)
+        self._resize(min(self.total_experts, num_slots))
+        self.num_grows = 0  # the first size is no resize
+        log.info("expert cache (MoE weights, not the prompt cache): %d device slots of %.2f MiB (%s) for %d "
+                 "experts (%d layers), host arena %.0f MiB pinned", self.slots.num_slots, self.slot_bytes / MIB,
+                 memory.kind, self.total_experts, len(self.layers), self.host_arena_bytes / MIB)
+
+    # -- budget (cuda_expert_cache_budget.py drives these through the memory admission) --------------------
     @property
     def num_slots(self) -> int:
         return 0 if self.slots is None else self.slots.num_slots
 
     @property
     def device_bytes(self) -> int:
-        return self.num_slots * self.slot_bytes if self.layers else 0
+        """What the slots take of the device budget now (vmm: whole chunks)."""
+        return self.memory.bytes_for(self.num_slots) if self.memory is not None else 0
+
+    @property
+    def pending_slots(self) -> int | None:
+        with self._lock:
+            return self._pending_slots
 
     def request_resize(self, num_slots: int) -> None:
         """Ask for num_slots slots (>= 1); applied at the next step start, never while a step runs."""
@@ -175,7 +167,8 @@ class ExpertCache:
             self._pending_slots = max(1, base - n_slots)
 
     def at_step_start(self) -> None:
-        """Apply a pending resize (called by the backend between steps; waits for another stage's layer)."""
+        """Apply a pending resize (called by the backend between steps; waits for another stage's layer),
+        then tell `on_resized` (the budget: it gives freed bytes back to the memory admission)."""
         if self._pending_slots is None or self.slots is None:
             return
         with self._lease, self._lock:
@@ -185,25 +178,38 @@ class ExpertCache:
             for backend in self._users:  # kernels of an earlier step may still read a slot about to go
                 backend.synchronize_stream(backend.stream)
             self._slot_user.clear()
-            self._resize(wanted)
+            self._resize(min(self.total_experts, wanted))
+            num_slots = self.slots.num_slots
+        if self.on_resized is not None:
+            self.on_resized(num_slots)
 
     def _resize(self, wanted: int) -> None:
-        slot_bytes = self.slot_bytes
-        while self.slots.num_slots < wanted:  # one slot at a time: stop where the arena is full
-            address = self.device.reserve(slot_bytes)
-            if address is None:
-                if self.slots.num_slots == 0:
-                    raise MemoryError(f"no GPU memory for one expert slot ({slot_bytes / MIB:.2f} MiB)")
-                log.warning("expert cache: the arena is full at %d of %d slots", self.slots.num_slots, wanted)
-                break
-            (slot,), _, _ = self.slots.resize(self.slots.num_slots + 1)
-            self._slot_address[slot] = address
-        if self.slots.num_slots > wanted:
-            _, removed, evicted = self.slots.resize(wanted)
+        """Grow (as far as the memory allows) or shrink to `wanted` slots; the streams are idle."""
+        before = self.slots.num_slots
+        if wanted > before:
+            self.slots.resize(self.memory.resize(wanted))
+            self.num_grows += self.slots.num_slots > before
+        elif wanted < before:
+            _, _, evicted, moves = self.slots.resize(wanted)
             for layer, expert in evicted:
                 self.layers[layer].table[:, expert] = 0
-            for slot in removed:
-                self.device.unreserve(self._slot_address.pop(slot))
+            self._move_down(moves)
+            self.memory.resize(wanted)
+            self.num_shrinks += 1
+            self.evicted_by_shrinks += len(evicted)
+
+    def _move_down(self, moves) -> None:
+        """Copy each moved expert's slot into its new, lower slot (before the memory above goes)."""
+        if not moves:
+            return
+        backend = next(iter(self._users))  # residents exist, so some stage planned a layer
+        for (layer_index, expert), old, new in moves:
+            layer = self.layers[layer_index]
+            self.device.dtod(self.memory.address(new), self.memory.address(old), layer.slot_bytes, backend.stream)
+            base = self.memory.address(new)
+            layer.table[:, expert] = [base + layer.slot_offsets[role] for role in ROLES]
+        backend.synchronize_stream(backend.stream)
+        self.moved_by_shrinks += len(moves)
 
     # -- one layer of a step --------------------------------------------------------------------------------
     def begin(self, backend, layer: ExpertLayer, ids, group_rows: int) -> list[CacheRound]:
@@ -224,18 +230,9 @@ class ExpertCache:
         except BaseException:
             self._lease.release()
             raise
-        self._maybe_log()
+        maybe_log(self)
         plan = plan_groups(ids_host, group_rows)
-        return [self._ranges(r, plan) for r in rounds]
-
-    @staticmethod
-    def _ranges(r, plan) -> CacheRound:
-        group_expert = plan["group_expert"]
-        g0 = int(np.searchsorted(group_expert, r.experts[0], "left"))
-        g1 = int(np.searchsorted(group_expert, r.experts[-1], "right"))
-        p0 = int(plan["group_start"][g0])
-        p1 = int(plan["group_start"][g1 - 1] + plan["group_len"][g1 - 1])
-        return CacheRound(r.experts, r.loads, r.evicted, g0, g1, p0, p1, r.slots)
+        return [round_ranges(r, plan) for r in rounds]
 
     def load(self, backend, layer: ExpertLayer, r: CacheRound):
         """Queue the round's copies on the copy stream (the compute stream waits for them). Returns (role ->
@@ -248,7 +245,7 @@ class ExpertCache:
             for key in r.evicted:
                 self.layers[key[0]].table[:, key[1]] = 0
             for expert, slot in r.loads:
-                base = self._slot_address[slot]
+                base = self.memory.address(slot)
                 layer.table[:, expert] = [base + layer.slot_offsets[role] for role in ROLES]
         with backend.on_copy_stream():
             for other in {self._slot_user.get(slot) for _, slot in r.loads} - {None, backend}:
@@ -256,7 +253,7 @@ class ExpertCache:
                 check(cuda_device.driver.cuStreamWaitEvent(backend.copy_stream, self._fence[other], 0),
                       "cuStreamWaitEvent")
             for expert, slot in r.loads:
-                base = self._slot_address[slot]
+                base = self.memory.address(slot)
                 for role in ROLES:
                     host_offset, nbytes = layer.parts[role]
                     self.device.htod(base + layer.slot_offsets[role], layer.host.ptr + host_offset + expert * nbytes,
@@ -295,36 +292,4 @@ class ExpertCache:
     def stats(self) -> dict:
         """expert_cache_* figures for /metrics and the log (counters since start; per layer hits/misses)."""
         with self._lock:  # /metrics reads on the loop thread while a stage's worker plans
-            return self._stats()
-
-    def _stats(self) -> dict:
-        counts = {} if self.slots is None else self.slots.counts
-        hits = sum(c.hits for c in counts.values())
-        misses = sum(c.misses for c in counts.values())
-        return {
-            "expert_cache_slots": self.num_slots,
-            "expert_cache_slots_used": len(self.slots.resident()) if self.slots else 0,
-            "expert_cache_slot_bytes": self.slot_bytes if self.layers else 0,
-            "expert_cache_device_bytes": self.device_bytes, "expert_cache_host_bytes": self.host_arena_bytes,
-            "expert_cache_hits": hits, "expert_cache_misses": misses,
-            "expert_cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "expert_cache_loads": self.loads, "expert_cache_loaded_bytes": self.loaded_bytes,
-            "expert_cache_wait_seconds": self.wait_seconds,
-            "expert_cache_routing_sync_seconds": self.routing_sync_seconds,
-            "expert_cache_layers": {layer: (c.hits, c.misses) for layer, c in sorted(counts.items())},
-        }
-
-    def _maybe_log(self) -> None:
-        now = time.monotonic()
-        last_time, last_hits, last_misses = self._last_log
-        if now - last_time < LOG_INTERVAL_S:
-            return
-        s = self.stats()
-        hits, misses = s["expert_cache_hits"] - last_hits, s["expert_cache_misses"] - last_misses
-        self._last_log = (now, s["expert_cache_hits"], s["expert_cache_misses"])
-        if hits + misses:
-            log.info("expert cache (MoE weights, not the prompt cache): %.0f%% of %d expert uses found on the "
-                     "device in the last %.0f s; %d loads, %.0f MiB moved, %.2f s waited in all",
-                     100.0 * hits / (hits + misses), hits + misses, now - last_time, s["expert_cache_loads"],
-                     s["expert_cache_loaded_bytes"] / MIB, s["expert_cache_wait_seconds"], extra={"fields": {
-                         k: v for k, v in s.items() if k != "expert_cache_layers"}})
+            return cache_stats(self)

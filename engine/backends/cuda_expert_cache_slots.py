@@ -10,8 +10,8 @@ round, each round's loads queued after the previous round's kernels.
     resident (LRU order, oldest first):  (L0, e3) (L1, e0) (L0, e5) ...  each -> a slot id
     free slots: ids not holding an expert (taken lowest first)
 
-Slot ids stay valid across resizes: growing adds new ids, shrinking removes free ids first, then evicts the
-least recently used experts and removes their slots. Mutated only by the caller that owns the cache's lock.
+Slot ids are always 0 .. num_slots-1: growing adds ids at the top; shrinking evicts the least recently used
+experts until the rest fit and moves those left above the new top into free ids below (`resize`). Mutated only by the caller that owns the cache's lock.
 """
 from __future__ import annotations
 
@@ -99,24 +99,37 @@ class ExpertSlots:
         evicted.append(victim)
         return self._lru.pop(victim)
 
-    def resize(self, num_slots: int) -> tuple[list[int], list[int], list[Key]]:
-        """Grow or shrink to num_slots between steps: (added slot ids, removed slot ids, evicted keys)."""
+    def resize(self, num_slots: int) -> tuple[list[int], list[int], list[Key], list[tuple[Key, int, int]]]:
+        """Grow or shrink to num_slots between steps: (added slot ids, removed slot ids, evicted keys, moves).
+
+        Slot ids stay 0 .. num_slots-1, so a shrink removes the top ids (the device memory behind them can be
+        unmapped from the top): the least recently used experts are evicted until the rest fit, then each one
+        left above the new top moves to a free id below it (`moves`: (key, old slot, new slot), a device copy
+        the caller makes before the old slot's memory goes). LRU order is unchanged by a move."""
         assert num_slots >= 0
-        added, removed, evicted = [], [], []
+        added, evicted, moves = [], [], []
         while self.num_slots < num_slots:
             added.append(self._next_slot)
             heapq.heappush(self._free, self._next_slot)
             self._next_slot += 1
             self.num_slots += 1
-        while self.num_slots > num_slots:
-            if self._free:
-                removed.append(self._free.pop())  # any free id: the heap stays a heap without its last item
-            else:
-                key, slot = self._lru.popitem(last=False)
-                evicted.append(key)
-                removed.append(slot)
-            self.num_slots -= 1
-        return added, removed, evicted
+        if self.num_slots <= num_slots:
+            return added, [], evicted, moves
+        while len(self._lru) > num_slots:
+            key, slot = self._lru.popitem(last=False)
+            evicted.append(key)
+            self._free.append(slot)
+        below = sorted(s for s in self._free if s < num_slots)
+        for key, slot in self._lru.items():  # assigning a value keeps the key's LRU place
+            if slot >= num_slots:
+                new_slot = below.pop(0)
+                self._lru[key] = new_slot
+                moves.append((key, slot, new_slot))
+        removed = list(range(num_slots, self.num_slots))
+        self._free = below
+        heapq.heapify(self._free)
+        self.num_slots = self._next_slot = num_slots
+        return added, removed, evicted, moves
 
     def check_integrity(self) -> None:
         """Every slot is free or holds exactly one expert; the counts add up."""
@@ -124,3 +137,4 @@ class ExpertSlots:
         assert len(set(held)) == len(held), f"a slot holds two experts: {self._lru}"
         assert not set(held) & set(self._free), "a slot is both free and holding an expert"
         assert len(held) + len(self._free) == self.num_slots, (len(held), len(self._free), self.num_slots)
+        assert sorted([*held, *self._free]) == list(range(self.num_slots)), "slot ids are not 0 .. num_slots-1"
