@@ -84,7 +84,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                         disk=disk, batch_groups=groups, admission=admission,
                         write_behind_mib_s=config.conversation_cache_write_behind_mib_s,
                         conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks,
-                         state_checkpoint_every=config.checkpoint_every_blocks)
+                        state_checkpoint_every=config.checkpoint_every_blocks)
     if expert_cache is not None:  # its slots granted by the memory admission, beside the KV pool
         connect_expert_budget(expert_cache, engine, loaded.model.config.n_experts_used)
     served = config.served_model_name or loaded.path.stem
