@@ -78,3 +78,28 @@ def test_a_request_short_of_room_gives_up_one_checkpoint_slot_at_a_time_branch_p
     ckpt.give_up_pending(alloc)
     assert alloc.checkpoints_reserved == 0 == ckpt.reserved and ckpt.stats["dropped"] == 3
     cache.check_integrity()
+
+
+def test_a_device_victim_whose_states_outweigh_the_host_tier_is_parked_with_those_that_fit():
+    """Host tier 3 slots, a state 2: the victim block (weight 1 + 2 x 2) is parked with its most useful
+    state; the other (the smaller gap to the one before it) is dropped. Before: the block was dropped with
+    both (`device_drops`), and the conversation's second block with it."""
+    cache = PrefixCache(num_blocks=8, block_size=4, host_blocks=3,
+                        checkpoints=Checkpoints(2, every_blocks=0, store=CheckpointStore(SHAPE)))
+    tokens = [1] * 8
+    alloc = cache.apply(cache.plan_allocate(cache.match(tokens, 7), 8, checkpoints=3))
+    for position in (2, 7):
+        cache.ckpt.take(alloc, position, np.full(SHAPE, position, np.float32))
+    cache.apply(cache.plan_release(tokens, 8, alloc, final_state=np.full(SHAPE, 8, np.float32)))
+    first, second = cache.match(tokens).shared
+    assert (first.checkpoints, second.checkpoints) == ({2}, {3, 4})  # device: 3 + 5 slots, the pool full
+    assert [cache.ckpt.gap(second, k) for k in (3, 4)] == [5, 1]
+    plan = cache.plan_allocate(cache.match([2] * 4, 3), 4)
+    assert plan.parks == [second] and plan.device_drops == [] and plan.checkpoint_drops == [(second, 4)]
+    cache.apply(plan)
+    cache.check_integrity()
+    assert second.on_host and second.checkpoints == {3} and first.on_device and first.checkpoints == {2}
+    assert cache.ckpt.count("host") == 1 and cache.ckpt.count("device") == 1
+    match = cache.match(tokens + [3] * 4, 11)
+    assert match.num_tokens == 7 and match.checkpoint == (second, 3)
+    assert float(cache.ckpt.read(second, 3)[0, 0, 0]) == 7
