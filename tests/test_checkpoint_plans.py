@@ -103,3 +103,30 @@ def test_a_device_victim_whose_states_outweigh_the_host_tier_is_parked_with_thos
     match = cache.match(tokens + [3] * 4, 11)
     assert match.num_tokens == 7 and match.checkpoint == (second, 3)
     assert float(cache.ckpt.read(second, 3)[0, 0, 0]) == 7
+
+
+def test_a_parked_node_replaced_by_a_released_device_copy_brings_its_state_along():
+    """A request recomputes a parked block's tokens (its match ended at the block's checkpoint inside
+    it); its release's device copy replaces the parked node, whose state moves to the device (a free
+    slot is there). Before, the state was forgotten."""
+    cache = PrefixCache(num_blocks=10, block_size=4, host_blocks=8,
+                        checkpoints=Checkpoints(1, every_blocks=0, store=CheckpointStore(SHAPE)))
+    tokens = [1] * 4 + [2] * 4
+    alloc = cache.apply(cache.plan_allocate(cache.match(tokens, 7), 8, checkpoints=2))
+    cache.ckpt.take(alloc, 6, np.full(SHAPE, 6, np.float32))
+    cache.apply(cache.plan_release(tokens, 8, alloc))
+    match = cache.match(tokens, 7)
+    first, second = match.shared[0], match.cow_source
+    assert (first.checkpoints, second.checkpoints) == (set(), {2}) and second.parent is first
+    other = [9] * 32  # 8 blocks: the leaf `second` (weight 2) is parked; 6 of them are released
+    cache.apply(cache.plan_release(other, 24, cache.apply(cache.plan_allocate(cache.match(other, 31), 32))))
+    assert second.on_host and first.on_device and cache.ckpt.count("host") == 1
+    match = cache.match(tokens, 7)
+    assert match.num_tokens == 6 and match.checkpoint == (second, 2) and match.cow_source is second
+    alloc = cache.apply(cache.plan_allocate(match, 8))
+    assert float(alloc.checkpoint_state[0, 0, 0]) == 6 and cache._dev_free.num_free - cache.ckpt.units_on("device") == 2
+    cache.apply(cache.plan_release(tokens, 8, alloc))
+    cache.check_integrity()
+    assert first.children[(2,) * 4] is second and second.on_device and second.checkpoints == {2}
+    assert (cache.ckpt.count("device"), cache.ckpt.count("host")) == (1, 0) and cache.ckpt.stats["dropped"] == 0
+    assert float(cache.ckpt.read(second, 2)[0, 0, 0]) == 6 and cache.match(tokens, 7).checkpoint == (second, 2)
