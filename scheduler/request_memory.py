@@ -93,12 +93,8 @@ class RequestMemory:
         hybrid model's request takes at its release where there is room for one (None: no room)."""
         first_step = min(len(tokens), match.num_tokens + self.prefill_chunk)
         plan = self.cache.plan_allocate(match, first_step, checkpoints=self.hybrid.reserve_at_admission)
-        if self.hybrid.reserve_at_admission and (plan is None or plan.checkpoint_drops):
-            # no room for its checkpoint, or only at the price of held ones: go without, where that
-            # costs fewer held states (a trimmed history's system-message boundary outlives it)
-            without = self.cache.plan_allocate(match, first_step)
-            if plan is None or without is not None and len(without.checkpoint_drops) < len(plan.checkpoint_drops):
-                plan = without
+        if plan is None and self.hybrid.reserve_at_admission:  # no room for its checkpoint: go without
+            plan = self.cache.plan_allocate(match, first_step)
         return plan
 
     def _start(self, request: Request, tokens: list[int], match, allocation) -> None:

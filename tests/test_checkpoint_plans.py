@@ -130,28 +130,3 @@ def test_a_parked_node_replaced_by_a_released_device_copy_brings_its_state_along
     assert first.children[(2,) * 4] is second and second.on_device and second.checkpoints == {2}
     assert (cache.ckpt.count("device"), cache.ckpt.count("host")) == (1, 0) and cache.ckpt.stats["dropped"] == 0
     assert float(cache.ckpt.read(second, 2)[0, 0, 0]) == 6 and cache.match(tokens, 7).checkpoint == (second, 2)
-
-
-def test_an_admission_goes_without_its_release_slot_rather_than_drop_more_held_states():
-    """The pool is full of a conversation's 4 blocks and their states; its next prompt needs a block more.
-    With a slot for the checkpoint at its release two held states would go, without it one: the
-    admission goes without (request_memory `_plan_for`); before, it dropped two."""
-    from types import SimpleNamespace
-    from scheduler.request_memory import RequestMemory
-    cache = _cache(num_blocks=8, host_blocks=0)
-    conversation = [1] * 16
-    for end in (4, 8, 12, 16):
-        _serve(cache, conversation[:end])
-    blocks = cache.match(conversation).shared
-    prompt = conversation + [5] * 4
-    match = cache.match(prompt, len(prompt) - 1)
-    with_slot = cache.plan_allocate(match, len(prompt), checkpoints=1)
-    assert [(n, k) for n, k in with_slot.checkpoint_drops] == [(blocks[0], 4), (blocks[1], 4)]
-    engine = SimpleNamespace(cache=cache, memory=None, table=None, hybrid=SimpleNamespace(reserve_at_admission=1),
-                             output=None, conversations=None, runner=SimpleNamespace(block_size=4),
-                             prefill_chunk=8, in_flight={}, wake=None)
-    plan = RequestMemory(engine)._plan_for(match, prompt)
-    assert plan.reserve_checkpoints == 0 and plan.checkpoint_drops == [(blocks[0], 4)]
-    cache.apply(plan)
-    cache.check_integrity()
-    assert [b.checkpoints for b in blocks] == [set(), {4}, {4}, {4}] and cache.ckpt.reserved == 0
