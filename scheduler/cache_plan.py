@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from scheduler.cache_tree import CachedBlock, PrefixMatch
+from scheduler.checkpoint_spacing import most_useful
 from scheduler.eviction_sim import HostLeaves, device_victims, movable_device_weight
 
 if TYPE_CHECKING:
@@ -84,15 +85,38 @@ def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[
     if victims is None:
         return False
     host = _HostRoom(cache, plan, exclude)
-    weight = cache.ckpt.weight
     for victim in victims:
-        if host.take_slots(weight(victim)):
-            plan.parks.append(victim)
-            host.leaves.park(victim)
+        if host.take_slots(1):
+            _park_with_states(cache, plan, host, victim)
         else:
             plan.device_drops.append(victim)
             host.leaves.move_down(victim)
     return True
+
+
+def _park_with_states(cache: "PrefixCache", plan: Plan, host: "_HostRoom", victim: CachedBlock) -> None:
+    """A device victim whose block has a host slot goes there with as many of its checkpoints as the host
+    tier takes, the most useful first (`park_order`); the rest are planned as checkpoint drops, the least
+    useful first. Before, a block whose states did not all fit was dropped with its K/V and states."""
+    order = park_order(cache.ckpt.gap, victim)
+    kept = 0
+    while kept < len(order) and host.take_slots(cache.ckpt.units):
+        kept += 1
+    left = order[kept:][::-1]
+    plan.checkpoint_drops += [(victim, k) for k in left]
+    host.trimmed[victim] = set(left)
+    plan.parks.append(victim)
+    host.leaves.park(victim)
+
+
+def park_order(gap, node: CachedBlock) -> list[int]:
+    """The node's checkpoints (k), the most useful first: the one whose loss costs least recompute (the
+    smallest gap to the one before it on the path, `gap(node, k)` for the first) goes first, the earlier on
+    a tie, gaps counted again after each goes (checkpoint_spacing.most_useful)."""
+    if not node.checkpoints:
+        return []
+    first = min(node.checkpoints)
+    return most_useful(node.checkpoints, first - gap(node, first), ())
 
 
 def plan_device_growth(cache: "PrefixCache", plan: Plan, short: int) -> int:
@@ -140,12 +164,16 @@ class _HostRoom:
     def __init__(self, cache: "PrefixCache", plan: Plan, exclude: set[CachedBlock]):
         self.cache, self.plan = cache, plan
         self.leaves = HostLeaves(cache.index, exclude)  # exclude: the blocks being restored
-        self.weight = cache.ckpt.weight  # slots a block takes in a tier: 1, plus its checkpoints'
+        self.trimmed: dict[CachedBlock, set[int]] = {}  # parked victims' checkpoints this plan drops
         # Slots the plan's own restores give back count as free: a restore and a park may swap a slot
         # (the runner reads such a restore's bytes before the park overwrites them).
         self.free = cache._host_free.num_free - cache.ckpt.units_on("host") \
             + sum(self.weight(b) for b in plan.restores if b.on_host)
         self.disk_room = cache.disk_free
+
+    def weight(self, block: CachedBlock) -> int:
+        """Slots a block takes in a tier: 1, plus its checkpoints' (less those this plan drops)."""
+        return self.cache.ckpt.weight(block) - self.cache.ckpt.units * len(self.trimmed.get(block, ()))
 
     def take_slots(self, count: int) -> bool:
         """`count` host slots (a block and its checkpoints); on False some may be spent: the plan then
@@ -211,4 +239,6 @@ class _HostRoom:
 
     def _copy_slots(self, block: CachedBlock) -> int:
         """Disk slots the written-behind files of a resident block take: its own and its checkpoints'."""
-        return 1 + self.cache.ckpt.units * self.cache.ckpt.copies_on(block)
+        ckpt, trimmed = self.cache.ckpt, self.trimmed.get(block, ())
+        return 1 + ckpt.units * sum((block.digest, k) in ckpt.store.copies for k in block.checkpoints
+                                    if k not in trimmed)

@@ -22,7 +22,7 @@ import logging
 
 from engine.kv import BlockAllocator, blocks_needed
 from scheduler.block_mover import BlockMover, BlockMoves, RecordingMover
-from scheduler import cache_disk
+from scheduler import cache_disk, checkpoint_adopt
 from scheduler.cache_allocation import Allocation, read_disk_blocks, reuse_by_tier
 from scheduler.cache_drops import DropLog
 from scheduler.cache_explain import explain_miss
@@ -403,7 +403,7 @@ class PrefixCache:
             existing.last_used = next(self._clock)
             return existing
         if existing is not None:  # parked copy of the same content: the fresh device copy replaces it
-            self.ckpt.drop(existing)  # its states stay behind in the lower tier's budget: forget them
+            checkpoint_adopt.adopt_parked_states(self, existing)  # its states come along where the device has room
             if existing.on_host:
                 self._host_free.free([existing.host_slot])
                 del self._on_host[existing.host_slot]

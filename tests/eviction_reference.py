@@ -30,8 +30,33 @@ def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[
         return False
     host = _HostRoom(cache, plan, exclude)
     for victim in victims:
-        (plan.parks if host.take_slots(weight(victim)) else plan.device_drops).append(victim)
+        if not host.take_slots(1):
+            plan.device_drops.append(victim)
+            continue
+        # issue 16: parked with the states the host tier takes, the most useful first; the rest dropped
+        order = _keep_order(cache, victim)
+        kept = 0
+        while kept < len(order) and host.take_slots(cache.ckpt.units):
+            kept += 1
+        plan.checkpoint_drops += [(victim, k) for k in reversed(order[kept:])]
+        host.trimmed[id(victim)] = set(order[kept:])
+        plan.parks.append(victim)
     return True
+
+
+def _keep_order(cache: "PrefixCache", node: CachedBlock) -> list[int]:
+    """The node's checkpoints, most useful first: repeatedly the one with the smallest gap to the kept one
+    before it (the first: to the path's previous checkpoint, `Checkpoints.gap`) goes, the earlier on a tie."""
+    if not node.checkpoints:
+        return []
+    first = min(node.checkpoints)
+    start, kept, gone = first - cache.ckpt.gap(node, first), set(node.checkpoints), []
+    while kept:
+        gap = lambda k: k - max([j for j in kept if j < k] or [start])  # noqa: E731
+        k = min(kept, key=lambda k: (gap(k), k))
+        kept.discard(k)
+        gone.append(k)
+    return gone[::-1]
 
 
 def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exclude: set[int]) -> int:
@@ -60,11 +85,14 @@ class _HostRoom:
         self.cache, self.plan, self.exclude = cache, plan, exclude  # exclude: the blocks being restored
         # Slots the plan's own restores give back count as free: a restore and a park may swap a slot
         # (the runner reads such a restore's bytes before the park overwrites them).
-        self.weight = cache.ckpt.weight
+        self.trimmed: dict[int, set[int]] = {}  # id(parked victim) -> its checkpoints this plan drops
         self.free = cache._host_free.num_free - cache.ckpt.units_on("host") \
             + sum(self.weight(b) for b in plan.restores if b.on_host)
         self.disk_room = cache.disk_free
         self.evicted: list[CachedBlock] | None = None
+
+    def weight(self, block: CachedBlock) -> int:
+        return self.cache.ckpt.weight(block) - self.cache.ckpt.units * len(self.trimmed.get(id(block), ()))
 
     def take_slots(self, count: int) -> bool:
         return all(self.take_slot() for _ in range(count))
@@ -117,7 +145,8 @@ class _HostRoom:
     def _files(self, block: CachedBlock) -> int:
         """Disk slots a resident block's files take: its own and its checkpoints' written-behind copies."""
         ckpt = self.cache.ckpt
-        return 1 + ckpt.units * len({(block.digest, k) for k in block.checkpoints} & ckpt.store.copies)
+        kept = set(block.checkpoints) - self.trimmed.get(id(block), set())
+        return 1 + ckpt.units * len({(block.digest, k) for k in kept} & ckpt.store.copies)
 
     def _make_disk_room(self, tier, victim) -> bool:
         """One file's room: a written-behind copy goes first (its block stays resident), else a disk leaf."""

@@ -78,3 +78,55 @@ def test_a_request_short_of_room_gives_up_one_checkpoint_slot_at_a_time_branch_p
     ckpt.give_up_pending(alloc)
     assert alloc.checkpoints_reserved == 0 == ckpt.reserved and ckpt.stats["dropped"] == 3
     cache.check_integrity()
+
+
+def test_a_device_victim_whose_states_outweigh_the_host_tier_is_parked_with_those_that_fit():
+    """Host tier 3 slots, a state 2: the victim block (weight 1 + 2 x 2) is parked with its most useful
+    state; the other (the smaller gap to the one before it) is dropped. Before: the block was dropped with
+    both (`device_drops`), and the conversation's second block with it."""
+    cache = PrefixCache(num_blocks=8, block_size=4, host_blocks=3,
+                        checkpoints=Checkpoints(2, every_blocks=0, store=CheckpointStore(SHAPE)))
+    tokens = [1] * 8
+    alloc = cache.apply(cache.plan_allocate(cache.match(tokens, 7), 8, checkpoints=3))
+    for position in (2, 7):
+        cache.ckpt.take(alloc, position, np.full(SHAPE, position, np.float32))
+    cache.apply(cache.plan_release(tokens, 8, alloc, final_state=np.full(SHAPE, 8, np.float32)))
+    first, second = cache.match(tokens).shared
+    assert (first.checkpoints, second.checkpoints) == ({2}, {3, 4})  # device: 3 + 5 slots, the pool full
+    assert [cache.ckpt.gap(second, k) for k in (3, 4)] == [5, 1]
+    plan = cache.plan_allocate(cache.match([2] * 4, 3), 4)
+    assert plan.parks == [second] and plan.device_drops == [] and plan.checkpoint_drops == [(second, 4)]
+    cache.apply(plan)
+    cache.check_integrity()
+    assert second.on_host and second.checkpoints == {3} and first.on_device and first.checkpoints == {2}
+    assert cache.ckpt.count("host") == 1 and cache.ckpt.count("device") == 1
+    match = cache.match(tokens + [3] * 4, 11)
+    assert match.num_tokens == 7 and match.checkpoint == (second, 3)
+    assert float(cache.ckpt.read(second, 3)[0, 0, 0]) == 7
+
+
+def test_a_parked_node_replaced_by_a_released_device_copy_brings_its_state_along():
+    """A request recomputes a parked block's tokens (its match ended at the block's checkpoint inside
+    it); its release's device copy replaces the parked node, whose state moves to the device (a free
+    slot is there). Before, the state was forgotten."""
+    cache = PrefixCache(num_blocks=10, block_size=4, host_blocks=8,
+                        checkpoints=Checkpoints(1, every_blocks=0, store=CheckpointStore(SHAPE)))
+    tokens = [1] * 4 + [2] * 4
+    alloc = cache.apply(cache.plan_allocate(cache.match(tokens, 7), 8, checkpoints=2))
+    cache.ckpt.take(alloc, 6, np.full(SHAPE, 6, np.float32))
+    cache.apply(cache.plan_release(tokens, 8, alloc))
+    match = cache.match(tokens, 7)
+    first, second = match.shared[0], match.cow_source
+    assert (first.checkpoints, second.checkpoints) == (set(), {2}) and second.parent is first
+    other = [9] * 32  # 8 blocks: the leaf `second` (weight 2) is parked; 6 of them are released
+    cache.apply(cache.plan_release(other, 24, cache.apply(cache.plan_allocate(cache.match(other, 31), 32))))
+    assert second.on_host and first.on_device and cache.ckpt.count("host") == 1
+    match = cache.match(tokens, 7)
+    assert match.num_tokens == 6 and match.checkpoint == (second, 2) and match.cow_source is second
+    alloc = cache.apply(cache.plan_allocate(match, 8))
+    assert float(alloc.checkpoint_state[0, 0, 0]) == 6 and cache._dev_free.num_free - cache.ckpt.units_on("device") == 2
+    cache.apply(cache.plan_release(tokens, 8, alloc))
+    cache.check_integrity()
+    assert first.children[(2,) * 4] is second and second.on_device and second.checkpoints == {2}
+    assert (cache.ckpt.count("device"), cache.ckpt.count("host")) == (1, 0) and cache.ckpt.stats["dropped"] == 0
+    assert float(cache.ckpt.read(second, 2)[0, 0, 0]) == 6 and cache.match(tokens, 7).checkpoint == (second, 2)

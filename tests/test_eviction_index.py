@@ -48,6 +48,9 @@ class _Compare:
         assert [(id(n), k) for n, k in plan.checkpoint_drops] == [(id(n), k) for n, k in copy.checkpoint_drops]
         if plan.checkpoint_drops:
             self.kinds.add("checkpoint_drops")
+        moved = {id(b) for b in plan.parks + plan.spills + plan.host_drops}
+        if any(id(n) in moved for n, _ in plan.checkpoint_drops):
+            self.kinds.add("parked_without_some_states")  # issue 16: its states did not all fit the host tier
         assert plan.host_grow == copy.host_grow
         assert _index_state(cache) == before, "a plan changed the index"
         self.calls += 1
@@ -167,6 +170,16 @@ def test_index_chooses_the_same_victims_with_state_checkpoints_weighing_in(compa
     assert stats["attached"] > 50 and stats["dropped"] > 10, stats
     assert {"parks", "spills", "checkpoint_drops"} <= compare.kinds, compare.kinds
     assert writer.written_checkpoints > 0 and "copy_drops" in compare.kinds  # their files give way too
+
+
+@pytest.mark.parametrize("units,seed", [(2, 4), (3, 5)])
+def test_index_parks_a_block_with_the_states_a_small_host_tier_takes(compare, tmp_path, units, seed):
+    """A host tier smaller than a block and its states: the block is parked with the states that fit (the
+    rest dropped, least useful first), as in the reference; before, it was dropped with all of them."""
+    cache = _cache(num_blocks=14, host_blocks=4, disk_blocks=10, units=units, state_dir=tmp_path)
+    _workload(cache, seed, 1000, keys=False)
+    assert compare.calls > 100 and compare.victims > 100, (compare.calls, compare.victims)
+    assert {"parks", "spills", "parked_without_some_states"} <= compare.kinds, compare.kinds
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -137,11 +137,15 @@ def test_agent_workload_computes_exactly_the_ideal(hybrid):
     assert loop.cache.stats["miss_no_checkpoint"] == 0
 
 
-@pytest.mark.parametrize("pressure", ["host", "disk", "write-behind"])
-def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(hybrid, pressure, tmp_path):
+@pytest.mark.parametrize("pressure", ["host", "disk", "write-behind", "small-host"])
+def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(hybrid, pressure, tmp_path,
+                                                                                 monkeypatch):
+    """small-host: a host tier of 2 slots, less than a block and its states: blocks are parked with the
+    states that fit (scheduler/cache_plan.py `_park_with_states`), the rest dropped."""
+    partial = _count_partial_parks(monkeypatch)
     turns = _random_turns(7, conversations=5, count=30)
     extra = dict(num_blocks=70, host_blocks=30) if pressure == "host" else \
-        dict(num_blocks=70, host_blocks=8, disk_root=tmp_path, disk_blocks=400)
+        dict(num_blocks=70, host_blocks=2 if pressure == "small-host" else 8, disk_root=tmp_path, disk_blocks=400)
     if pressure == "write-behind":  # K/V files written while serving: a spill of such a block writes only
         extra.update(disk_blocks=120, write_behind_mib_s=10_000.0)  # its checkpoints' files
     on, usage, _, loop, _ = _run(hybrid, turns, concurrency=3, **extra)
@@ -153,6 +157,22 @@ def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(
         assert stats["spills"] > 0 and stats["disk_loads"] > 0
     if pressure == "write-behind":
         assert loop.write_behind.written_blocks > 0, "nothing was written behind"
+    if pressure == "small-host":
+        assert partial, "no block was parked with only some of its states"
+
+
+def _count_partial_parks(monkeypatch) -> list[int]:
+    """Records, for each device victim parked without some of its states, how many it kept."""
+    import scheduler.cache_plan as cache_plan
+    found, park = [], cache_plan._park_with_states
+
+    def counting(cache, plan, host, victim):
+        before = len(plan.checkpoint_drops)
+        park(cache, plan, host, victim)
+        if len(plan.checkpoint_drops) > before:
+            found.append(len(victim.checkpoints) - (len(plan.checkpoint_drops) - before))
+    monkeypatch.setattr(cache_plan, "_park_with_states", counting)
+    return found
 
 
 def _continuous_logits(model, num_blocks, tokens, first_steps, second_steps):

@@ -1,0 +1,46 @@
+"""A parked node's checkpoints when a released request's device copy of the same tokens replaces it.
+
+A request that recomputed (or copied) a block whose content is also parked in the host or disk tier
+releases its device copy into the tree in place of the parked one (scheduler/prefix_cache.py `_insert`:
+one copy of each content, the resident one). The parked node's checkpoints sit in the lower tier, whose
+block slot the replacement gives back. Before, they were forgotten; a trimmed history's system-message
+boundary went so every other turn (tiny qwen3next under --pressure: re-reads of 166 of 166 tokens). Now
+they come up to the device with their node where the device has free slots for them, the most useful
+first (cache_plan.park_order, the rule a park keeps them by); only those without room are forgotten.
+The free slots are those no block and no checkpoint (held or reserved by a running request) takes, so
+the release's own reserved checkpoints still find theirs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from scheduler.cache_plan import park_order
+from scheduler.cache_tree import CachedBlock
+
+if TYPE_CHECKING:
+    from scheduler.prefix_cache import PrefixCache
+
+
+def adopt_parked_states(cache: "PrefixCache", node: CachedBlock) -> None:
+    """Call while `node` (host or disk) is still in its tier, before it becomes the device copy: its
+    states that fit the device's free slots move there (a disk one is read, its file stays as the
+    copy, as a loaded block's does); the rest, and any whose file is unreadable, are forgotten."""
+    ckpt = cache.ckpt
+    if not node.checkpoints:
+        return
+    room = max(0, (cache._dev_free.num_free - ckpt.units_on("device")) // ckpt.units)
+    order = park_order(ckpt.gap, node)
+    for k in order[room:][::-1]:  # no room on the device: the least useful go
+        ckpt.forget(node, k)
+    tier, store = node.tier, ckpt.store
+    for k in order[:room]:
+        key = (node.digest, k)
+        if tier == "host":
+            store.move(key, "host", "device")
+            continue
+        state = store.read_file(key)
+        if state is None:
+            ckpt.forget(node, k)
+        else:
+            store.keep_as_copy(key, state)  # `unsaved` needs no change: a host node's states keep
+            # their files or lack of them; a disk node's all have files now
