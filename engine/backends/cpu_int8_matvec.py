@@ -66,25 +66,58 @@ def quantize_act(x, qmax):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _rows_u4(qs, d, m, first, last, xlo, xhi, dx, sx, y, col0, isums, lanes):
+def _scale_u4(d, m, r, dx, sx, t, isums):
+    """Row r's product with token t from its per-block integer sums."""
+    acc = _F32(0.0)
+    for b in range(d.shape[1]):
+        acc += _F32(isums[b]) * (d[r, b] * dx[t, b]) + m[r, b] * sx[t, b]
+    return acc
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _rows_u4(qs, d, m, first, last, xlo, xhi, dx, sx, y, col0, isums, wlo, whi, lanes):
+    """One token: the nibbles are dotted straight from the bytes. Several: each row's nibbles are unpacked
+    once into byte buffers wlo / whi [in/2] and every token dotted with those. Bytes, not int16: LLVM
+    narrows a zero-extended byte times int16 to vpmaddwd, but an int16 buffer times int16 stayed in 64-bit
+    lanes (2x slower than float at T = 4, measured); four tokens' sums in one loop did too."""
+    n_tok = xlo.shape[0]
     for r in range(first, last):
-        for t in range(xlo.shape[0]):
+        if n_tok == 1:
             for b in range(d.shape[1]):
                 isum = _I32(0)
                 for j in range(lanes):
                     q = qs[r, b * 16 + j]
-                    isum += _I32(_I16(q & _LOW) * xlo[t, b * 16 + j] + _I16(q >> _SHIFT) * xhi[t, b * 16 + j])
+                    isum += _I32(_I16(q & _LOW) * xlo[0, b * 16 + j] + _I16(q >> _SHIFT) * xhi[0, b * 16 + j])
                 isums[b] = isum
-            acc = _F32(0.0)
+            y[0, col0 + r] = _scale_u4(d, m, r, dx, sx, 0, isums)
+            continue
+        for i in range(wlo.size):
+            q = qs[r, i]
+            wlo[i], whi[i] = q & _LOW, q >> _SHIFT
+        for t in range(n_tok):
             for b in range(d.shape[1]):
-                acc += _F32(isums[b]) * (d[r, b] * dx[t, b]) + m[r, b] * sx[t, b]
-            y[t, col0 + r] = acc
+                isum = _I32(0)
+                for j in range(lanes):
+                    i = b * 16 + j
+                    isum += _I32(_I16(wlo[i]) * xlo[t, i] + _I16(whi[i]) * xhi[t, i])
+                isums[b] = isum
+            y[t, col0 + r] = _scale_u4(d, m, r, dx, sx, t, isums)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def _scale_i8(d, m, r, dxg, sx, t, isums):
+    acc = _F32(0.0)
+    for g in range(d.shape[1]):
+        acc += _F32(isums[g]) * (d[r, g] * dxg[t, g])
+    for b in range(m.shape[1]):
+        acc += m[r, b] * sx[t, b]
+    return acc
 
 
 @njit(cache=True, fastmath=_FASTMATH)
 def _rows_i8(qs, d, m, first, last, x16, dxg, sx, y, col0, isums, group):
     """Groups of `group` (16 or 32) weights, one scale each; dxg is dx at the same granularity; m [R, 0]
-    or one min per 32 weights."""
+    or one min per 32 weights. Every token dotted straight from the bytes (no unpacking to share)."""
     for r in range(first, last):
         for t in range(x16.shape[0]):
             for g in range(d.shape[1]):
@@ -92,23 +125,19 @@ def _rows_i8(qs, d, m, first, last, x16, dxg, sx, y, col0, isums, group):
                 for j in range(group):
                     isum += _I32(_I16(np.int8(qs[r, g * group + j])) * x16[t, g * group + j])
                 isums[g] = isum
-            acc = _F32(0.0)
-            for g in range(d.shape[1]):
-                acc += _F32(isums[g]) * (d[r, g] * dxg[t, g])
-            for b in range(m.shape[1]):
-                acc += m[r, b] * sx[t, b]
-            y[t, col0 + r] = acc
+            y[t, col0 + r] = _scale_i8(d, m, r, dxg, sx, t, isums)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _part_rows(part, first, last, act, y, col0, isums, lanes):
+def _part_rows(part, first, last, act, y, col0, isums, w8, lanes):
     form, qs, qh, d, m = part
     xlo, xhi, x16, dx, dx16, sx = act
     if form == I8:
         group = x16.shape[1] // d.shape[1]
         _rows_i8(qs, d, m, first, last, x16, dx if group == 32 else dx16, sx, y, col0, isums, group)
     else:
-        _rows_u4(qs, d, m, first, last, xlo, xhi, dx, sx, y, col0, isums, lanes)
+        half = w8.size // 2
+        _rows_u4(qs, d, m, first, last, xlo, xhi, dx, sx, y, col0, isums, w8[:half], w8[half:], lanes)
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
@@ -120,12 +149,13 @@ def matvec2_i8(part0, part1, act, y, lanes):
     tasks = tasks0 + (n1 + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(tasks):
         isums = np.empty(act[2].shape[1] // 16, np.int32)
+        w8 = np.empty(act[2].shape[1], np.uint8)  # a row's nibbles unpacked (several tokens)
         if task < tasks0:
             first = task * _ROWS_PER_TASK
-            _part_rows(part0, first, min(n0, first + _ROWS_PER_TASK), act, y, 0, isums, lanes)
+            _part_rows(part0, first, min(n0, first + _ROWS_PER_TASK), act, y, 0, isums, w8, lanes)
         else:
             first = (task - tasks0) * _ROWS_PER_TASK
-            _part_rows(part1, first, min(n1, first + _ROWS_PER_TASK), act, y, n0, isums, lanes)
+            _part_rows(part1, first, min(n1, first + _ROWS_PER_TASK), act, y, n0, isums, w8, lanes)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
