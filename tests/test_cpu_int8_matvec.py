@@ -66,12 +66,13 @@ def test_unpacked_integers_and_scales_rebuild_gguf_dequantisation_exactly(tensor
 def test_activation_quantisation_is_ggmls_q8_rule(qmax):
     x = _x(3, 256)
     x[1, :32] = np.linspace(-2.0, 2.0, 32)  # the block's extremes land exactly on +-127
-    xlo, xhi, x16, dx, dx16, sx = quantize_act(x, qmax)
+    xlo, xhi, x16, dx, dx16, sx, sx16 = quantize_act(x, qmax)
     xq, dx_ref, _ = quantized_x(x, qmax)
     np.testing.assert_array_equal(x16, xq)
     np.testing.assert_array_equal(dx, dx_ref)
     np.testing.assert_array_equal(dx16, np.repeat(dx_ref, 2, axis=1))
     np.testing.assert_allclose(sx, dx_ref * xq.reshape(3, -1, 32).sum(-1), rtol=1e-6)
+    np.testing.assert_allclose(sx16, np.repeat(dx_ref, 2, axis=1) * xq.reshape(3, -1, 16).sum(-1), rtol=1e-6)
     np.testing.assert_array_equal(np.concatenate([xlo.reshape(3, -1, 16), xhi.reshape(3, -1, 16)], -1),
                                   xq.reshape(3, -1, 32))
     assert x16[1, 0] == -int(qmax) and x16[1, 31] == int(qmax) and np.all(x16[0, 32:64] == 0)

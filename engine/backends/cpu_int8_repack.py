@@ -3,15 +3,18 @@
 Every supported type becomes one of two planar forms, the integers in one array and the float scales in
 their own (float32), so the kernels' inner loops read contiguous bytes and no float16 table:
 
-    U4   qs [R, in/2] u8, d, m [R, in/32] f32               w = d * nibble + m   q4_0 (m = -8 d), q4_1, q4_k
-    I8   qs [R, in] (int8 bits as u8), d [R, in/G] f32,     w = d * q (+ m)      q8_0 (G = 32), q6_k (G = 16,
-         m [R, in/32] f32 or [R, 0]                                              q - 32), q5_0 (q - 16), q5_1, q5_k
+    U4   qs [R, in/2] u8, d, m [R, in/32] f32        w = d * nibble + m    q4_0 (m = -8 d), q4_1, q4_k
+    U8   qs [R, in] u8, d, m [R, in/G] f32           w = d * byte + m      q8_0 (byte = q + 128, m = -128 d),
+                                                                            q6_k (G = 16, m = -32 d), q5_0
+                                                                            (m = -16 d), q5_1, q5_k (G = 32)
 
 In U4 byte j of a 32-weight block holds weight j in its low nibble and weight j + 16 in its high one
 (the q4_0 / q4_1 layout); the k-quants' 6-bit sub-block scales and mins are multiplied out into d and m
 (d = d_super * sc, m = -dmin_super * mn, each a float32 product as ggml's dequantisation does it).
 The 5-bit types are widened to a byte a weight: extracting the fifth bit from a packed u32 per lane did
-not vectorise (2.5-3.1 Gweights/s per thread against 8.5 for U4, measured), bytes do.
+not vectorise (2.5-3.1 Gweights/s per thread against 8.5 for U4, measured), bytes do. Unsigned bytes with
+the offset moved into m: LLVM's products of zero-extended bytes ran at 8.4 Gweights/s, of sign-extended
+int8 at 7.2 (one thread, SmolLM2's 49152 x 576 head).
 Memory: q4_1 20 -> 24 bytes per 32 weights, q4_0 18 -> 24, q5_0 22 -> 36, q5_1 / q5_k -> 40, q8_0 34 -> 36,
 q4_k 4.5 -> 6 bits a weight, q6_k 6.56 -> 10 bits. `unpack` is checked against gguf.quants' dequantisation in
 tests/test_cpu_int8_matvec.py for every type.
@@ -23,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-U4, I8 = 0, 2  # forms (a jitted function dispatches on an int)
+U4, U8 = 0, 1  # forms (a jitted function dispatches on an int)
 INT8_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
@@ -31,10 +34,10 @@ _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.Q4
 class Int8Part(NamedTuple):
     """One repacked part; the tuple (form, qs, qh, d, m) is what the kernels take. Arrays read-only."""
     form: int
-    qs: np.ndarray  # uint8 [R, in/2] (U4) or [R, in] (I8)
+    qs: np.ndarray  # uint8 [R, in/2] (U4) or [R, in] (U8)
     qh: np.ndarray  # uint32 [R, 0]: reserved (a packed fifth-bit plane), unused by both forms
-    d: np.ndarray   # float32 [R, in/32] (U4, I8 with G = 32) or [R, in/16] (I8, G = 16)
-    m: np.ndarray   # float32 [R, in/32] (U4, I8 of q5_1 / q5_k) or [R, 0]
+    d: np.ndarray   # float32 [R, in/G]: G = 32 (U4, U8) or 16 (U8 of q6_k)
+    m: np.ndarray   # float32, d's shape
 
 
 def empty_part() -> Int8Part:
@@ -52,11 +55,12 @@ def repack(tensor_type: Q, rows: np.ndarray, in_dim: int) -> Int8Part:
         v = values.reshape(n_rows, -1, 32)
         qs = ((v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)).astype(np.uint8).reshape(n_rows, -1)
         return _frozen(Int8Part(U4, qs, no_qh, d, m))
-    offset = {Q.Q6_K: 32, Q.Q5_0: 16}.get(tensor_type, 0)  # q5_0: d (q - 16) instead of d q - 16 d
-    if offset:
-        values, m = (values.astype(np.int16) - offset).astype(np.int8), None
-    m = np.zeros((n_rows, 0), np.float32) if m is None else m
-    return _frozen(Int8Part(I8, values.view(np.uint8), no_qh, d, m))
+    if tensor_type == Q.Q8_0:
+        values = (values.astype(np.int16) + 128).astype(np.uint8)
+        m = d * np.float32(-128.0)
+    elif tensor_type == Q.Q6_K:
+        m = d * np.float32(-32.0)
+    return _frozen(Int8Part(U8, values, no_qh, d, m))
 
 
 def unpack(tensor_type: Q, rows: np.ndarray, in_dim: int):
@@ -66,7 +70,7 @@ def unpack(tensor_type: Q, rows: np.ndarray, in_dim: int):
     blocks = np.ascontiguousarray(rows).reshape(n_rows, -1, _BLOCK_BYTES[tensor_type])
     def f16(a, b):
         return np.ascontiguousarray(blocks[..., a:b]).view(np.float16)[..., 0].astype(np.float32)
-    if tensor_type in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
+    if tensor_type in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):  # m: q4_0 -8 d, q5_0 -16 d
         has_min, five = tensor_type in (Q.Q4_1, Q.Q5_1), tensor_type in (Q.Q5_0, Q.Q5_1)
         d = f16(0, 2)
         m = f16(2, 4) if has_min else d * np.float32(-16.0 if five else -8.0)
