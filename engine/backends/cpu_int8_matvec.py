@@ -18,7 +18,9 @@ cpu_quant_decode.py: a constant one made LLVM vectorise the block loop with gath
 Measured one thread, 3072 x 576 q4_1 rows (SmolLM2's gate_up): 8.9 Gweights/s vs 4.5 for the float
 activation kernel (cpu_fused_matvec.py), which stays as `--cpu-weights quantized-f32act`.
 
-numba's disk cache is keyed on this file only; it does not call the float decoders.
+numba's disk cache is keyed on each function's own file: cpu_fused_layer.decode_layer inlines these
+kernels, so every edit here must bump the integer kernels' revision noted in cpu_fused_layer.py, or a
+stale decode_layer is loaded from the cache (it was, once: garbage logits on gemma3's U8 layers).
 """
 from __future__ import annotations
 
