@@ -74,3 +74,14 @@ def test_float_weights_refuse_integer_activations(model):
     kinds = {k for m in [model.weights.output] + [lw.wqkv for lw in model.weights.layers] for k, _, _ in m.parts}
     integer = {d.Q4_0, d.Q4_1, d.Q5_0, d.Q5_1, d.Q8_0, d.Q4_K, d.Q5_K, d.Q6_K}
     assert (int8_refusal(model) is None) == (kinds <= integer)
+
+
+def test_prepare_decode_builds_the_decoder_the_steps_then_use(model):
+    backend = model.backend
+    backend.activations = "int16"
+    backend._fused.clear()
+    backend.prepare_decode(model)
+    decoder = backend._fused[model]
+    assert (decoder is not None) and ("int" in decoder.linears) == _quantisable(model)
+    _decode(model, True, activations="int16")
+    assert backend._fused[model] is decoder  # not rebuilt at the first step

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from engine.backends import cpu_int8_repack
 from engine.backends.cpu_int8_matvec import project_i8, quantize_act
 from engine.backends.cpu_int8_repack import INT8_TYPES, empty_part, repack, unpack
 from tests.test_cpu_quant_kernels import random_rows, reference
@@ -108,3 +109,14 @@ def test_each_token_is_computed_alone(qmax):
     together = project_i8(part, _EMPTY, x, qmax, 16)
     for t in range(5):
         np.testing.assert_array_equal(together[t], project_i8(part, _EMPTY, x[t : t + 1].copy(), qmax, 16)[0])
+
+
+@pytest.mark.parametrize("tensor_type", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_repacking_in_row_chunks_equals_repacking_at_once(tensor_type, monkeypatch):
+    rows = random_rows(tensor_type, 37, 256)
+    whole = repack(tensor_type, rows, 256)
+    monkeypatch.setattr(cpu_int8_repack, "REPACK_ROWS", 16)  # 37 = 16 + 16 + 5
+    chunked = repack(tensor_type, rows, 256)
+    assert whole.form == chunked.form
+    for a, b in zip(whole[1:], chunked[1:]):
+        np.testing.assert_array_equal(a, b)

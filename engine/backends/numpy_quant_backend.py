@@ -73,6 +73,12 @@ class QuantizedNumpyBackend(NumpyBackend):
             return fused.forward(batch, pool)
         return model.forward(batch, pool)
 
+    def prepare_decode(self, model) -> None:
+        """Build the model's fused decoder now (repacking the weights for integer activations: 1.5-7 s and
+        ~1.2x the quantised bytes), at start-up instead of in the first request's first decode step."""
+        if self.fused_decode:
+            self._fused_decoder(model)
+
     def _fused_decoder(self, model) -> FusedDecoder | None:
         if model not in self._fused:
             reason = fused_refusal(model)
