@@ -120,3 +120,13 @@ def test_repacking_in_row_chunks_equals_repacking_at_once(tensor_type, monkeypat
     assert whole.form == chunked.form
     for a, b in zip(whole[1:], chunked[1:]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_activation_makes_the_product_nan(bad):
+    """As on the float path: the rounding must not turn a NaN or an overflow into a finite number."""
+    rows = random_rows(Q.Q4_1, 20, 256)
+    x = _x(2, 256)
+    x[1, 70] = bad
+    y = project_i8(tuple(repack(Q.Q4_1, rows, 256)), _EMPTY, x, QMAX[1], 16)
+    assert np.all(np.isfinite(y[0])) and np.all(np.isnan(y[1]))

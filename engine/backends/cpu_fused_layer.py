@@ -14,7 +14,7 @@ The same float32 operations as engine/model.py on the numpy backend, in one call
 and numba calls per layer (each a Python dispatch, several a wake-up of the thread pool). An optional
 weight (bias, QK-norm, post norms) is passed as a 0-length array when the model has none.
 numba's disk cache is keyed on this file only: it changes whenever the decoders do (cpu_quant_decode.py)
-or the integer kernels (cpu_int8_matvec.py, whose code it inlines: revision 3; bump it with every edit there).
+or the integer kernels (cpu_int8_matvec.py, whose code it inlines: revision 4; bump it with every edit there).
 Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4; decoder revision 2 (as cpu_quant_kernels).
 """
 from __future__ import annotations

@@ -1,22 +1,25 @@
-"""Decode products with int8-quantised activations and integer dot products (ggml's q8 path), in numba.
+"""Decode products with integer-quantised activations and integer dot products (ggml's q8 path), in numba.
 
 The activations of each token are quantised once per product, per 32-element block (`quantize_act`):
 
-    dx = max|x_block| / 127,   xq_j = round(x_j / dx)  (int8, carried as int16),   sx = dx * sum_j xq_j
+    dx = max|x_block| / qmax,   xq_j = round(x_j / dx)  (int16 lanes),   sx = dx * sum_j xq_j
 
-and a weight block (cpu_int8_repack.py: w_j = d q_j + m, integer q_j) meets them as
+with qmax 32767 (int16, the default) or 127 (int8, ggml's q8 rule), and a weight group (cpu_int8_repack.py:
+w_j = d q_j + m, integer q_j >= 0) meets them as
 
-    x . w  ~=  sum over blocks of  d dx (sum_j q_j xq_j)  +  m sx            (int32 inner sums, exact)
+    x . w  ~=  sum over groups of  d dx (sum_j q_j xq_j)  +  m sx            (int32 inner sums, exact)
 
 so the only rounding beyond float32 is xq's (|x_j - dx xq_j| <= dx / 2): the error bound of a product is
 sum over blocks of dx / 2 * sum_j |w_j| (tests/test_cpu_int8_matvec.py checks both that and the tight
-bound against the same quantised x). The inner loops are written as int16 products summed into int32,
-which LLVM turns into vpmaddwd (vpdpwssd with VNNI) on x86 and into the matching instructions elsewhere;
-int16 * int16 is typed int64 by numba, so every product is cast back to int32 before it is summed (else
-the lanes widen to 64 bits). The 16-lane trip count is passed at run time (`lanes`), as in
-cpu_quant_decode.py: a constant one made LLVM vectorise the block loop with gathers (6x slower, measured).
-Measured one thread, 3072 x 576 q4_1 rows (SmolLM2's gate_up): 8.9 Gweights/s vs 4.5 for the float
-activation kernel (cpu_fused_matvec.py), which stays as `--cpu-weights quantized-f32act`.
+bound against the same quantised x). The inner loops are written as zero-extended weights times int16
+activations summed into int32, which LLVM turns into vpmaddwd (vpdpwssd with VNNI) on x86 and into the
+matching instructions elsewhere; int16 * int16 is typed int64 by numba, so every product is cast back to
+int32 before it is summed (else the lanes widen to 64 bits). int16 activations cost what int8 ones do here
+(the products are int16 either way; nothing emits vpdpbusd) and round 256x finer. The 16-lane trip count is
+passed at run time (`lanes`), as in cpu_quant_decode.py: a constant one made LLVM vectorise the block loop
+with gathers (6x slower, measured). Measured one thread, 3072 x 576 q4_1 rows (SmolLM2's gate_up): 8.9
+Gweights/s vs 4.5 for the float activation kernel (cpu_fused_matvec.py, `--cpu-weights quantized-f32act`).
+A non-finite activation makes its block's scale NaN, so the product is NaN, as on the float path.
 
 numba's disk cache is keyed on each function's own file: cpu_fused_layer.decode_layer inlines these
 kernels, so every edit here must bump the integer kernels' revision noted in cpu_fused_layer.py, or a
@@ -37,10 +40,9 @@ _LOW, _SHIFT = _U8(15), _U8(4)
 
 @njit(cache=True, fastmath=_FASTMATH)
 def quantize_act(x, qmax):
-    """(xlo, xhi [T, in/2], x16 [T, in] int16, dx [T, in/32], dx16 [T, in/16], sx [T, in/32], sx16 [T, in/16]
-    float32) of x
-    [T, in] float32, quantised to integers in [-qmax, qmax] (float32 127: int8, ggml's q8 rule; 32767:
-    int16); xlo / xhi are each block's first / second 16 values (the U4 nibble order)."""
+    """x [T, in] float32 quantised to integers in [-qmax, qmax] (float32 127: int8, ggml's q8 rule; 32767:
+    int16): (xlo, xhi [T, in/2], x16 [T, in] int16, dx [T, in/32], dx16 [T, in/16], sx [T, in/32],
+    sx16 [T, in/16] float32); xlo / xhi are each block's first / second 16 values (the U4 nibble order)."""
     n_tok, n_in = x.shape
     nb = n_in // 32
     xlo, xhi = np.empty((n_tok, n_in // 2), np.int16), np.empty((n_tok, n_in // 2), np.int16)
@@ -49,10 +51,11 @@ def quantize_act(x, qmax):
     dx16, sx16 = np.empty((n_tok, 2 * nb), np.float32), np.empty((n_tok, 2 * nb), np.float32)
     for t in range(n_tok):
         for b in range(nb):
-            amax = _F32(0.0)
+            amax, finite = _F32(0.0), _F32(0.0)
             for j in range(32):
                 amax = max(amax, abs(x[t, b * 32 + j]))
-            d = amax / qmax
+                finite += x[t, b * 32 + j] * _F32(0.0)  # NaN if any value is NaN or infinite
+            d = amax / qmax if finite == _F32(0.0) else _F32(np.nan)
             inv = _F32(1.0) / d if d > _F32(0.0) else _F32(0.0)
             sums = np.zeros(2, np.int32)  # the two halves' sums
             for j in range(32):
