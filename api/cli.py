@@ -63,8 +63,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=None, help="BLAS and kernel threads (default: all cores)")
     gen.add_argument("--kv-type", choices=("auto", "f32", "f16", "int8"), default="auto",
                      help="how K/V is stored (as for strata serve)")
-    gen.add_argument("--cpu-weights", choices=("quantized", "f32"), default="quantized",
-                     help="numpy backend: keep the file's quantised blocks, or dequantise to float32")
+    gen.add_argument("--cpu-weights", choices=("quantized", "quantized-int8act", "quantized-f32act", "f32"),
+                     default="quantized", help="numpy backend: keep the file's quantised blocks (decode on "
+                     "int16 activations; int8 or float32 ones with the -int8act / -f32act values), or "
+                     "dequantise to float32")
     gen.set_defaults(func=_cmd_generate)
 
     kernels = sub.add_parser("kernels", help="list the CUDA kernels; --check compiles them with NVRTC")

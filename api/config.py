@@ -24,7 +24,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # auto: cuda when cuda-python, a driver and a device are there, else numpy (engine/loader.choose_backend).
 BACKENDS = ("auto", "numpy", "cuda")
 # How the numpy backend holds weights (engine/loader.CPU_WEIGHTS): the file's blocks or float32.
-CPU_WEIGHTS = ("quantized", "f32")
+CPU_WEIGHTS = ("quantized", "quantized-int8act", "quantized-f32act", "f32")
 # How K/V rows are stored (engine/kv.KV_TYPES); auto: the backend's default (numpy f32, cuda its first type).
 KV_TYPE_CHOICES = ("auto", "f32", "f16", "int8")
 # auto: picked from the chat template (api/tool_calls.detect_format); the names of api/tool_calls' registry.
@@ -112,8 +112,11 @@ class ServerConfig:
                                      "shared out among pipeline stages)")
     backend: str = _opt("auto", "compute backend (auto: cuda when a GPU is usable, else numpy)", BACKENDS)
     cpu_weights: str = _opt("quantized", "how the numpy backend holds weights: quantized (the file's blocks, "
-                                         "about a tenth of float32's memory, faster decode) or f32 (dequantised "
-                                         "at load, the reference)", CPU_WEIGHTS)
+                                         "about a tenth of float32's memory, faster decode; decode products on "
+                                         "int16-quantised activations), quantized-int8act (int8 ones, as "
+                                         "llama.cpp), quantized-f32act (float32 ones) or f32 (dequantised at "
+                                         "load, the reference)",
+                                         CPU_WEIGHTS)
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM/Ctrl+C, seconds to finish in-flight requests before "
                                            "cancelling them")
     progress_interval_s: float = _opt(5.0, "seconds between progress lines of a long prefill")

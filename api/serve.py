@@ -43,6 +43,9 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
                                   max_positions=config.ctx_size, backend_name=config.backend,
                                   cpu_weights=config.cpu_weights, expert_cache_mib=config.expert_cache_mib)
+    prepare = getattr(loaded.model.backend, "prepare_decode", None)  # numpy: the fused decoder's repacking
+    if prepare is not None:
+        prepare(loaded.model)
     if config.ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
                     config.ctx_size, loaded.model.config.context_length)

@@ -16,7 +16,8 @@ log = logging.getLogger("strata.loader")
 BACKEND_NAMES = ("auto", "numpy", "cuda")
 NUMPY_ONLY_ARCHS = ("lfm2", "qwen3next")  # hybrid models whose recurrent layers have no CUDA kernels yet
 # How the numpy backend holds linear weights: float32 (the reference) or the file's quantised blocks.
-CPU_WEIGHTS = ("f32", "quantized")
+CPU_WEIGHTS = ("f32", "quantized", "quantized-int8act", "quantized-f32act")
+_ACTIVATIONS = {"quantized": "int16", "quantized-int8act": "int8", "quantized-f32act": "f32"}
 
 
 @dataclass
@@ -52,7 +53,9 @@ def create_backend(name: str = "numpy", stage: int = 0, device: int | None = Non
                    cpu_weights: str = "quantized") -> Backend:
     """The backend `name` (auto, numpy, cuda) for pipeline stage `stage` on GPU `device` (default 0).
 
-    `cpu_weights` (f32 or quantized) says how the numpy backend holds the weights; cuda ignores it.
+    `cpu_weights` (f32, or quantized: decode products on int16-quantised activations, quantized-int8act on
+    int8 ones, quantized-f32act on float32 ones) says how the numpy backend holds and uses the weights;
+    cuda ignores it.
     Logs which backend was picked and why. Several cuda backends on one device (one per stage) share its
     context, memory arena and kernels; each has its own stream. Every kernel is compiled (or read from the
     on-disk cache) here, so a broken toolchain is a start-up error, not a failure at the first request.
@@ -80,7 +83,7 @@ def create_backend(name: str = "numpy", stage: int = 0, device: int | None = Non
         return NumpyBackend()
     from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
 
-    return QuantizedNumpyBackend()
+    return QuantizedNumpyBackend(activations=_ACTIVATIONS[cpu_weights])
 
 
 def open_model(

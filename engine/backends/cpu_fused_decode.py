@@ -17,9 +17,11 @@ import numpy as np
 
 from engine.backends.cpu_fused_layer import GELU_TANH, SILU, decode_layer, rms_norm_into
 from engine.backends.cpu_fused_matvec import block_sums, matvec2
+from engine.backends.cpu_int8_matvec import project_i8
+from engine.backends.cpu_int8_repack import INT8_TYPES, empty_part, repack
 from engine.backends.cpu_quant_decode import f16_table
 from engine.backends.cpu_quant_kernels import _LANES, call_kernel
-from engine.backends.cpu_quant_linear import KERNEL_MAX_ROWS, QuantLinear
+from engine.backends.cpu_quant_linear import KERNEL_KINDS, KERNEL_MAX_ROWS, QuantLinear
 from engine.batch import BatchMeta
 
 _F32 = np.float32
@@ -28,6 +30,15 @@ _NONE = np.zeros(0, np.float32)  # an absent optional weight
 _NO_PART = (0, np.zeros((0, 1), np.uint8))  # the absent second part of a one-type linear
 _NO_PART[1].flags.writeable = False
 _ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH}
+_GGUF_TYPE = {k: t for t, k in KERNEL_KINDS.items()}
+# Activation kinds -> the integer range the decode products quantise them to (0: not quantised). int16
+# costs the same as int8 in cpu_int8_matvec (its products are int16 either way) and its rounding is 256x
+# finer: on gemma3 int8 moved logits by up to 0.37 and changed greedy ids after 16 tokens, int16 by ~1e-3.
+ACT_QMAX = {"f32": _F32(0.0), "int8": _F32(127.0), "int16": _F32(32767.0)}
+# Steps of more tokens take the float kernels even then: they decode a row once and dot it with every
+# token (~0.06 instructions a weight per extra token), where the integer kernels reduce every 32-weight
+# block for every token (CPU ms per SmolLM2 step at 4 tokens: 123 integer vs 60 float; at 1: 43 vs 56).
+INT_MAX_TOKENS = 1
 
 
 def fused_refusal(model) -> str | None:
@@ -50,25 +61,53 @@ def _parts(linear: QuantLinear) -> tuple:
     return k0, r0, k1, r1
 
 
+def int8_refusal(model) -> str | None:
+    """Why `model`'s linears cannot take int8 activations (None: they can); the float kernels run then."""
+    linears = [model.weights.output] + [m for lw in model.weights.layers
+                                        for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+    kinds = {KERNEL_KINDS[t] for t in INT8_TYPES}
+    bad = {k for m in linears for k, _, _ in m.parts if k not in kinds}
+    return f"weight kinds {sorted(bad)} have no int8 kernel" if bad else None
+
+
+def _int8_parts(linear: QuantLinear) -> tuple:
+    """The linear's parts repacked (cpu_int8_repack) as the (part0, part1) tuple project_i8 takes."""
+    parts = [tuple(repack(_GGUF_TYPE[k], rows, linear.in_dim)) for k, rows, _ in linear.parts]
+    return (parts + [tuple(empty_part())])[0], (parts + [tuple(empty_part())])[1]
+
+
 def _opt(array) -> np.ndarray:
     return _NONE if array is None else array
 
 
 class FusedDecoder:
-    """The per-layer arguments of decode_layer, gathered once from a model's weights. Immutable."""
+    """The per-layer arguments of decode_layer, gathered once from a model's weights. Immutable.
 
-    def __init__(self, model):
+    activations "int16" / "int8": steps of up to INT_MAX_TOKENS tokens quantise the activations per
+    32-value block to integers (ACT_QMAX) and take integer dot products on weights repacked at construction
+    (cpu_int8_matvec.py; a copy of about the quantised bytes, cpu_int8_repack.py); larger steps and "f32"
+    use float32 activations on the raw rows (cpu_fused_matvec.py). The caller checks int8_refusal before
+    asking for an integer kind."""
+
+    def __init__(self, model, activations: str = "f32"):
         c, w = model.config, model.weights
         self.config = c  # no reference to the model itself: the backend caches decoders by weak model keys
         self.embedding, self.output_norm = w.embedding, w.output_norm
+        self.activations, self.qmax = activations, ACT_QMAX[activations]
         self.layers = []
         for i, lw in enumerate(w.layers):
             cos, sin = w.rope_local if c.layer_is_sliding[i] else w.rope_global
             self.layers.append((
-                lw.attn_norm, *_parts(lw.wqkv), _opt(lw.bqkv), _opt(lw.q_norm), _opt(lw.k_norm), *_parts(lw.wo),
-                _opt(lw.post_attn_norm), lw.ffn_norm, *_parts(lw.w_gate_up), *_parts(lw.w_down),
+                lw.attn_norm, _opt(lw.bqkv), _opt(lw.q_norm), _opt(lw.k_norm), _opt(lw.post_attn_norm), lw.ffn_norm,
                 _opt(lw.post_ffn_norm), cos, sin, c.sliding_window if c.layer_is_sliding[i] else 0))
-        self.output = _parts(w.output)
+        # (wqkv, wo, w_gate_up, w_down) per layer, and the head: raw rows always, repacked ones for integers
+        self.linears = {"f32": [tuple(_parts(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+                                for lw in w.layers]}
+        self.output = {"f32": _parts(w.output)}
+        if activations != "f32":
+            self.linears["int"] = [tuple(_int8_parts(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+                                   for lw in w.layers]
+            self.output["int"] = _int8_parts(w.output)
         self.eps, self.scale = _F32(c.rms_eps), _F32(c.attn_scale)
         self.act = _ACTIVATIONS[c.activation]
 
@@ -84,24 +123,26 @@ class FusedDecoder:
 
     def _forward(self, batch: BatchMeta, kv_pool) -> np.ndarray:
         c = self.config
+        kind = "int" if self.activations != "f32" and batch.num_tokens <= INT_MAX_TOKENS else "f32"
         x = self.embedding.gather(batch.token_ids)  # [T, d], as QuantizedNumpyBackend.embedding
         if c.embed_scale != 1.0:
             x *= _F32(c.embed_scale)
         tables = _block_tables(batch)
-        for i, layer in enumerate(self.layers):
-            (attn_norm, qk0, qr0, qk1, qr1, bqkv, q_norm, k_norm, ok0, or0, ok1, or1, post_attn, ffn_norm,
-             gk0, gr0, gk1, gr1, dk0, dr0, dk1, dr1, post_ffn, cos, sin, window) = layer
-            decode_layer(x, attn_norm, qk0, qr0, qk1, qr1, bqkv, q_norm, k_norm, ok0, or0, ok1, or1, post_attn,
-                         ffn_norm, gk0, gr0, gk1, gr1, dk0, dr0, dk1, dr1, post_ffn, kv_pool.k[i], kv_pool.v[i],
-                         batch.positions, batch.slot_mapping, tables, batch.block_size, cos, sin, c.rope_dims,
-                         c.n_heads, c.n_kv_heads, window, self.scale, self.eps, self.act, _TABLE, _LANES)
+        for i, (layer, (wqkv, wo, w_gate_up, w_down)) in enumerate(zip(self.layers, self.linears[kind])):
+            attn_norm, bqkv, q_norm, k_norm, post_attn, ffn_norm, post_ffn, cos, sin, window = layer
+            decode_layer(x, attn_norm, wqkv, bqkv, q_norm, k_norm, wo, post_attn, ffn_norm, w_gate_up, w_down,
+                         post_ffn, kv_pool.k[i], kv_pool.v[i], batch.positions, batch.slot_mapping, tables,
+                         batch.block_size, cos, sin, c.rope_dims, c.n_heads, c.n_kv_heads, window, self.scale,
+                         self.eps, self.act, _TABLE, _LANES, self.qmax)
         h = np.ascontiguousarray(x[batch.logit_rows])
         for t in range(h.shape[0]):
             rms_norm_into(h[t], self.output_norm, h[t], self.eps)
+        if kind == "int":
+            return project_i8(*self.output["int"], h, self.qmax, _LANES)
         xs = np.empty((h.shape[0], h.shape[1] // 32), _F32)
         block_sums(h, xs)
         logits = np.empty((h.shape[0], c.vocab_size), _F32)
-        matvec2(*self.output, h, xs, logits, _TABLE, _LANES)
+        matvec2(*self.output["f32"], h, xs, logits, _TABLE, _LANES)
         return logits
 
 

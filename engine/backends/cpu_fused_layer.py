@@ -2,7 +2,7 @@
 
     x [T, d] (the residual stream, updated in place)
       h    = rmsnorm(x, attn_norm)
-      qkv  = h @ Wqkv.T (+ bias)                      parallel region 1 (cpu_fused_matvec.matvec2)
+      qkv  = h @ Wqkv.T (+ bias)                      parallel region 1 (`project`: cpu_fused_matvec or cpu_int8_matvec)
       q, k = per-head rmsnorm (qwen3, gemma3); RoPE (half-split); q *= attn_scale
       K/V pool[slot] = k, v
       a    = softmax(q . K) V over the sequence's paged keys (its window on sliding layers), serial
@@ -13,7 +13,8 @@
 The same float32 operations as engine/model.py on the numpy backend, in one call instead of ~15 numpy
 and numba calls per layer (each a Python dispatch, several a wake-up of the thread pool). An optional
 weight (bias, QK-norm, post norms) is passed as a 0-length array when the model has none.
-numba's disk cache is keyed on this file only: it changes whenever the decoders do (cpu_quant_decode.py).
+numba's disk cache is keyed on this file only: it changes whenever the decoders do (cpu_quant_decode.py)
+or the integer kernels (cpu_int8_matvec.py, whose code it inlines: revision 4; bump it with every edit there).
 Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4; decoder revision 2 (as cpu_quant_kernels).
 """
 from __future__ import annotations
@@ -22,8 +23,11 @@ import math
 
 import numpy as np
 from numba import njit
+from numba.core import types
+from numba.extending import overload
 
 from engine.backends.cpu_fused_matvec import block_sums, matvec2
+from engine.backends.cpu_int8_matvec import project_i8
 
 _F32 = np.float32
 _FASTMATH = {"reassoc", "contract", "nsz"}
@@ -118,6 +122,22 @@ def _project(k0, r0, k1, r1, x, table, lanes):
     return y
 
 
+def project(linear, x, table, lanes, qmax):
+    """x @ W.T as a new [T, out] array, for a linear given either as raw rows (kind0, rows0, kind1, rows1)
+    (float activations, cpu_fused_matvec) or as two cpu_int8_repack parts (int8 activations,
+    cpu_int8_matvec, activations quantised to integers of at most qmax); numba picks the implementation from
+    the tuple's type when it compiles decode_layer."""
+    raise NotImplementedError("called from jitted code only")
+
+
+@overload(project, jit_options={"cache": True})
+def _project_typed(linear, x, table, lanes, qmax):
+    if isinstance(linear, types.BaseTuple) and len(linear) == 4:
+        return lambda linear, x, table, lanes, qmax: _project(linear[0], linear[1], linear[2], linear[3], x,
+                                                              table, lanes)
+    return lambda linear, x, table, lanes, qmax: project_i8(linear[0], linear[1], x, qmax, lanes)
+
+
 @njit(cache=True, fastmath=_FASTMATH)
 def _add_normed(x, delta, post_norm, eps):
     """x += post_norm ? rmsnorm(delta, post_norm) : delta, row by row (delta is overwritten)."""
@@ -129,21 +149,21 @@ def _add_normed(x, delta, post_norm, eps):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def decode_layer(x, attn_norm, qk0, qr0, qk1, qr1, bqkv, q_norm, k_norm, ok0, or0, ok1, or1, post_attn_norm,
-                 ffn_norm, gk0, gr0, gk1, gr1, dk0, dr0, dk1, dr1, post_ffn_norm, k_pool, v_pool, positions,
-                 slots, tables, block_size, cos, sin, rope_dims, n_heads, n_kv_heads, window, scale, eps, act,
-                 table, lanes):
+def decode_layer(x, attn_norm, wqkv, bqkv, q_norm, k_norm, wo, post_attn_norm, ffn_norm, w_gate_up, w_down,
+                 post_ffn_norm, k_pool, v_pool, positions, slots, tables, block_size, cos, sin, rope_dims, n_heads,
+                 n_kv_heads, window, scale, eps, act, table, lanes, qmax):
     """One layer for x [T, d] (one new token per row, at positions[T], K/V written to slots[T]).
 
-    Linears are two raw-row parts each (kind, rows); k_pool / v_pool [KVH, num_slots, hd] float32 are this
-    layer's pool views; tables [T, max_blocks] int64 each row's block table; cos / sin [positions, hd / 2]."""
+    Linears are tuples `project` takes (all four of one kind: numba compiles one version per kind), qmax
+    the activations' integer range for the integer kind; k_pool / v_pool [KVH, num_slots, hd] float32 are
+    this layer's pool views; tables [T, max_blocks] int64 each row's block table; cos / sin [positions, hd / 2]."""
     n_tok, d = x.shape
     hd = k_pool.shape[2]
     q_dim, kv_dim = n_heads * hd, n_kv_heads * hd
     h = np.empty_like(x)
     for t in range(n_tok):
         rms_norm_into(x[t], attn_norm, h[t], eps)
-    qkv = _project(qk0, qr0, qk1, qr1, h, table, lanes)  # [T, q_dim + 2 kv_dim]
+    qkv = project(wqkv, h, table, lanes, qmax)  # [T, q_dim + 2 kv_dim]
     for t in range(n_tok):
         if bqkv.size:
             for i in range(qkv.shape[1]):
@@ -167,10 +187,10 @@ def decode_layer(x, attn_norm, qk0, qr0, qk1, qr1, bqkv, q_norm, k_norm, ok0, or
     # did not vectorise (3.7x slower attention, gemma3 shapes, measured).
     _attention(np.ascontiguousarray(qkv[:, :q_dim]), k_pool, v_pool, positions, tables, block_size, window, n_heads,
                n_heads // n_kv_heads, attn)
-    _add_normed(x, _project(ok0, or0, ok1, or1, attn, table, lanes), post_attn_norm, eps)
+    _add_normed(x, project(wo, attn, table, lanes, qmax), post_attn_norm, eps)
     for t in range(n_tok):
         rms_norm_into(x[t], ffn_norm, h[t], eps)
-    gate_up = _project(gk0, gr0, gk1, gr1, h, table, lanes)  # [T, 2F]
+    gate_up = project(w_gate_up, h, table, lanes, qmax)  # [T, 2F]
     hidden = np.empty((n_tok, gate_up.shape[1] // 2), np.float32)
     _activate(gate_up, act, hidden)
-    _add_normed(x, _project(dk0, dr0, dk1, dr1, hidden, table, lanes), post_ffn_norm, eps)
+    _add_normed(x, project(w_down, hidden, table, lanes, qmax), post_ffn_norm, eps)

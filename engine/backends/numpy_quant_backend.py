@@ -2,7 +2,10 @@
 
 Everything but the weights is the float32 numpy reference (engine/backends/numpy_backend.py): the
 activations, norms, RoPE, attention and the K/V pool are unchanged, so the only difference from
-`--cpu-weights f32` is the summation order inside a product (measured in docs/BENCHMARKS.md).
+`--cpu-weights f32` is the summation order inside a product (measured in docs/BENCHMARKS.md). Decode steps
+go through the fused layers (cpu_fused_decode.py), whose products by default quantise the activations
+to int16 (cpu_int8_matvec.py; `--cpu-weights quantized-int8act`: int8 as llama.cpp does,
+`quantized-f32act`: float32).
 Weights arrive as raw GGUF rows (engine/quant_weights.py) and become `QuantLinear`s
 (engine/backends/cpu_quant_linear.py); a type without a CPU kernel is dequantised to F32 rows at load.
 """
@@ -14,7 +17,7 @@ import weakref
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from engine.backends.cpu_fused_decode import FusedDecoder, fused_refusal
+from engine.backends.cpu_fused_decode import FusedDecoder, fused_refusal, int8_refusal
 from engine.backends.cpu_quant_linear import KERNEL_KINDS, QuantLinear
 from engine.backends.numpy_backend import NumpyBackend
 from engine.quant_weights import LinearPart
@@ -29,9 +32,11 @@ class QuantizedNumpyBackend(NumpyBackend):
     name = "numpy"
     fallback_quant_type = GGMLQuantizationType.F32  # exact, unlike the GPU's F16 fallback
 
-    def __init__(self, fused_decode: bool = True):
-        # fused_decode: decode steps run through cpu_fused_decode (False: the unfused reference path).
+    def __init__(self, fused_decode: bool = True, activations: str = "int16"):
+        # fused_decode: decode steps run through cpu_fused_decode (False: the unfused reference path);
+        # activations: what its products quantise the activations to (int16, int8; f32: nothing).
         self.fused_decode = fused_decode
+        self.activations = activations
         self._fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FusedDecoder | None
 
     def supports_quant_type(self, tensor_type: GGMLQuantizationType) -> bool:
@@ -68,12 +73,22 @@ class QuantizedNumpyBackend(NumpyBackend):
             return fused.forward(batch, pool)
         return model.forward(batch, pool)
 
+    def prepare_decode(self, model) -> None:
+        """Build the model's fused decoder now (repacking the weights for integer activations: 1.5-7 s and
+        ~1.2x the quantised bytes), at start-up instead of in the first request's first decode step."""
+        if self.fused_decode:
+            self._fused_decoder(model)
+
     def _fused_decoder(self, model) -> FusedDecoder | None:
         if model not in self._fused:
             reason = fused_refusal(model)
             if reason is not None:
                 log.info("fused decode off for %s: %s; decode steps run the unfused path", model.config.arch, reason)
-            self._fused[model] = None if reason else FusedDecoder(model)
+            activations = self.activations
+            if activations != "f32" and reason is None and (why := int8_refusal(model)) is not None:
+                log.info("integer activations off for %s: %s; float32 activations", model.config.arch, why)
+                activations = "f32"
+            self._fused[model] = None if reason else FusedDecoder(model, activations)
         return self._fused[model]
 
     def for_stage(self, stage: int) -> "QuantizedNumpyBackend":

@@ -1,0 +1,132 @@
+"""The int8-activation products (engine/backends/cpu_int8_matvec.py) and the repacking they run on.
+
+Every type against the gguf package's dequantisation, for int8 (qmax 127, ggml's q8 rule) and int16
+(qmax 32767) activations, two ways:
+- tight: against dequantised W times x quantised the same way in numpy (`quantized_x`), i.e. only float32
+  summation order differs (the integer inner sums are exact);
+- derived: against W times the float32 x, within the activation rounding |x_j - dx xq_j| <= dx / 2
+  (dx = max|x_block| / qmax), so
+  |error| <= sum_j dx(j) / 2 * |w_j| plus the summation-order term.
+"""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from engine.backends import cpu_int8_repack
+from engine.backends.cpu_int8_matvec import project_i8, quantize_act
+from engine.backends.cpu_int8_repack import INT8_TYPES, empty_part, repack, unpack
+from tests.test_cpu_quant_kernels import random_rows, reference
+
+_EMPTY = tuple(empty_part())
+QMAX = [np.float32(127.0), np.float32(32767.0)]
+_ids = {127: "int8", 32767: "int16"}
+
+
+def _qmax_id(qmax):
+    return _ids[int(qmax)]
+
+
+def quantized_x(x: np.ndarray, qmax) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(xq [T, in] int, dx [T, in/32], dx per element [T, in]): ggml's q8 rule (qmax 127), rounding half
+    away from 0."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    dx = np.abs(blocks).max(-1) / qmax
+    inv = np.divide(np.float32(1.0), dx, out=np.zeros_like(dx), where=dx > 0)
+    v = blocks * inv[..., None]
+    xq = np.where(v >= 0, np.floor(v + np.float32(0.5)), -np.floor(np.float32(0.5) - v)).astype(np.int64)
+    return xq.reshape(x.shape), dx, np.repeat(dx, 32, axis=1)
+
+
+def _x(n_tokens, in_dim, seed=1):
+    x = np.random.default_rng(seed).standard_normal((n_tokens, in_dim)).astype(np.float32)
+    x[0, 32:64] = 0.0  # an all-zero block: scale 0, no division by it
+    return x
+
+
+def _assert_close_both_ways(y, x, w, qmax):
+    xq, _, dx_el = quantized_x(x, qmax)
+    xd = (xq * dx_el).astype(np.float32)
+    tight = 1e-5 * (np.abs(xd) @ np.abs(w).T) + 1e-6
+    assert np.all(np.abs(y - xd @ w.T) <= tight), np.max(np.abs(y - xd @ w.T) - tight)
+    derived = (dx_el / 2) @ np.abs(w).T + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6
+    assert np.all(np.abs(y - x @ w.T) <= derived)
+
+
+@pytest.mark.parametrize("tensor_type", INT8_TYPES, ids=lambda t: t.name)
+def test_unpacked_integers_and_scales_rebuild_gguf_dequantisation_exactly(tensor_type):
+    rows = random_rows(tensor_type, 9, 512)
+    values, d, m, group = unpack(tensor_type, rows, 512)
+    q = values.astype(np.float32) - (32 if tensor_type == Q.Q6_K else 0)
+    w = (q.reshape(9, -1, group) * d[..., None]).reshape(9, 512)
+    if m is not None:
+        w = (w.reshape(9, -1, 32) + m[..., None]).reshape(9, 512)
+    np.testing.assert_array_equal(w, reference(tensor_type, rows, 9, 512))
+
+
+@pytest.mark.parametrize("qmax", QMAX, ids=_qmax_id)
+def test_activation_quantisation_is_ggmls_q8_rule(qmax):
+    x = _x(3, 256)
+    x[1, :32] = np.linspace(-2.0, 2.0, 32)  # the block's extremes land exactly on +-127
+    xlo, xhi, x16, dx, dx16, sx, sx16 = quantize_act(x, qmax)
+    xq, dx_ref, _ = quantized_x(x, qmax)
+    np.testing.assert_array_equal(x16, xq)
+    np.testing.assert_array_equal(dx, dx_ref)
+    np.testing.assert_array_equal(dx16, np.repeat(dx_ref, 2, axis=1))
+    np.testing.assert_allclose(sx, dx_ref * xq.reshape(3, -1, 32).sum(-1), rtol=1e-6)
+    np.testing.assert_allclose(sx16, np.repeat(dx_ref, 2, axis=1) * xq.reshape(3, -1, 16).sum(-1), rtol=1e-6)
+    np.testing.assert_array_equal(np.concatenate([xlo.reshape(3, -1, 16), xhi.reshape(3, -1, 16)], -1),
+                                  xq.reshape(3, -1, 32))
+    assert x16[1, 0] == -int(qmax) and x16[1, 31] == int(qmax) and np.all(x16[0, 32:64] == 0)
+
+
+@pytest.mark.parametrize("tensor_type", INT8_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tokens", [1, 4])
+@pytest.mark.parametrize("qmax", QMAX, ids=_qmax_id)
+def test_int8_product_matches_the_dequantised_product(tensor_type, n_tokens, qmax):
+    out_dim, in_dim = 37, 512  # 37: a partial last task of 16 rows
+    rows = random_rows(tensor_type, out_dim, in_dim)
+    x = _x(n_tokens, in_dim)
+    y = project_i8(tuple(repack(tensor_type, rows, in_dim)), _EMPTY, x, qmax, 16)
+    _assert_close_both_ways(y, x, reference(tensor_type, rows, out_dim, in_dim), qmax)
+
+
+@pytest.mark.parametrize("qmax", QMAX, ids=_qmax_id)
+def test_int8_product_stacks_two_parts_of_different_forms(qmax):
+    in_dim = 256
+    a, b = random_rows(Q.Q4_K, 20, in_dim, seed=2), random_rows(Q.Q6_K, 9, in_dim, seed=3)
+    x = _x(3, in_dim, seed=4)
+    y = project_i8(tuple(repack(Q.Q4_K, a, in_dim)), tuple(repack(Q.Q6_K, b, in_dim)), x, qmax, 16)
+    w = np.concatenate([reference(Q.Q4_K, a, 20, in_dim), reference(Q.Q6_K, b, 9, in_dim)])
+    _assert_close_both_ways(y, x, w, qmax)
+
+
+@pytest.mark.parametrize("qmax", QMAX, ids=_qmax_id)
+def test_each_token_is_computed_alone(qmax):
+    """A batch's row t is bit-identical to token t on its own (per-token scales, the same loops)."""
+    rows = random_rows(Q.Q4_1, 40, 256)
+    part = tuple(repack(Q.Q4_1, rows, 256))
+    x = _x(5, 256)
+    together = project_i8(part, _EMPTY, x, qmax, 16)
+    for t in range(5):
+        np.testing.assert_array_equal(together[t], project_i8(part, _EMPTY, x[t : t + 1].copy(), qmax, 16)[0])
+
+
+@pytest.mark.parametrize("tensor_type", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_repacking_in_row_chunks_equals_repacking_at_once(tensor_type, monkeypatch):
+    rows = random_rows(tensor_type, 37, 256)
+    whole = repack(tensor_type, rows, 256)
+    monkeypatch.setattr(cpu_int8_repack, "REPACK_ROWS", 16)  # 37 = 16 + 16 + 5
+    chunked = repack(tensor_type, rows, 256)
+    assert whole.form == chunked.form
+    for a, b in zip(whole[1:], chunked[1:]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_activation_makes_the_product_nan(bad):
+    """As on the float path: the rounding must not turn a NaN or an overflow into a finite number."""
+    rows = random_rows(Q.Q4_1, 20, 256)
+    x = _x(2, 256)
+    x[1, 70] = bad
+    y = project_i8(tuple(repack(Q.Q4_1, rows, 256)), _EMPTY, x, QMAX[1], 16)
+    assert np.all(np.isfinite(y[0])) and np.all(np.isnan(y[1]))
