@@ -13,9 +13,9 @@
 The same float32 operations as engine/model.py on the numpy backend, in one call instead of ~15 numpy
 and numba calls per layer (each a Python dispatch, several a wake-up of the thread pool). An optional
 weight (bias, QK-norm, post norms) is passed as a 0-length array when the model has none.
-numba's disk cache is keyed on this file only: it changes whenever the decoders do (cpu_quant_decode.py)
-or the integer kernels (cpu_int8_matvec.py, whose code it inlines: revision 4; bump it with every edit there).
-Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4; decoder revision 2 (as cpu_quant_kernels).
+numba's disk cache is keyed on this file and on the kernel files whose code it inlines (the decoders, the
+float and integer matvecs: engine/backends/numba_cache_deps.py), so an edit to any of them recompiles it.
+Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from numba.extending import overload
 
 from engine.backends.cpu_fused_matvec import block_sums, matvec2
 from engine.backends.cpu_int8_matvec import project_i8
+from engine.backends.numba_cache_deps import key_on_sources
 
 _F32 = np.float32
 _FASTMATH = {"reassoc", "contract", "nsz"}
@@ -194,3 +195,9 @@ def decode_layer(x, attn_norm, wqkv, bqkv, q_norm, k_norm, wo, post_attn_norm, f
     hidden = np.empty((n_tok, gate_up.shape[1] // 2), np.float32)
     _activate(gate_up, act, hidden)
     _add_normed(x, project(w_down, hidden, table, lanes, qmax), post_ffn_norm, eps)
+
+
+# numba caches each function against this file only; the jitted code and constants it calls in from
+# these modules are compiled into its entries, so their sources key the cache too.
+key_on_sources(globals(), ["engine.backends.cpu_fused_matvec", "engine.backends.cpu_int8_matvec",
+                           "engine.backends.cpu_int8_repack", "engine.backends.cpu_quant_decode"])

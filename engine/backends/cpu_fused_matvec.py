@@ -11,8 +11,8 @@ measured 4.6 -> 6 Gweights/s per thread on a SmolLM2 gate_up row set). Other typ
 per-task float32 buffer (cpu_quant_decode.decode_row, the unfused kernels' decoder) and dot that; so does
 every type when there are several tokens, which then share the decoded row.
 
-numba's disk cache is keyed on this file only: it changes whenever the decoders do (cpu_quant_decode.py).
-Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4; decoder revision 2 (as cpu_quant_kernels).
+numba's disk cache is keyed on this file and on the decoders' (cpu_quant_decode.py, numba_cache_deps.py).
+Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.backends.cpu_quant_decode import Q4_0, Q4_1, Q5_0, Q8_0, decode_row
+from engine.backends.numba_cache_deps import key_on_sources
 
 _F32, _I32, _U8, _U32 = np.float32, np.int32, np.uint8, np.uint32
 _FASTMATH = {"reassoc", "contract", "nsz"}  # as cpu_quant_kernels: no nnan / ninf
@@ -126,3 +127,8 @@ def matvec2(kind0, rows0, kind1, rows1, x, xs, y, table, lanes):
         else:
             first = (task - tasks0) * _ROWS_PER_TASK
             _rows_into(kind1, rows1, first, min(n1, first + _ROWS_PER_TASK), x, xs, y, n0, w, table, lanes)
+
+
+# numba caches each function against this file only; the jitted code and constants it calls in from
+# these modules are compiled into its entries, so their sources key the cache too.
+key_on_sources(globals(), ["engine.backends.cpu_quant_decode"])

@@ -21,9 +21,9 @@ with gathers (6x slower, measured). Measured one thread, 3072 x 576 q4_1 rows (S
 Gweights/s vs 4.5 for the float activation kernel (cpu_fused_matvec.py, `--cpu-weights quantized-f32act`).
 A non-finite activation makes its block's scale NaN, so the product is NaN, as on the float path.
 
-numba's disk cache is keyed on each function's own file: cpu_fused_layer.decode_layer inlines these
-kernels, so every edit here must bump the integer kernels' revision noted in cpu_fused_layer.py, or a
-stale decode_layer is loaded from the cache (it was, once: garbage logits on gemma3's U8 layers).
+cpu_fused_layer.decode_layer inlines these kernels; numba's cache alone is keyed on each function's own
+file, so a stale decode_layer was once loaded after an edit here (garbage logits on gemma3's U8 layers):
+engine/backends/numba_cache_deps.py now keys it on this file's source too.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.backends.cpu_int8_repack import U8
+from engine.backends.numba_cache_deps import key_on_sources
 
 _F32, _I32, _I16, _U8, _U32 = np.float32, np.int32, np.int16, np.uint8, np.uint32
 _FASTMATH = {"reassoc", "contract", "nsz"}  # as cpu_quant_kernels: no nnan / ninf
@@ -187,3 +188,8 @@ def project_i8(part0, part1, x, qmax, lanes):
     y = np.empty((x.shape[0], part0[1].shape[0] + part1[1].shape[0]), np.float32)
     matvec2_i8(part0, part1, quantize_act(x, qmax), y, lanes)
     return y
+
+
+# numba caches each function against this file only; the jitted code and constants it calls in from
+# these modules are compiled into its entries, so their sources key the cache too.
+key_on_sources(globals(), ["engine.backends.cpu_int8_repack"])

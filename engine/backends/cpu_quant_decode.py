@@ -5,8 +5,8 @@ Each decoder follows ggml's `dequantize_row_*` (ggml-quants.c) and the `gguf` pa
 uint8 array of whole blocks; float16 scales are read through a 65536-entry table (`f16_table`) because
 numba has no float16 scalar type on the CPU. Every inner loop runs over 16 or 32 lanes without branches,
 with the 16 passed at run time (`lanes`, see cpu_quant_kernels._LANES), so LLVM turns it into SIMD code.
-numba's disk cache is keyed on the kernels' files only: after editing this one, bump the decoder revision
-noted in cpu_quant_kernels.py, cpu_fused_matvec.py and cpu_fused_layer.py, or the old machine code is loaded.
+The kernel modules that call these decoders key their numba cache entries on this file's source too
+(engine/backends/numba_cache_deps.py), so an edit here recompiles them.
 
 Block layouts (bytes; d, m = float16 scale and offset):
 

@@ -27,9 +27,10 @@ import numpy as np
 from numba import njit, prange  # noqa: E402
 
 from engine.backends.cpu_quant_decode import decode_row, f16_table  # noqa: E402
-# numba's disk cache is keyed on this file only (see cpu_quant_decode.py): this line changes whenever the
-# decoders do, so no checkout keeps machine code without them. Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1
-# q8_0 q4_k q5_k q6_k mxfp4. Decoder revision 2 (typed integer constants): bump it with every decoder edit.
+from engine.backends.numba_cache_deps import key_on_sources  # noqa: E402
+
+# Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4 (cpu_quant_decode.py, whose source
+# keys this module's numba cache entries too: key_on_sources at the end).
 
 numba.config.THREADING_LAYER = "threadsafe"
 # reassoc lets LLVM split a dot product over SIMD lanes; contract allows FMA. No nnan/ninf: a NaN in the
@@ -128,3 +129,8 @@ def dequant_rows(kind: int, rows: np.ndarray, out: np.ndarray, threads: int | No
 def gather_rows(kind: int, rows: np.ndarray, ids: np.ndarray, out: np.ndarray) -> None:
     """out[t] = decoded(rows[ids[t]]), in place; ids int64."""
     _call(_gather_rows, kind, rows, ids, out, _F16_TABLE, _LANES)
+
+
+# numba caches each function against this file only; the jitted code and constants it calls in from
+# these modules are compiled into its entries, so their sources key the cache too.
+key_on_sources(globals(), ["engine.backends.cpu_quant_decode"])

@@ -1,0 +1,61 @@
+"""numba's disk cache re-keyed on the files a kernel calls into (engine/backends/numba_cache_deps.py).
+
+Two tiny modules in a scratch folder: `caller.f` (cached) returns `callee.g()`. After `callee.py` alone is
+edited, numba by itself still loads f's stale entry (the old g compiled into it); keyed on callee's source,
+f recompiles. Each run is a fresh interpreter, as a server restart after a `git pull` is."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CALLER = """
+from numba import njit
+import callee
+from engine.backends.numba_cache_deps import key_on_sources
+
+@njit(cache=True)
+def f():
+    return callee.g()
+
+KEYED = key_on_sources(globals(), ["callee"]) if {keyed} else 0
+"""
+CALLEE = "from numba import njit\n\n@njit(cache=True)\ndef g():\n    return {value}\n"
+
+
+def _run(folder: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
+    env.pop("NUMBA_CACHE_DIR", None)  # the cache beside the sources, as a checkout has it
+    done = subprocess.run([sys.executable, "-c", "import caller; print(caller.f(), caller.KEYED)"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_an_edit_to_the_callee_alone_recompiles_the_caller_only_when_keyed(tmp_path, keyed):
+    (tmp_path / "caller.py").write_text(CALLER.format(keyed=keyed))
+    (tmp_path / "callee.py").write_text(CALLEE.format(value=1))
+    assert _run(tmp_path) == ["1", "1" if keyed else "0"]  # compiled and cached
+    assert _run(tmp_path)[0] == "1"  # loaded from the cache
+    (tmp_path / "callee.py").write_text(CALLEE.format(value=22))  # caller.py untouched
+    got = _run(tmp_path)[0]
+    assert got == ("22" if keyed else "1")  # numba alone: the stale entry, the old g inside it
+
+
+@pytest.mark.parametrize("module, dependencies", [
+    ("cpu_fused_layer", ["cpu_fused_matvec", "cpu_int8_matvec", "cpu_int8_repack", "cpu_quant_decode"]),
+    ("cpu_fused_matvec", ["cpu_quant_decode"]), ("cpu_quant_kernels", ["cpu_quant_decode"]),
+    ("cpu_int8_matvec", ["cpu_int8_repack"])])
+def test_the_kernel_modules_key_every_cached_dispatcher_on_what_they_call(module, dependencies):
+    import importlib
+
+    from engine.backends.numba_cache_deps import sources_digest
+
+    namespace = vars(importlib.import_module(f"engine.backends.{module}"))
+    digest = sources_digest(f"engine.backends.{name}" for name in dependencies)
+    own = [v for v in namespace.values() if getattr(v, "py_func", None) is not None
+           and v.py_func.__module__ == namespace["__name__"] and getattr(v, "_cache", None) is not None]
+    assert own and all(v._cache._cache_file._source_stamp[1] == digest for v in own)  # (numba's, ours)
