@@ -17,10 +17,10 @@ import logging
 import re
 from typing import Any
 
-import orjson
 from starlette.responses import JSONResponse, Response
 
 from api.errors import APIError
+from api.sse_json import sse_json
 from api.tool_calls import ParsedDelta, ToolCallDelta
 from scheduler.request import Usage
 
@@ -37,7 +37,7 @@ _OVERFLOW = re.compile(r"maximum context length is (?P<limit>\d+) tokens.*?\((?P
 
 def sse_event(name: str, data: dict[str, Any]) -> bytes:
     """One server-sent event in Anthropic's framing: the event name, then its JSON (which repeats the type)."""
-    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+    return b"event: " + name.encode() + b"\ndata: " + sse_json(data) + b"\n\n"
 
 
 def usage_body(usage: Usage | None, prompt_tokens: int = 0, cached_tokens: int = 0,

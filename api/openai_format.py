@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import time
 
-import orjson
-
+from api.sse_json import sse_json
 from engine.tokenizer import Tokenizer
 from scheduler.request import Delta, TokenLogprob, Usage
 
@@ -19,8 +18,8 @@ def usage_body(usage: Usage) -> dict:
 
 
 def sse(obj: dict | str) -> bytes:
-    payload = obj if isinstance(obj, str) else orjson.dumps(obj).decode()
-    return f"data: {payload}\n\n".encode()
+    payload = obj.encode() if isinstance(obj, str) else sse_json(obj)
+    return b"data: " + payload + b"\n\n"
 
 
 class ResponseBuilder:
