@@ -78,6 +78,9 @@ class BatchMeta:
     # Rows whose K/V the step writes; None: all. A state window's rows (engine/state_window.py) read the
     # cached K/V of their positions and write none.
     kv_write_rows: np.ndarray | None = None
+    # slot_mapping with -1 on the rows kv_write_rows leaves out (the CUDA store_kv kernels skip negative
+    # slots); None when every row writes. Built once per step, read by every layer.
+    store_slot_mapping: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +125,11 @@ def build_batch(
     slot_mapping = np.concatenate(
         [s.block_table[p // block_size].astype(np.int64) * block_size + p % block_size for s, p in zip(seqs, positions)]
     )
+    kv_write_rows, store_slot_mapping = None, None
+    if row != sum(map(len, writes)):
+        kv_write_rows = np.concatenate(writes).astype(np.int64)
+        store_slot_mapping = np.full_like(slot_mapping, -1)
+        store_slot_mapping[kv_write_rows] = slot_mapping[kv_write_rows]
     return BatchMeta(
         token_ids=np.concatenate(ids),
         positions=positions_flat,
@@ -129,18 +137,11 @@ def build_batch(
         seqs=tuple(seqs),
         logit_rows=np.concatenate(logit_rows).astype(np.int64),
         block_size=block_size,
-        kv_write_rows=None if row == sum(map(len, writes)) else np.concatenate(writes).astype(np.int64),
+        kv_write_rows=kv_write_rows,
+        store_slot_mapping=store_slot_mapping,
     )
 
 
 def store_slots(batch: BatchMeta) -> np.ndarray:
-    """The slot each row's K/V goes to, -1 for a state window's rows (they write none): the CUDA store_kv
-    kernels skip negative slots. The same array for every layer of the step (cached on the batch)."""
-    if batch.kv_write_rows is None:
-        return batch.slot_mapping
-    cache = batch.__dict__.setdefault("_store_slots", {})
-    if "slots" not in cache:
-        slots = np.full_like(batch.slot_mapping, -1)
-        slots[batch.kv_write_rows] = batch.slot_mapping[batch.kv_write_rows]
-        cache["slots"] = slots
-    return cache["slots"]
+    """The slot each row's K/V goes to, -1 for a state window's rows (they write none)."""
+    return batch.slot_mapping if batch.store_slot_mapping is None else batch.store_slot_mapping
