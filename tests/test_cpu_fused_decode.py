@@ -8,7 +8,7 @@ shorter than every context, so the window is exercised.
 import numpy as np
 import pytest
 
-from engine.backends.cpu_fused_decode import FusedDecoder
+from engine.backends.cpu_fused_decode import FusedDecoder, int8_refusal
 from engine.kv import KVLayout
 from engine.loader import open_model
 from engine.sequence import ModelRunner, Sequence
@@ -69,6 +69,21 @@ def test_fused_decode_matches_the_unfused_path(model):
 def test_fused_batched_decode_equals_one_by_one(model):
     for a, b in zip(_decode(model, True), _decode(model, True, together=False)):
         assert np.max(np.abs(a - b)) <= LOGIT_BOUND
+
+
+@pytest.mark.parametrize("activations", ["f32", "int16"])
+def test_fused_decode_is_bitwise_the_same_for_any_number_of_workers(model, activations, monkeypatch):
+    """Each work unit is computed whole by one worker (cpu_sync.py), so who takes which changes nothing; 5
+    workers on at most 2 threads also shows the step cannot wait for a worker that never starts."""
+    if activations != "f32" and int8_refusal(model):
+        pytest.skip(int8_refusal(model))
+    runs = []
+    for workers in (1, 2, 5):
+        monkeypatch.setattr(FusedDecoder, "workers", workers)
+        runs.append(_decode(model, True, activations=activations))
+    for a, b, c in zip(*runs):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
 
 
 def test_fused_paged_decode_equals_contiguous(model):

@@ -1,9 +1,9 @@
-"""The fused decode step of the quantised numpy backend: every layer of a decode batch in one numba call each.
+"""The fused decode step of the quantised numpy backend: a whole decode batch in one numba call.
 
 A decode step on the unfused path (engine/model.py) makes ~15 backend calls per layer, each a Python
 dispatch and several a wake-up of numba's sleeping thread pool; on SmolLM2 (30 layers) that was most of
-a token. `FusedDecoder.forward` runs the same math with one compiled call per layer
-(cpu_fused_layer.decode_layer) plus the embedding lookup and the output head.
+a token. `FusedDecoder.forward` runs the same math as one compiled call (cpu_fused_step.decode_step: every
+layer and the output head in one parallel region) after the embedding lookup.
 
 It takes a step only when every sequence brings one new token, there are at most KERNEL_MAX_ROWS of them
 and the K/V pool is float32; anything else (prefill chunks, f16 / int8 K/V) returns None and the caller
@@ -13,11 +13,12 @@ at build time with the reason, logged by the backend.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
+from numba.typed import List
 
-from engine.backends.cpu_fused_layer import GELU_TANH, SILU, decode_layer, rms_norm_into
-from engine.backends.cpu_fused_matvec import block_sums, matvec2
-from engine.backends.cpu_int8_matvec import project_i8
+from engine.backends.cpu_fused_layer import GELU_TANH, SILU
+from engine.backends.cpu_fused_step import decode_step
 from engine.backends.cpu_int8_repack import INT8_TYPES, empty_part, repack
 from engine.backends.cpu_quant_decode import f16_table
 from engine.backends.cpu_quant_kernels import _LANES, call_kernel
@@ -89,25 +90,29 @@ class FusedDecoder:
     use float32 activations on the raw rows (cpu_fused_matvec.py). The caller checks int8_refusal before
     asking for an integer kind."""
 
+    workers: int | None = None  # the step's region workers (None: the kernel thread count); tests vary it
+
     def __init__(self, model, activations: str = "f32"):
         c, w = model.config, model.weights
         self.config = c  # no reference to the model itself: the backend caches decoders by weak model keys
-        self.embedding, self.output_norm = w.embedding, w.output_norm
+        self.embedding = w.embedding
+        self.output_norm = np.ascontiguousarray(w.output_norm, np.float32)
         self.activations, self.qmax = activations, ACT_QMAX[activations]
-        self.layers = []
-        for i, lw in enumerate(w.layers):
-            cos, sin = w.rope_local if c.layer_is_sliding[i] else w.rope_global
-            self.layers.append((
-                lw.attn_norm, _opt(lw.bqkv), _opt(lw.q_norm), _opt(lw.k_norm), _opt(lw.post_attn_norm), lw.ffn_norm,
-                _opt(lw.post_ffn_norm), cos, sin, c.sliding_window if c.layer_is_sliding[i] else 0))
+        self.layers = List()
+        for lw in w.layers:
+            self.layers.append(tuple(np.ascontiguousarray(_opt(a), np.float32) for a in (
+                lw.attn_norm, lw.bqkv, lw.q_norm, lw.k_norm, lw.post_attn_norm, lw.ffn_norm, lw.post_ffn_norm)))
+        self.windows = np.array([c.sliding_window if s else 0 for s in c.layer_is_sliding], np.int64)
+        self.local_rope = np.array(c.layer_is_sliding, np.bool_)
+        self.rope_tables = tuple(np.ascontiguousarray(a, np.float32) for a in (*w.rope_global, *w.rope_local))
         # (wqkv, wo, w_gate_up, w_down) per layer, and the head: raw rows always, repacked ones for integers
-        self.linears = {"f32": [tuple(_parts(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
-                                for lw in w.layers]}
-        self.output = {"f32": _parts(w.output)}
+        self.linears = {"f32": _typed([tuple(_parts(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+                                       for lw in w.layers])}
+        self.output = {"f32": _typed([_parts(w.output)])}
         if activations != "f32":
-            self.linears["int"] = [tuple(_int8_parts(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
-                                   for lw in w.layers]
-            self.output["int"] = _int8_parts(w.output)
+            self.linears["int"] = _typed([tuple(_int8_parts(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+                                          for lw in w.layers])
+            self.output["int"] = _typed([_int8_parts(w.output)])
         self.eps, self.scale = _F32(c.rms_eps), _F32(c.attn_scale)
         self.act = _ACTIVATIONS[c.activation]
 
@@ -127,23 +132,19 @@ class FusedDecoder:
         x = self.embedding.gather(batch.token_ids)  # [T, d], as QuantizedNumpyBackend.embedding
         if c.embed_scale != 1.0:
             x *= _F32(c.embed_scale)
-        tables = _block_tables(batch)
-        for i, (layer, (wqkv, wo, w_gate_up, w_down)) in enumerate(zip(self.layers, self.linears[kind])):
-            attn_norm, bqkv, q_norm, k_norm, post_attn, ffn_norm, post_ffn, cos, sin, window = layer
-            decode_layer(x, attn_norm, wqkv, bqkv, q_norm, k_norm, wo, post_attn, ffn_norm, w_gate_up, w_down,
-                         post_ffn, kv_pool.k[i], kv_pool.v[i], batch.positions, batch.slot_mapping, tables,
-                         batch.block_size, cos, sin, c.rope_dims, c.n_heads, c.n_kv_heads, window, self.scale,
-                         self.eps, self.act, _TABLE, _LANES, self.qmax)
-        h = np.ascontiguousarray(x[batch.logit_rows])
-        for t in range(h.shape[0]):
-            rms_norm_into(h[t], self.output_norm, h[t], self.eps)
-        if kind == "int":
-            return project_i8(*self.output["int"], h, self.qmax, _LANES)
-        xs = np.empty((h.shape[0], h.shape[1] // 32), _F32)
-        block_sums(h, xs)
-        logits = np.empty((h.shape[0], c.vocab_size), _F32)
-        matvec2(*self.output["f32"], h, xs, logits, _TABLE, _LANES)
-        return logits
+        return decode_step(x, self.layers, self.linears[kind], self.windows, self.local_rope, self.rope_tables,
+                           self.output[kind], self.output_norm, np.asarray(batch.logit_rows, np.int64), kv_pool.k,
+                           kv_pool.v, batch.positions, batch.slot_mapping, _block_tables(batch), batch.block_size,
+                           c.rope_dims, c.n_heads, c.n_kv_heads, self.scale, self.eps, self.act, _TABLE, _LANES,
+                           self.qmax, self.workers or numba.get_num_threads())
+
+
+def _typed(items: list) -> List:
+    """A numba typed List (unboxed in O(1) per call, where a tuple of tuples is checked element by element)."""
+    out = List()
+    for item in items:
+        out.append(item)
+    return out
 
 
 def _block_tables(batch: BatchMeta) -> np.ndarray:

@@ -1,18 +1,10 @@
-"""One whole decode layer in one compiled call (numba), for T <= 8 sequences of one new token each.
+"""The pieces of the fused decode step (cpu_fused_step.py), in numba: norms, RoPE, one head's attention,
+the gated activation, and the products as work units over either weight form.
 
-    x [T, d] (the residual stream, updated in place)
-      h    = rmsnorm(x, attn_norm)
-      qkv  = h @ Wqkv.T (+ bias)                      parallel region 1 (`project`: cpu_fused_matvec or cpu_int8_matvec)
-      q, k = per-head rmsnorm (qwen3, gemma3); RoPE (half-split); q *= attn_scale
-      K/V pool[slot] = k, v
-      a    = softmax(q . K) V over the sequence's paged keys (its window on sliding layers), serial
-      x   += post_attn_norm?(a @ Wo.T)                region 2
-      h    = rmsnorm(x, ffn_norm)
-      x   += post_ffn_norm?(act(gate) * up  @ Wdown.T)  regions 3 (gate_up) and 4 (down)
-
-The same float32 operations as engine/model.py on the numpy backend, in one call instead of ~15 numpy
-and numba calls per layer (each a Python dispatch, several a wake-up of the thread pool). An optional
-weight (bias, QK-norm, post norms) is passed as a 0-length array when the model has none.
+An optional weight (bias, QK-norm, post norms) is passed as a 0-length array when the model has none.
+Products: a linear is raw GGUF rows (float activations, cpu_fused_matvec) or two parts repacked for
+integer activations (cpu_int8_matvec); `product_rows` computes one unit (a slice of output rows) of either,
+the overload picked by numba from the tuple's type when it compiles the step.
 numba's disk cache is keyed on this file and on the kernel files whose code it inlines (the decoders, the
 float and integer matvecs: engine/backends/numba_cache_deps.py), so an edit to any of them recompiles it.
 Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4.
@@ -26,8 +18,9 @@ from numba import njit
 from numba.core import types
 from numba.extending import overload
 
-from engine.backends.cpu_fused_matvec import block_sums, matvec2
-from engine.backends.cpu_int8_matvec import project_i8
+from engine.backends.cpu_fused_matvec import _rows_into, block_sums
+from engine.backends.cpu_int8_matvec import _part_rows, quantize_act_into
+from engine.backends.cpu_int8_matvec import new_act as new_int_act
 from engine.backends.numba_cache_deps import key_on_sources
 
 _F32 = np.float32
@@ -48,7 +41,7 @@ def rms_norm_into(x, w, out, eps):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _rope(v, cos, sin, pos, rope_dims):
+def rope(v, cos, sin, pos, rope_dims):
     """Rotate v[:rope_dims] in place by position pos, half-split (NeoX) pairs (i, i + rope_dims / 2)."""
     half = rope_dims // 2
     for i in range(half):
@@ -59,7 +52,7 @@ def _rope(v, cos, sin, pos, rope_dims):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, out):
+def attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, out):
     """out [hd] = softmax(q . keys) values over key positions first .. pos of one sequence (q pre-scaled)."""
     first = max(0, pos - window + 1) if window > 0 else 0
     n = pos + 1 - first
@@ -87,20 +80,7 @@ def _attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, 
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _attention(q, k_pool, v_pool, positions, tables, block_size, window, n_heads, group, out):
-    """out [T, H * hd] for queries q [T, H * hd] (GQA: head h reads KV head h // group), on the calling thread.
-
-    A prange over (token, head) took 7.5 ms of CPU for what costs 0.15 ms serially (SmolLM2, 4 x 129 keys;
-    cause not found), so attention stays serial: ~4 us per head and 128 keys."""
-    hd = k_pool.shape[2]
-    for t in range(q.shape[0]):
-        for h in range(n_heads):
-            _attend_one(q[t, h * hd : (h + 1) * hd], k_pool, v_pool, h // group, positions[t], tables[t],
-                        block_size, window, out[t, h * hd : (h + 1) * hd])
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _activate(gate_up, act, out):
+def activate(gate_up, act, out):
     """out [T, F] = act(gate) * up for gate_up [T, 2F] = (gate | up)."""
     f = out.shape[1]
     for t in range(out.shape[0]):
@@ -113,88 +93,95 @@ def _activate(gate_up, act, out):
                 out[t, i] = _F32(0.5) * g * (_F32(1.0) + np.tanh(inner)) * u
 
 
-@njit(cache=True, fastmath=_FASTMATH)
-def _project(k0, r0, k1, r1, x, table, lanes):
-    """x @ [r0; r1].T as a new [T, out] array (the block sums of x computed here)."""
-    xs = np.empty((x.shape[0], x.shape[1] // 32), np.float32)
-    block_sums(x, xs)
-    y = np.empty((x.shape[0], r0.shape[0] + r1.shape[0]), np.float32)
-    matvec2(k0, r0, k1, r1, x, xs, y, table, lanes)
-    return y
-
-
-def project(linear, x, table, lanes, qmax):
-    """x @ W.T as a new [T, out] array, for a linear given either as raw rows (kind0, rows0, kind1, rows1)
-    (float activations, cpu_fused_matvec) or as two cpu_int8_repack parts (int8 activations,
-    cpu_int8_matvec, activations quantised to integers of at most qmax); numba picks the implementation from
-    the tuple's type when it compiles decode_layer."""
+def linear_rows(linear):
+    """(rows of part 0, rows of part 1) of a linear in either form (see fill_act)."""
     raise NotImplementedError("called from jitted code only")
 
 
-@overload(project, jit_options={"cache": True})
-def _project_typed(linear, x, table, lanes, qmax):
-    if isinstance(linear, types.BaseTuple) and len(linear) == 4:
-        return lambda linear, x, table, lanes, qmax: _project(linear[0], linear[1], linear[2], linear[3], x,
-                                                              table, lanes)
-    return lambda linear, x, table, lanes, qmax: project_i8(linear[0], linear[1], x, qmax, lanes)
+def new_act(linear, n_tok, n_in):
+    """The activation buffers product_rows reads for x [n_tok, n_in] against `linear`: per-block sums for
+    raw rows (float activations), cpu_int8_matvec's quantised integers for repacked parts."""
+    raise NotImplementedError("called from jitted code only")
+
+
+def fill_act(linear, x, qmax, act):
+    """Fill act = new_act(linear, *x.shape) from x (float block sums, or integers of at most qmax)."""
+    raise NotImplementedError("called from jitted code only")
+
+
+def product_rows(linear, unit, unit_rows, x, act, y, table, lanes):
+    """y[:, rows] = x @ W[rows].T for the rows of work unit `unit` (unit_rows rows of part 0, then part 1).
+
+    A linear is raw rows (kind0, rows0, kind1, rows1) (float activations, cpu_fused_matvec) or two
+    cpu_int8_repack parts (integer activations, cpu_int8_matvec); numba picks the implementation from the
+    tuple's type when it compiles the step. Scratch is allocated per unit, of the exact size: a slice of a
+    larger buffer is typed as strided by numba, and the loops over it did not vectorise."""
+    raise NotImplementedError("called from jitted code only")
+
+
+def _is_raw(linear) -> bool:
+    return isinstance(linear, types.BaseTuple) and len(linear) == 4
+
+
+@overload(linear_rows, jit_options={"cache": True})
+def _linear_rows_typed(linear):
+    if _is_raw(linear):
+        return lambda linear: (linear[1].shape[0], linear[3].shape[0])
+    return lambda linear: (linear[0][1].shape[0], linear[1][1].shape[0])
+
+
+@overload(new_act, jit_options={"cache": True})
+def _new_act_typed(linear, n_tok, n_in):
+    if _is_raw(linear):
+        return lambda linear, n_tok, n_in: np.empty((n_tok, n_in // 32), np.float32)
+    return lambda linear, n_tok, n_in: new_int_act(n_tok, n_in)
+
+
+@overload(fill_act, jit_options={"cache": True})
+def _fill_act_typed(linear, x, qmax, act):
+    if _is_raw(linear):
+        return lambda linear, x, qmax, act: block_sums(x, act)
+    return lambda linear, x, qmax, act: quantize_act_into(x, qmax, act)
+
+
+@overload(product_rows, jit_options={"cache": True})
+def _product_rows_typed(linear, unit, unit_rows, x, act, y, table, lanes):
+    if _is_raw(linear):
+        def raw(linear, unit, unit_rows, x, act, y, table, lanes):
+            n0, n1 = linear[1].shape[0], linear[3].shape[0]
+            units0 = (n0 + unit_rows - 1) // unit_rows
+            w = np.empty(x.shape[1], np.float32)
+            if unit < units0:
+                first = unit * unit_rows
+                _rows_into(linear[0], linear[1], first, min(n0, first + unit_rows), x, act, y, 0, w, table, lanes)
+            else:
+                first = (unit - units0) * unit_rows
+                _rows_into(linear[2], linear[3], first, min(n1, first + unit_rows), x, act, y, n0, w, table,
+                           lanes)
+        return raw
+
+    def repacked(linear, unit, unit_rows, x, act, y, table, lanes):
+        n0, n1 = linear[0][1].shape[0], linear[1][1].shape[0]
+        units0 = (n0 + unit_rows - 1) // unit_rows
+        n_in = x.shape[1]
+        isums, w8 = np.empty(n_in // 16, np.int32), np.empty(n_in, np.uint8)
+        if unit < units0:
+            first = unit * unit_rows
+            _part_rows(linear[0], first, min(n0, first + unit_rows), act, y, 0, isums, w8, lanes)
+        else:
+            first = (unit - units0) * unit_rows
+            _part_rows(linear[1], first, min(n1, first + unit_rows), act, y, n0, isums, w8, lanes)
+    return repacked
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _add_normed(x, delta, post_norm, eps):
+def add_normed(x, delta, post_norm, eps):
     """x += post_norm ? rmsnorm(delta, post_norm) : delta, row by row (delta is overwritten)."""
     for t in range(x.shape[0]):
         if post_norm.size:
             rms_norm_into(delta[t], post_norm, delta[t], eps)
         for i in range(x.shape[1]):
             x[t, i] += delta[t, i]
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def decode_layer(x, attn_norm, wqkv, bqkv, q_norm, k_norm, wo, post_attn_norm, ffn_norm, w_gate_up, w_down,
-                 post_ffn_norm, k_pool, v_pool, positions, slots, tables, block_size, cos, sin, rope_dims, n_heads,
-                 n_kv_heads, window, scale, eps, act, table, lanes, qmax):
-    """One layer for x [T, d] (one new token per row, at positions[T], K/V written to slots[T]).
-
-    Linears are tuples `project` takes (all four of one kind: numba compiles one version per kind), qmax
-    the activations' integer range for the integer kind; k_pool / v_pool [KVH, num_slots, hd] float32 are
-    this layer's pool views; tables [T, max_blocks] int64 each row's block table; cos / sin [positions, hd / 2]."""
-    n_tok, d = x.shape
-    hd = k_pool.shape[2]
-    q_dim, kv_dim = n_heads * hd, n_kv_heads * hd
-    h = np.empty_like(x)
-    for t in range(n_tok):
-        rms_norm_into(x[t], attn_norm, h[t], eps)
-    qkv = project(wqkv, h, table, lanes, qmax)  # [T, q_dim + 2 kv_dim]
-    for t in range(n_tok):
-        if bqkv.size:
-            for i in range(qkv.shape[1]):
-                qkv[t, i] += bqkv[i]
-        pos = positions[t]
-        for head in range(n_heads + n_kv_heads):  # query heads, then key heads
-            v = qkv[t, head * hd : (head + 1) * hd]
-            if q_norm.size:
-                rms_norm_into(v, q_norm if head < n_heads else k_norm, v, eps)
-            _rope(v, cos, sin, pos, rope_dims)
-            if head < n_heads:
-                for j in range(hd):
-                    v[j] *= scale
-        slot = slots[t]
-        for kvh in range(n_kv_heads):
-            for j in range(hd):
-                k_pool[kvh, slot, j] = qkv[t, q_dim + kvh * hd + j]
-                v_pool[kvh, slot, j] = qkv[t, q_dim + kv_dim + kvh * hd + j]
-    attn = np.empty((n_tok, q_dim), np.float32)
-    # A contiguous copy of the queries: numba types qkv[:, :q_dim] as strided and the dot products over it
-    # did not vectorise (3.7x slower attention, gemma3 shapes, measured).
-    _attention(np.ascontiguousarray(qkv[:, :q_dim]), k_pool, v_pool, positions, tables, block_size, window, n_heads,
-               n_heads // n_kv_heads, attn)
-    _add_normed(x, project(wo, attn, table, lanes, qmax), post_attn_norm, eps)
-    for t in range(n_tok):
-        rms_norm_into(x[t], ffn_norm, h[t], eps)
-    gate_up = project(w_gate_up, h, table, lanes, qmax)  # [T, 2F]
-    hidden = np.empty((n_tok, gate_up.shape[1] // 2), np.float32)
-    _activate(gate_up, act, hidden)
-    _add_normed(x, project(w_down, hidden, table, lanes, qmax), post_ffn_norm, eps)
 
 
 # numba caches each function against this file only; the jitted code and constants it calls in from

@@ -39,17 +39,32 @@ _ROWS_PER_TASK = 16
 _LOW, _SHIFT = _U8(15), _U8(4)
 
 
+@njit(cache=True)
+def new_act(n_tok, n_in):
+    """Uninitialised buffers for quantize_act_into of x [n_tok, n_in]."""
+    nb = n_in // 32
+    return (np.empty((n_tok, n_in // 2), np.int16), np.empty((n_tok, n_in // 2), np.int16),
+            np.empty((n_tok, n_in), np.int16), np.empty((n_tok, nb), np.float32),
+            np.empty((n_tok, 2 * nb), np.float32), np.empty((n_tok, nb), np.float32),
+            np.empty((n_tok, 2 * nb), np.float32))
+
+
 @njit(cache=True, fastmath=_FASTMATH)
 def quantize_act(x, qmax):
     """x [T, in] float32 quantised to integers in [-qmax, qmax] (float32 127: int8, ggml's q8 rule; 32767:
     int16): (xlo, xhi [T, in/2], x16 [T, in] int16, dx [T, in/32], dx16 [T, in/16], sx [T, in/32],
     sx16 [T, in/16] float32); xlo / xhi are each block's first / second 16 values (the U4 nibble order)."""
+    act = new_act(x.shape[0], x.shape[1])
+    quantize_act_into(x, qmax, act)
+    return act
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def quantize_act_into(x, qmax, act):
+    """quantize_act writing into act = new_act(T, in) (the first T rows of larger buffers also do)."""
+    xlo, xhi, x16, dx, dx16, sx, sx16 = act
     n_tok, n_in = x.shape
     nb = n_in // 32
-    xlo, xhi = np.empty((n_tok, n_in // 2), np.int16), np.empty((n_tok, n_in // 2), np.int16)
-    x16 = np.empty((n_tok, n_in), np.int16)
-    dx, sx = np.empty((n_tok, nb), np.float32), np.empty((n_tok, nb), np.float32)
-    dx16, sx16 = np.empty((n_tok, 2 * nb), np.float32), np.empty((n_tok, 2 * nb), np.float32)
     for t in range(n_tok):
         for b in range(nb):
             amax, finite = _F32(0.0), _F32(0.0)
@@ -70,7 +85,6 @@ def quantize_act(x, qmax):
             dx[t, b], dx16[t, 2 * b], dx16[t, 2 * b + 1] = d, d, d
             sx[t, b] = d * _F32(sums[0] + sums[1])
             sx16[t, 2 * b], sx16[t, 2 * b + 1] = d * _F32(sums[0]), d * _F32(sums[1])
-    return xlo, xhi, x16, dx, dx16, sx, sx16
 
 
 @njit(cache=True, fastmath=_FASTMATH)
