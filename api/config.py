@@ -74,8 +74,8 @@ class ServerConfig:
     expert_cache_mib: str = _opt("", "MoE models on cuda: device MiB for hot experts, the rest in pinned host RAM "
                                      "(auto: as many as fit; unset: every expert on the device)", metavar="MIB|auto")
     kv_type: str = _opt("auto", "how K/V is stored: f32, f16, or int8 (one float32 scale per token and head; "
-                                "about a quarter of f32's bytes); auto: f32 on numpy, the backend's default "
-                                "elsewhere", KV_TYPE_CHOICES)
+                                "about a quarter of f32's bytes); auto: the backend's default, f16 on numpy and "
+                                "cuda", KV_TYPE_CHOICES)
     conversation_cache_mib: int = _opt(8192, "host RAM budget for parked conversation KV (0: none), clamped to "
                                              "what the machine has")
     conversation_cache_commit: str = _opt("on-demand", "when the host tier takes its RAM: on-demand (in segments, "

@@ -20,6 +20,9 @@ DECODE_STEPS = 6
 # Largest |fused - unfused| logit on these models: measured 1.7e-5 (llama Q4_1, logits up to 6; batched vs one
 # by one 2.4e-6): float32 sums in another order.
 LOGIT_BOUND = 1e-4
+# The same on a float16 pool with every K/V row written by the path under test: measured 3.8e-4 (llama Q4_1). A
+# value whose float32 sums differ in the last bit can round to the neighbouring float16 (2^-11 relative).
+F16_LOGIT_BOUND = 2e-3
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
@@ -31,7 +34,7 @@ def model(request, tmp_path_factory):
 
 
 def _decode(model, fused: bool, prompt_lens=PROMPT_LENS, together=True, shuffle_blocks=False,
-            token_by_token=False, activations="f32") -> list[np.ndarray]:
+            token_by_token=False, activations="f32", kv_type="f32") -> list[np.ndarray]:
     """Logits of every decode step. Prompts are prefilled in one chunk each (the unfused path either way), or
     token_by_token through decode steps (then every K/V row comes from the path under test). activations:
     what the fused products quantise them to (int16 / int8: cpu_int8_matvec, test_cpu_int8_decode.py)."""
@@ -39,7 +42,7 @@ def _decode(model, fused: bool, prompt_lens=PROMPT_LENS, together=True, shuffle_
     if model.backend.activations != activations:
         model.backend.activations = activations
         model.backend._fused.clear()  # the decoder holds the repacked weights of one choice
-    runner = ModelRunner(model, num_blocks=40, block_size=4)
+    runner = ModelRunner(model, num_blocks=40, block_size=4, kv_type=kv_type)
     if shuffle_blocks:  # hand out the free ids in a scrambled order: tables are not one run of blocks
         runner.allocator._free = type(runner.allocator._free)(np.random.default_rng(0).permutation(40).tolist())
     seqs = [Sequence([(7 * i + 3 * n) % 60 + 3 for i in range(n)]) for n in prompt_lens]
@@ -64,6 +67,16 @@ def test_fused_decode_matches_the_unfused_path(model):
     for a, b in zip(fused, unfused):
         np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
         assert np.max(np.abs(a - b)) <= LOGIT_BOUND, np.max(np.abs(a - b))
+
+
+def test_fused_decode_on_a_float16_pool_matches_the_unfused_path(model):
+    """The step reads and writes float16 K/V through the pool's bits (cpu_half.py), the bytes the unfused path
+    stores (tests/test_cpu_half.py); K/V written token by token by either path."""
+    fused = _decode(model, True, token_by_token=True, kv_type="f16")
+    unfused = _decode(model, False, token_by_token=True, kv_type="f16")
+    for a, b in zip(fused, unfused):
+        np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
+        assert np.max(np.abs(a - b)) <= F16_LOGIT_BOUND, np.max(np.abs(a - b))
 
 
 def test_fused_batched_decode_equals_one_by_one(model):
@@ -95,11 +108,13 @@ def test_fused_paged_decode_equals_contiguous(model):
 def test_fused_decode_is_taken_for_decode_steps_only():
     pool = type("Pool", (), {"layout": KVLayout(8, 4, 1, 1, 16, "f32")})()
     f16_pool = type("Pool", (), {"layout": KVLayout(8, 4, 1, 1, 16, "f16")})()
+    int8_pool = type("Pool", (), {"layout": KVLayout(8, 4, 1, 1, 16, "int8")})()
     runner_batch = _batch([1, 1, 1])
     assert FusedDecoder.accepts(runner_batch, pool)
+    assert FusedDecoder.accepts(runner_batch, f16_pool)
     assert not FusedDecoder.accepts(_batch([1, 3]), pool)  # a prefill chunk in the batch
     assert not FusedDecoder.accepts(_batch([1] * 9), pool)  # more rows than the few-row kernels take
-    assert not FusedDecoder.accepts(runner_batch, f16_pool)
+    assert not FusedDecoder.accepts(runner_batch, int8_pool)
 
 
 def _batch(query_lens):

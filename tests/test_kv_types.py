@@ -124,7 +124,7 @@ def test_a_layer_split_runner_moves_whole_int8_blocks_across_its_stages(load_tin
 
 
 def test_kv_type_auto_is_the_backends_first_and_an_unsupported_type_names_the_supported_ones():
-    assert resolve_kv_type("auto", NumpyBackend()) == "f32"
+    assert resolve_kv_type("auto", NumpyBackend()) == "f16"
     assert resolve_kv_type("int8", NumpyBackend()) == "int8"
 
     class F16Only:

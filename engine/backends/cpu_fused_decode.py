@@ -6,7 +6,7 @@ a token. `FusedDecoder.forward` runs the same math as one compiled call (cpu_fus
 layer and the output head in one parallel region) after the embedding lookup.
 
 It takes a step only when every sequence brings one new token, there are at most KERNEL_MAX_ROWS of them
-and the K/V pool is float32; anything else (prefill chunks, f16 / int8 K/V) returns None and the caller
+and the K/V pool is float32 or float16; anything else (prefill chunks, int8 K/V) returns None and the caller
 runs the unfused path, which stays the reference. Models it cannot run at all (MoE, lfm2's short
 convolutions, gpt-oss's output bias and sinks, a linear of more than two GGUF types) are refused once
 at build time with the reason, logged by the backend.
@@ -32,6 +32,7 @@ _NO_PART = (0, np.zeros((0, 1), np.uint8))  # the absent second part of a one-ty
 _NO_PART[1].flags.writeable = False
 _ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH}
 _GGUF_TYPE = {k: t for t, k in KERNEL_KINDS.items()}
+_POOL_VIEWS = {"f32": np.float32, "f16": np.uint16}  # K/V types the step reads and writes, as the dtype it sees
 # Activation kinds -> the integer range the decode products quantise them to (0: not quantised). int16
 # costs the same as int8 in cpu_int8_matvec (its products are int16 either way) and its rounding is 256x
 # finer: on gemma3 int8 moved logits by up to 0.37 and changed greedy ids after 16 tokens, int16 by ~1e-3.
@@ -120,7 +121,7 @@ class FusedDecoder:
     def accepts(batch: BatchMeta, kv_pool) -> bool:
         """A decode step this path runs: one new token per sequence, few sequences, a float32 pool."""
         return (batch.num_tokens <= KERNEL_MAX_ROWS and batch.num_tokens == len(batch.seqs)
-                and kv_pool.layout.kv_type == "f32")
+                and kv_pool.layout.kv_type in _POOL_VIEWS)
 
     def forward(self, batch: BatchMeta, kv_pool) -> np.ndarray:
         """Logits [len(batch.logit_rows), vocab] of a step `accepts` took; writes each layer's K/V."""
@@ -129,12 +130,14 @@ class FusedDecoder:
     def _forward(self, batch: BatchMeta, kv_pool) -> np.ndarray:
         c = self.config
         kind = "int" if self.activations != "f32" and batch.num_tokens <= INT_MAX_TOKENS else "f32"
+        view = _POOL_VIEWS[kv_pool.layout.kv_type]  # numba has no float16: a float16 pool goes in as its bits
+        k_pool, v_pool = kv_pool.k.view(view), kv_pool.v.view(view)
         x = self.embedding.gather(batch.token_ids)  # [T, d], as QuantizedNumpyBackend.embedding
         if c.embed_scale != 1.0:
             x *= _F32(c.embed_scale)
         return decode_step(x, self.layers, self.linears[kind], self.windows, self.local_rope, self.rope_tables,
-                           self.output[kind], self.output_norm, np.asarray(batch.logit_rows, np.int64), kv_pool.k,
-                           kv_pool.v, batch.positions, batch.slot_mapping, _block_tables(batch), batch.block_size,
+                           self.output[kind], self.output_norm, np.asarray(batch.logit_rows, np.int64), k_pool,
+                           v_pool, batch.positions, batch.slot_mapping, _block_tables(batch), batch.block_size,
                            c.rope_dims, c.n_heads, c.n_kv_heads, self.scale, self.eps, self.act, _TABLE, _LANES,
                            self.qmax, self.workers or numba.get_num_threads())
 

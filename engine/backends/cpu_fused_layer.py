@@ -19,6 +19,7 @@ from numba.core import types
 from numba.extending import overload
 
 from engine.backends.cpu_fused_matvec import _rows_into, block_sums
+from engine.backends.cpu_half import kv_load
 from engine.backends.cpu_int8_matvec import _part_rows, quantize_act_into
 from engine.backends.cpu_int8_matvec import new_act as new_int_act
 from engine.backends.numba_cache_deps import key_on_sources
@@ -53,28 +54,43 @@ def rope(v, cos, sin, pos, rope_dims):
 
 @njit(cache=True, fastmath=_FASTMATH)
 def attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, out):
-    """out [hd] = softmax(q . keys) values over key positions first .. pos of one sequence (q pre-scaled)."""
+    """out [hd] = softmax(q . keys) values over key positions first .. pos of one sequence (q pre-scaled);
+    the pools are float32 or float16 bits (cpu_half.kv_load).
+
+    Keys are walked block by block (a slot per key without a division: two integer divisions a key were
+    most of the cost, SmolLM2 at 2048 keys), the exponentials taken in a loop of their own."""
     first = max(0, pos - window + 1) if window > 0 else 0
     n = pos + 1 - first
     scores = np.empty(n, np.float32)
-    best = -np.inf
-    for i in range(n):
-        p = first + i
-        slot = table_row[p // block_size] * block_size + p % block_size
-        s = _F32(0.0)
-        for j in range(q.size):
-            s += q[j] * k_pool[kv_head, slot, j]
-        scores[i] = s
-        best = max(best, s)
+    first_block, last_block = first // block_size, pos // block_size
+    i = 0
+    for b in range(first_block, last_block + 1):
+        base = table_row[b] * block_size
+        lo = first - b * block_size if b == first_block else 0
+        hi = pos - b * block_size + 1 if b == last_block else block_size
+        for slot in range(base + lo, base + hi):
+            s = _F32(0.0)
+            for j in range(q.size):
+                s += q[j] * kv_load(k_pool[kv_head, slot, j])
+            scores[i] = s
+            i += 1
+    best = scores.max()
     total = _F32(0.0)
-    acc = np.zeros(out.size, np.float32)  # contiguous: a slice of a 2-D array is typed 'A' (strided) by numba
     for i in range(n):
-        p = first + i
-        slot = table_row[p // block_size] * block_size + p % block_size
         e = np.exp(scores[i] - best)
+        scores[i] = e
         total += e
-        for j in range(acc.size):
-            acc[j] += e * v_pool[kv_head, slot, j]
+    acc = np.zeros(out.size, np.float32)  # contiguous: a slice of a 2-D array is typed 'A' (strided) by numba
+    i = 0
+    for b in range(first_block, last_block + 1):
+        base = table_row[b] * block_size
+        lo = first - b * block_size if b == first_block else 0
+        hi = pos - b * block_size + 1 if b == last_block else block_size
+        for slot in range(base + lo, base + hi):
+            e = scores[i]
+            for j in range(acc.size):
+                acc[j] += e * kv_load(v_pool[kv_head, slot, j])
+            i += 1
     for j in range(out.size):
         out[j] = acc[j] / total
 
@@ -164,13 +180,13 @@ def _product_rows_typed(linear, unit, unit_rows, x, act, y, table, lanes):
         n0, n1 = linear[0][1].shape[0], linear[1][1].shape[0]
         units0 = (n0 + unit_rows - 1) // unit_rows
         n_in = x.shape[1]
-        isums, w8 = np.empty(n_in // 16, np.int32), np.empty(n_in, np.uint8)
+        isums = np.empty(n_in // 16, np.int32)
         if unit < units0:
             first = unit * unit_rows
-            _part_rows(linear[0], first, min(n0, first + unit_rows), act, y, 0, isums, w8, lanes)
+            _part_rows(linear[0], first, min(n0, first + unit_rows), act, y, 0, isums, lanes)
         else:
             first = (unit - units0) * unit_rows
-            _part_rows(linear[1], first, min(n1, first + unit_rows), act, y, n0, isums, w8, lanes)
+            _part_rows(linear[1], first, min(n1, first + unit_rows), act, y, n0, isums, lanes)
     return repacked
 
 
@@ -186,5 +202,5 @@ def add_normed(x, delta, post_norm, eps):
 
 # numba caches each function against this file only; the jitted code and constants it calls in from
 # these modules are compiled into its entries, so their sources key the cache too.
-key_on_sources(globals(), ["engine.backends.cpu_fused_matvec", "engine.backends.cpu_int8_matvec",
+key_on_sources(globals(), ["engine.backends.cpu_fused_matvec", "engine.backends.cpu_half", "engine.backends.cpu_int8_matvec",
                            "engine.backends.cpu_int8_repack", "engine.backends.cpu_quant_decode"])

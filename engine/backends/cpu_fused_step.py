@@ -32,6 +32,7 @@ from numba import njit, prange
 
 from engine.backends.cpu_fused_layer import (activate, add_normed, attend_one, fill_act, linear_rows, new_act,
                                              product_rows, rms_norm_into, rope)
+from engine.backends.cpu_half import kv_store
 from engine.backends.cpu_sync import STRIDE, claim, unit_done, wait_phase
 from engine.backends.numba_cache_deps import key_on_sources
 
@@ -85,11 +86,11 @@ def _heads(u, layer, qkv, q, k_pool, v_pool, positions, slots, cos, sin, rope_di
     kvh, slot = head - n_heads, slots[t]
     vat = q_dim + kv_dim + kvh * hd
     for j in range(hd):
-        k_pool[kvh, slot, j] = v[j]
+        k_pool[kvh, slot, j] = kv_store(v[j], k_pool[0, 0, 0])
         value = qkv[t, vat + j]
         if bqkv.size:
             value += bqkv[vat + j]
-        v_pool[kvh, slot, j] = value
+        v_pool[kvh, slot, j] = kv_store(value, v_pool[0, 0, 0])
 
 
 @njit(cache=True, fastmath=_FASTMATH)
@@ -114,7 +115,8 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
     layer; linears: a typed List of (wqkv, wo, w_gate_up, w_down) per layer, all of one form, and `head` a
     typed List of the output linear (a List: a tuple of tuples of arrays cannot enter a parallel region);
     windows [L] int64 (0: global attention); local_rope [L] bool picks rope_tables' (cos, sin, cos_local,
-    sin_local) pair; k_pool / v_pool [L, KVH, slots, hd] float32; tables [T, max_blocks] int64; n_workers:
+    sin_local) pair; k_pool / v_pool [L, KVH, slots, hd] float32, or uint16 views of a float16 pool
+    (cpu_half.py); tables [T, max_blocks] int64; n_workers:
     numba.get_num_threads() (an argument: read inside, it would keep numba from caching this function)."""
     n_tok, d = x.shape
     n_layers = len(layers)
@@ -206,4 +208,5 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
 # compiled into its entries, so their sources key the cache too.
 key_on_sources(globals(), ["engine.backends.cpu_fused_layer", "engine.backends.cpu_fused_matvec",
                            "engine.backends.cpu_int8_matvec", "engine.backends.cpu_int8_repack",
-                           "engine.backends.cpu_quant_decode", "engine.backends.cpu_sync"])
+                           "engine.backends.cpu_quant_decode", "engine.backends.cpu_sync",
+                           "engine.backends.cpu_half"])

@@ -59,7 +59,9 @@ class NumpyBackend:
     """Backend protocol on numpy arrays (see engine/backends/base.py)."""
 
     name = "numpy"
-    kv_types = ("f32", "f16", "int8")  # --kv-type auto: the first (exact, and the cheapest here: docs/BENCHMARKS.md)
+    # --kv-type auto: the first. f16: half the bytes, greedy ids as f32 on every reference prompt, and on the
+    # fused decode step (cpu_fused_step.py) faster at long contexts; prefill level (docs/BENCHMARKS.md)
+    kv_types = ("f16", "f32", "int8")
     writes_kv_rows = True  # store_kv honours batch.kv_write_rows: hybrid models may recompute state windows
 
     def upload(self, array: np.ndarray) -> np.ndarray:
