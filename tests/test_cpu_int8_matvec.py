@@ -130,3 +130,23 @@ def test_a_non_finite_activation_makes_the_product_nan(bad):
     x[1, 70] = bad
     y = project_i8(tuple(repack(Q.Q4_1, rows, 256)), _EMPTY, x, QMAX[1], 16)
     assert np.all(np.isfinite(y[0])) and np.all(np.isnan(y[1]))
+
+
+@pytest.mark.parametrize("tensor_type", cpu_int8_repack.HALF_SCALE_TYPES, ids=lambda t: t.name)
+def test_float16_scales_give_the_float32_scales_product_bit_for_bit(tensor_type):
+    """The types whose scales are float16 in the file repack them as float16 bits (4 bytes a group fewer);
+    widened in the kernel they are the same float32 values, so the products are identical."""
+    rows = random_rows(tensor_type, 37, 256)
+    full, half = repack(tensor_type, rows, 256), repack(tensor_type, rows, 256, half_scales=True)
+    assert half.d.dtype == np.uint16 and half.d.nbytes * 2 == full.d.nbytes
+    np.testing.assert_array_equal(half.d.view(np.float16).astype(np.float32), full.d)
+    np.testing.assert_array_equal(half.m.view(np.float16).astype(np.float32), full.m)
+    x = _x(3, 256)
+    for qmax in QMAX:
+        np.testing.assert_array_equal(project_i8(tuple(half), tuple(empty_part(True)), x, qmax, 16),
+                                      project_i8(tuple(full), _EMPTY, x, qmax, 16))
+
+
+def test_k_quant_scales_are_refused_as_float16():
+    with pytest.raises(ValueError, match="not float16"):
+        repack(Q.Q4_K, random_rows(Q.Q4_K, 2, 256), 256, half_scales=True)

@@ -215,7 +215,7 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
     asks = [{"model": "smollm2", "messages": [{"role": "user", "content": f"Name three {thing}. " * 12}],
              "max_tokens": 4, "temperature": 0} for thing in ("rivers", "mountains")]
     # ctx 128: the pool starts at one slot's 8 blocks (the flags' floor) and may grow to 100 MiB (142 blocks)
-    with running_server(smollm2, batch=1, ctx_size=128, kv_cache_mib="0:100") as (url, state):
+    with running_server(smollm2, batch=1, ctx_size=128, kv_cache_mib="0:100", kv_type="f32") as (url, state):
         before = httpx.get(url + "/cache").json()["device_total"]
         for ask in asks:  # each ~90 tokens: the second grows the pool instead of parking the first
             assert httpx.post(url + "/v1/chat/completions", json=ask, timeout=120).status_code == 200

@@ -9,7 +9,7 @@ import pytest
 from tests.server_harness import running_server
 
 pytestmark = pytest.mark.slow
-CTX = 128  # a worst case is 8 blocks of 16 tokens; 3 of them are 24 blocks (kv_cache_mib 17 on SmolLM2)
+CTX = 128  # a worst case is 8 blocks of 16 tokens; 3 of them are 24 blocks (kv_cache_mib 17, f32 K/V, SmolLM2)
 
 
 def _stream(url, i):
@@ -24,7 +24,7 @@ def _stream(url, i):
 
 
 def test_batch_8_on_a_pool_of_3_worst_cases_serves_8_streams_at_once(smollm2):
-    with running_server(smollm2, batch=8, ctx_size=CTX, kv_cache_mib=17) as (url, state):
+    with running_server(smollm2, batch=8, ctx_size=CTX, kv_cache_mib=17, kv_type="f32") as (url, state):
         engine = state.engine
         assert engine.cache.num_blocks == 24  # 3 worst cases of 8 blocks
         most = []

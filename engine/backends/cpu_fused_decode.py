@@ -19,7 +19,7 @@ from numba.typed import List
 
 from engine.backends.cpu_fused_layer import GELU_TANH, SILU
 from engine.backends.cpu_fused_step import decode_step
-from engine.backends.cpu_int8_repack import INT8_TYPES, empty_part, repack
+from engine.backends.cpu_int8_repack import HALF_SCALE_TYPES, INT8_TYPES, empty_part, repack
 from engine.backends.cpu_quant_decode import f16_table
 from engine.backends.cpu_quant_kernels import _LANES, call_kernel
 from engine.backends.cpu_quant_linear import KERNEL_KINDS, KERNEL_MAX_ROWS, QuantLinear
@@ -72,10 +72,24 @@ def int8_refusal(model) -> str | None:
     return f"weight kinds {sorted(bad)} have no int8 kernel" if bad else None
 
 
-def _int8_parts(linear: QuantLinear) -> tuple:
+def _int8_parts(linear: QuantLinear, half_scales: bool) -> tuple:
     """The linear's parts repacked (cpu_int8_repack) as the (part0, part1) tuple project_i8 takes."""
-    parts = [tuple(repack(_GGUF_TYPE[k], rows, linear.in_dim)) for k, rows, _ in linear.parts]
-    return (parts + [tuple(empty_part())])[0], (parts + [tuple(empty_part())])[1]
+    parts = [tuple(repack(_GGUF_TYPE[k], rows, linear.in_dim, half_scales)) for k, rows, _ in linear.parts]
+    empty = tuple(empty_part(half_scales))
+    return (parts + [empty])[0], (parts + [empty])[1]
+
+
+def _repacked(linears: list[QuantLinear]) -> list[tuple]:
+    """Every linear repacked, all with float16 scales when every part's type allows it exactly (4 bytes a
+    32-weight group fewer to stream: 24 -> 20 for q4_1, 40 -> 36 for q8_0), else all float32 (the typed
+    Lists the step takes hold one array type)."""
+    half = all(_GGUF_TYPE[k] in HALF_SCALE_TYPES for m in linears for k, _, _ in m.parts)
+    if half:
+        try:
+            return [_int8_parts(m, True) for m in linears]
+        except ValueError:  # a q8_0 scale whose -128 d overflows float16
+            pass
+    return [_int8_parts(m, False) for m in linears]
 
 
 def _opt(array) -> np.ndarray:
@@ -111,9 +125,10 @@ class FusedDecoder:
                                        for lw in w.layers])}
         self.output = {"f32": _typed([_parts(w.output)])}
         if activations != "f32":
-            self.linears["int"] = _typed([tuple(_int8_parts(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
-                                          for lw in w.layers])
-            self.output["int"] = _typed([_int8_parts(w.output)])
+            linears = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] + [w.output]
+            parts = _repacked(linears)
+            self.linears["int"] = _typed([tuple(parts[4 * i : 4 * i + 4]) for i in range(len(w.layers))])
+            self.output["int"] = _typed([parts[-1]])
         self.eps, self.scale = _F32(c.rms_eps), _F32(c.attn_scale)
         self.act = _ACTIVATIONS[c.activation]
 

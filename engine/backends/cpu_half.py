@@ -31,6 +31,18 @@ def float_to_half(typingctx, value):
     return types.uint16(types.float32), codegen
 
 
+def as_float(value):
+    """A float32 as is, float16 bits (uint16) widened: the repacked weights' scales (jitted code only)."""
+    raise NotImplementedError("called from jitted code only")
+
+
+@overload(as_float, jit_options={"cache": True})
+def _as_float_typed(value):
+    if value == types.uint16:
+        return lambda value: half_to_float(value)
+    return lambda value: value
+
+
 def kv_load(value):
     """A K/V pool element as float32 (jitted code only)."""
     raise NotImplementedError("called from jitted code only")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from engine.backends.cpu_half import as_float
 from engine.backends.cpu_int8_repack import U8
 from engine.backends.numba_cache_deps import key_on_sources
 
@@ -96,9 +97,9 @@ def _dot_u4_lanes(qs, d, m, r, xlo, xhi, dx, sx, t, acc, lanes):
     acc[:] = 0.0
     offsets = _F32(0.0)
     for b in range(d.shape[1]):
-        offsets += m[r, b] * sx[t, b]
+        offsets += as_float(m[r, b]) * sx[t, b]
     for b in range(d.shape[1]):
-        s = d[r, b] * dx[t, b]
+        s = as_float(d[r, b]) * dx[t, b]
         for j in range(lanes):
             q = qs[r, b * 16 + j]
             acc[j] += _F32(_I32(_I16(q & _LOW) * xlo[t, b * 16 + j] + _I16(q >> _SHIFT) * xhi[t, b * 16 + j])) * s
@@ -121,7 +122,7 @@ def _rows_u4(qs, d, m, first, last, xlo, xhi, dx, sx, y, col0, lanes):
 def _scale_u8(d, m, r, dxg, sxg, t, isums):
     acc = _F32(0.0)
     for g in range(d.shape[1]):
-        acc += _F32(isums[g]) * (d[r, g] * dxg[t, g]) + m[r, g] * sxg[t, g]
+        acc += _F32(isums[g]) * (as_float(d[r, g]) * dxg[t, g]) + as_float(m[r, g]) * sxg[t, g]
     return acc
 
 
@@ -195,4 +196,4 @@ def project_i8(part0, part1, x, qmax, lanes):
 
 # numba caches each function against this file only; the jitted code and constants it calls in from
 # these modules are compiled into its entries, so their sources key the cache too.
-key_on_sources(globals(), ["engine.backends.cpu_int8_repack"])
+key_on_sources(globals(), ["engine.backends.cpu_int8_repack", "engine.backends.cpu_half"])

@@ -1,7 +1,8 @@
 """GGUF rows repacked at load for the int8-activation decode products (engine/backends/cpu_int8_matvec.py).
 
 Every supported type becomes one of two planar forms, the integers in one array and the float scales in
-their own (float32), so the kernels' inner loops read contiguous bytes and no float16 table:
+their own (float32, or float16 bits for HALF_SCALE_TYPES when a model's every linear allows it), so the
+kernels' inner loops read contiguous bytes and no float16 table:
 
     U4   qs [R, in/2] u8, d, m [R, in/32] f32        w = d * nibble + m    q4_0 (m = -8 d), q4_1, q4_k
     U8   qs [R, in] u8, d, m [R, in/G] f32           w = d * byte + m      q8_0 (byte = q + 128, m = -128 d),
@@ -28,6 +29,8 @@ from gguf import GGMLQuantizationType as Q
 
 U4, U8 = 0, 1  # forms (a jitted function dispatches on an int)
 INT8_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+# Types whose repacked scales can be float16 bits exactly (the k-quants' d_super * sc products cannot).
+HALF_SCALE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 REPACK_ROWS = 4096
 _BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
@@ -37,34 +40,51 @@ class Int8Part(NamedTuple):
     form: int
     qs: np.ndarray  # uint8 [R, in/2] (U4) or [R, in] (U8)
     qh: np.ndarray  # uint32 [R, 0]: reserved (a packed fifth-bit plane), unused by both forms
-    d: np.ndarray   # float32 [R, in/G]: G = 32 (U4, U8) or 16 (U8 of q6_k)
-    m: np.ndarray   # float32, d's shape
+    d: np.ndarray   # float32 [R, in/G]: G = 32 (U4, U8) or 16 (U8 of q6_k); or float16 bits (uint16)
+    m: np.ndarray   # d's shape and type
 
 
-def empty_part() -> Int8Part:
+def empty_part(half_scales: bool = False) -> Int8Part:
     """The absent second part of a one-part linear (0 rows, the same array types)."""
+    scale = np.uint16 if half_scales else np.float32
     return _frozen(Int8Part(U4, np.zeros((0, 16), np.uint8), np.zeros((0, 1), np.uint32),
-                            np.zeros((0, 1), np.float32), np.zeros((0, 1), np.float32)))
+                            np.zeros((0, 1), scale), np.zeros((0, 1), scale)))
 
 
-def repack(tensor_type: Q, rows: np.ndarray, in_dim: int) -> Int8Part:
+def repack(tensor_type: Q, rows: np.ndarray, in_dim: int, half_scales: bool = False) -> Int8Part:
     """Raw GGUF rows [R, row_bytes] of `tensor_type` -> an Int8Part (new arrays; `rows` is not kept).
 
+    half_scales: d and m as float16 bits (uint16, cpu_half.as_float in the kernels), 4 bytes a group fewer;
+    only for HALF_SCALE_TYPES, whose scales are float16 in the file (q4_0's -8 d and q8_0's -128 d are exact
+    too); ValueError if a value does not survive the round trip (it always does unless -128 d overflows).
     In chunks of REPACK_ROWS rows: the numpy temporaries of a whole tensor at once raised gemma3's peak
     RSS by 800 MiB for its 262144-row head (measured), a chunk's by a few MiB."""
+    if half_scales and tensor_type not in HALF_SCALE_TYPES:
+        raise ValueError(f"{tensor_type.name} scales are not float16 in the file")
     n_rows = rows.shape[0]
-    first = _repack_rows(tensor_type, rows[:REPACK_ROWS], in_dim)
+    first = _repack_rows(tensor_type, rows[:REPACK_ROWS], in_dim, half_scales)
     if n_rows <= REPACK_ROWS:
         return _frozen(first)
     out = Int8Part(first.form, *[np.empty((n_rows, a.shape[1]), a.dtype) for a in first[1:]])
     for start in range(0, n_rows, REPACK_ROWS):
-        chunk = first if start == 0 else _repack_rows(tensor_type, rows[start : start + REPACK_ROWS], in_dim)
+        chunk = first if start == 0 else _repack_rows(tensor_type, rows[start : start + REPACK_ROWS], in_dim,
+                                                      half_scales)
         for dst, src in zip(out[1:], chunk[1:]):
             dst[start : start + src.shape[0]] = src
     return _frozen(out)
 
 
-def _repack_rows(tensor_type: Q, rows: np.ndarray, in_dim: int) -> Int8Part:
+def _repack_rows(tensor_type: Q, rows: np.ndarray, in_dim: int, half_scales: bool) -> Int8Part:
+    part = _repack_f32(tensor_type, rows, in_dim)
+    if not half_scales:
+        return part
+    halves = [a.astype(np.float16) for a in (part.d, part.m)]
+    if not all(np.array_equal(h.astype(np.float32), a) for h, a in zip(halves, (part.d, part.m))):
+        raise ValueError(f"{tensor_type.name} scales do not round-trip through float16")
+    return part._replace(d=halves[0].view(np.uint16), m=halves[1].view(np.uint16))
+
+
+def _repack_f32(tensor_type: Q, rows: np.ndarray, in_dim: int) -> Int8Part:
     values, d, m, group = unpack(tensor_type, rows, in_dim)
     n_rows = rows.shape[0]
     no_qh = np.zeros((n_rows, 0), np.uint32)
