@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from numba import njit, prange
 
-from engine.backends.cpu_sync import STRIDE, claim, unit_done, wait_phase
+from engine.backends.cpu_sync import STRIDE, claim, claim_end, unit_done, wait_phase
 
 PHASES, UNITS = 40, 7
 
@@ -57,3 +57,23 @@ def test_claims_are_spread_over_the_region_threads():
     who(np.zeros(STRIDE, np.int64), owner, np.zeros(owner.size))
     assert (owner >= 0).all()
     assert len(set(owner.tolist())) == 2
+
+
+@njit(parallel=True, cache=False)
+def _from_both_ends(n_workers, counters, runs, n_units):
+    for worker in prange(n_workers):
+        for p in range(PHASES):
+            u = claim_end(counters, p, n_units, worker % 2 == 1)
+            while u >= 0:
+                runs[p, u] += 1
+                unit_done(counters, p)
+                u = claim_end(counters, p, n_units, worker % 2 == 1)
+            wait_phase(counters, p, n_units)
+
+
+@pytest.mark.parametrize("n_workers", [1, 2, 7])
+def test_claiming_from_both_ends_hands_out_every_unit_once(n_workers):
+    for n_units in (1, 2, 5, 64):
+        counters, runs = np.zeros(PHASES * STRIDE, np.int64), np.zeros((PHASES, n_units), np.int64)
+        _from_both_ends(n_workers, counters, runs, n_units)
+        assert (runs == 1).all(), (n_units, runs)

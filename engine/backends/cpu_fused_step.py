@@ -33,7 +33,7 @@ from numba import njit, prange
 from engine.backends.cpu_fused_layer import (activate, add_normed, attend_one, fill_act, linear_rows, new_act,
                                              product_rows, rms_norm_into, rope)
 from engine.backends.cpu_half import kv_store
-from engine.backends.cpu_sync import STRIDE, claim, unit_done, wait_phase
+from engine.backends.cpu_sync import STRIDE, claim, claim_end, unit_done, wait_phase
 from engine.backends.numba_cache_deps import key_on_sources
 
 _F32 = np.float32
@@ -94,14 +94,16 @@ def _heads(u, layer, qkv, q, k_pool, v_pool, positions, slots, cos, sin, rope_di
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def _product(linear, phase, counters, n_units, x, act, y, table, lanes):
-    """Claim and compute units of one product until none is left, then wait for the phase to finish."""
+def _product(linear, phase, counters, n_units, x, act, y, table, lanes, worker):
+    """Claim and compute units of one product until none is left, then wait for the phase to finish; odd
+    workers take units from the back (cpu_sync.claim_end)."""
     rows = _unit_rows(x.shape[1])
-    u = claim(counters, phase, n_units)
+    back = worker % 2 == 1
+    u = claim_end(counters, phase, n_units, back)
     while u >= 0:
         product_rows(linear, u, rows, x, act, y, table, lanes)
         unit_done(counters, phase)
-        u = claim(counters, phase, n_units)
+        u = claim_end(counters, phase, n_units, back)
     wait_phase(counters, phase, n_units)
 
 
@@ -153,7 +155,7 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
                 fill_act(wqkv, h, qmax, act_d)
                 unit_done(counters, base + PREP)
             wait_phase(counters, base + PREP, 1)
-            _product(wqkv, base + QKV, counters, u_qkv, h, act_d, qkv, table, lanes)
+            _product(wqkv, base + QKV, counters, u_qkv, h, act_d, qkv, table, lanes, worker)
             cos = rope_tables[2] if local_rope[li] else rope_tables[0]
             sin = rope_tables[3] if local_rope[li] else rope_tables[1]
             n_units = n_tok * (n_heads + n_kv_heads)
@@ -177,7 +179,7 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
                 fill_act(wo, attn, qmax, act_q)
                 unit_done(counters, base + PREP_O)
             wait_phase(counters, base + PREP_O, 1)
-            _product(wo, base + WO, counters, u_wo, attn, act_q, delta, table, lanes)
+            _product(wo, base + WO, counters, u_wo, attn, act_q, delta, table, lanes, worker)
             if claim(counters, base + PREP_FFN, 1) == 0:
                 add_normed(x, delta, layer[4], eps)
                 for t in range(n_tok):
@@ -185,13 +187,13 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
                 fill_act(w_gate_up, h, qmax, act_d)
                 unit_done(counters, base + PREP_FFN)
             wait_phase(counters, base + PREP_FFN, 1)
-            _product(w_gate_up, base + GATE_UP, counters, u_gu, h, act_d, gate_up, table, lanes)
+            _product(w_gate_up, base + GATE_UP, counters, u_gu, h, act_d, gate_up, table, lanes, worker)
             if claim(counters, base + ACT, 1) == 0:
                 activate(gate_up, act_kind, hidden)
                 fill_act(w_down, hidden, qmax, act_f)
                 unit_done(counters, base + ACT)
             wait_phase(counters, base + ACT, 1)
-            _product(w_down, base + DOWN, counters, u_down, hidden, act_f, delta, table, lanes)
+            _product(w_down, base + DOWN, counters, u_down, hidden, act_f, delta, table, lanes, worker)
         last = n_layers * PHASES_PER_LAYER
         if claim(counters, last, 1) == 0:
             add_normed(x, delta, layers[n_layers - 1][6], eps)
@@ -200,7 +202,7 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
             fill_act(head[0], h_out, qmax, act_out)
             unit_done(counters, last)
         wait_phase(counters, last, 1)
-        _product(head[0], last + 1, counters, u_head, h_out, act_out, logits, table, lanes)
+        _product(head[0], last + 1, counters, u_head, h_out, act_out, logits, table, lanes, worker)
     return logits
 
 

@@ -103,6 +103,18 @@ def claim(counters, phase, n_units):
 
 
 @njit(cache=True)
+def claim_end(counters, phase, n_units, from_back):
+    """claim, but the units are handed out from both ends: workers taking from the front get 0, 1, 2, ...,
+    those taking from the back n - 1, n - 2, ..., so two workers each stream one contiguous half of a
+    product's rows until they meet (interleaved 16-row units broke every worker's stream into 4.6 KB runs)."""
+    if atomic_add(counters, phase * STRIDE, 1) >= n_units:
+        return -1
+    if from_back:
+        return n_units - 1 - atomic_add(counters, phase * STRIDE + 2, 1)
+    return atomic_add(counters, phase * STRIDE + 1, 1)
+
+
+@njit(cache=True)
 def unit_done(counters, phase):
     """Count one unit of `phase` done (after its writes)."""
     atomic_add(counters, phase * STRIDE + STRIDE // 2, 1)
