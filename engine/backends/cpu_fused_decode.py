@@ -97,7 +97,7 @@ def _opt(array) -> np.ndarray:
 
 
 class FusedDecoder:
-    """The per-layer arguments of decode_layer, gathered once from a model's weights. Immutable.
+    """The arguments of cpu_fused_step.decode_step, gathered once from a model's weights. Immutable.
 
     activations "int16" / "int8": steps of up to INT_MAX_TOKENS tokens quantise the activations per
     32-value block to integers (ACT_QMAX) and take integer dot products on weights repacked at construction

@@ -21,8 +21,8 @@ with gathers (6x slower, measured). Measured one thread, 3072 x 576 q4_1 rows (S
 Gweights/s vs 4.5 for the float activation kernel (cpu_fused_matvec.py, `--cpu-weights quantized-f32act`).
 A non-finite activation makes its block's scale NaN, so the product is NaN, as on the float path.
 
-cpu_fused_layer.decode_layer inlines these kernels; numba's cache alone is keyed on each function's own
-file, so a stale decode_layer was once loaded after an edit here (garbage logits on gemma3's U8 layers):
+cpu_fused_step.decode_step inlines these kernels; numba's cache alone is keyed on each function's own
+file, so a stale fused step was once loaded after an edit here (garbage logits on gemma3's U8 layers):
 engine/backends/numba_cache_deps.py now keys it on this file's source too.
 """
 from __future__ import annotations
