@@ -62,13 +62,12 @@ def attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, o
     first = max(0, pos - window + 1) if window > 0 else 0
     n = pos + 1 - first
     scores = np.empty(n, np.float32)
-    first_block, last_block = first // block_size, pos // block_size
+    key_slots = np.empty(n, np.int64)
     i = 0
-    for b in range(first_block, last_block + 1):
+    for b in range(first // block_size, pos // block_size + 1):
         base = table_row[b] * block_size
-        lo = first - b * block_size if b == first_block else 0
-        hi = pos - b * block_size + 1 if b == last_block else block_size
-        for slot in range(base + lo, base + hi):
+        for slot in range(base + max(first - b * block_size, 0), base + min(pos - b * block_size + 1, block_size)):
+            key_slots[i] = slot
             s = _F32(0.0)
             for j in range(q.size):
                 s += q[j] * kv_load(k_pool[kv_head, slot, j])
@@ -81,16 +80,10 @@ def attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, o
         scores[i] = e
         total += e
     acc = np.zeros(out.size, np.float32)  # contiguous: a slice of a 2-D array is typed 'A' (strided) by numba
-    i = 0
-    for b in range(first_block, last_block + 1):
-        base = table_row[b] * block_size
-        lo = first - b * block_size if b == first_block else 0
-        hi = pos - b * block_size + 1 if b == last_block else block_size
-        for slot in range(base + lo, base + hi):
-            e = scores[i]
-            for j in range(acc.size):
-                acc[j] += e * kv_load(v_pool[kv_head, slot, j])
-            i += 1
+    for i in range(n):
+        e, slot = scores[i], key_slots[i]
+        for j in range(acc.size):
+            acc[j] += e * kv_load(v_pool[kv_head, slot, j])
     for j in range(out.size):
         out[j] = acc[j] / total
 

@@ -63,6 +63,15 @@ def _total_rows(linear):
 
 
 @njit(cache=True, fastmath=_FASTMATH)
+def _residual_then_norm(x, delta, post_norm, add, norm, h, eps):
+    """x += post_norm?(delta) when `add`, then h = rmsnorm(x, norm), row by row."""
+    if add:
+        add_normed(x, delta, post_norm, eps)
+    for t in range(x.shape[0]):
+        rms_norm_into(x[t], norm, h[t], eps)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
 def _heads(u, layer, qkv, q, k_pool, v_pool, positions, slots, cos, sin, rope_dims, n_heads, n_kv_heads, scale,
            eps):
     """Unit u of HEADS: query head (t, h) into q, or key/value head (t, kvh) into the pool at slots[t]."""
@@ -148,10 +157,7 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
             base = li * PHASES_PER_LAYER
             k_l, v_l = k_pool[li], v_pool[li]
             if claim(counters, base + PREP, 1) == 0:
-                if li > 0:
-                    add_normed(x, delta, layers[li - 1][6], eps)
-                for t in range(n_tok):
-                    rms_norm_into(x[t], layer[0], h[t], eps)
+                _residual_then_norm(x, delta, layers[li - 1][6] if li > 0 else layer[6], li > 0, layer[0], h, eps)
                 fill_act(wqkv, h, qmax, act_d)
                 unit_done(counters, base + PREP)
             wait_phase(counters, base + PREP, 1)
@@ -181,9 +187,7 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
             wait_phase(counters, base + PREP_O, 1)
             _product(wo, base + WO, counters, u_wo, attn, act_q, delta, table, lanes, worker)
             if claim(counters, base + PREP_FFN, 1) == 0:
-                add_normed(x, delta, layer[4], eps)
-                for t in range(n_tok):
-                    rms_norm_into(x[t], layer[5], h[t], eps)
+                _residual_then_norm(x, delta, layer[4], True, layer[5], h, eps)
                 fill_act(w_gate_up, h, qmax, act_d)
                 unit_done(counters, base + PREP_FFN)
             wait_phase(counters, base + PREP_FFN, 1)
