@@ -59,8 +59,20 @@ def fused_refusal(model) -> str | None:
 
 
 def _parts(linear: QuantLinear) -> tuple:
+    """The float-activation form of a linear: raw rows (kind0, rows0, kind1, rows1), or once its rows were
+    let go for a repacked copy (QuantLinear.adopt_repacked) the two repacked parts and a 0 (float32 rows
+    decoded from them, cpu_repacked_rows.py)."""
+    if linear.repacked is not None:
+        part0, part1 = _adopted(linear)
+        return part0, part1, 0
     (k0, r0, _), (k1, r1, _) = (linear.parts + [(*_NO_PART, 0)])[:2]
     return k0, r0, k1, r1
+
+
+def _adopted(linear: QuantLinear) -> tuple:
+    parts = [tuple(part) for part, _ in linear.repacked]
+    empty = tuple(empty_part(parts[0][3].dtype == np.uint16))
+    return (parts + [empty])[0], (parts + [empty])[1]
 
 
 def int8_refusal(model) -> str | None:
@@ -83,6 +95,8 @@ def _repacked(linears: list[QuantLinear]) -> list[tuple]:
     """Every linear repacked, all with float16 scales when every part's type allows it exactly (4 bytes a
     32-weight group fewer to stream: 24 -> 20 for q4_1, 40 -> 36 for q8_0), else all float32 (the typed
     Lists the step takes hold one array type)."""
+    if all(m.repacked is not None for m in linears):  # an earlier decoder of this model repacked them
+        return [_adopted(m) for m in linears]
     half = all(_GGUF_TYPE[k] in HALF_SCALE_TYPES for m in linears for k, _, _ in m.parts)
     if half:
         try:
@@ -101,9 +115,10 @@ class FusedDecoder:
 
     activations "int16" / "int8": steps of up to INT_MAX_TOKENS tokens quantise the activations per
     32-value block to integers (ACT_QMAX) and take integer dot products on weights repacked at construction
-    (cpu_int8_matvec.py; a copy of about the quantised bytes, cpu_int8_repack.py); larger steps and "f32"
-    use float32 activations on the raw rows (cpu_fused_matvec.py). The caller checks int8_refusal before
-    asking for an integer kind."""
+    (cpu_int8_matvec.py; about the quantised bytes, cpu_int8_repack.py), which then replace the raw rows in
+    the model's QuantLinears; larger steps use float32 activations on rows decoded from them
+    (cpu_repacked_rows.py). "f32": float activations on the raw rows (cpu_fused_matvec.py). The caller
+    checks int8_refusal before asking for an integer kind."""
 
     workers: int | None = None  # the step's region workers (None: the kernel thread count); tests vary it
 
@@ -120,15 +135,23 @@ class FusedDecoder:
         self.windows = np.array([c.sliding_window if s else 0 for s in c.layer_is_sliding], np.int64)
         self.local_rope = np.array(c.layer_is_sliding, np.bool_)
         self.rope_tables = tuple(np.ascontiguousarray(a, np.float32) for a in (*w.rope_global, *w.rope_local))
-        # (wqkv, wo, w_gate_up, w_down) per layer, and the head: raw rows always, repacked ones for integers
-        self.linears = {"f32": _typed([tuple(_parts(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
-                                       for lw in w.layers])}
-        self.output = {"f32": _typed([_parts(w.output)])}
+        # (wqkv, wo, w_gate_up, w_down) per layer, and the head. Integer activations: the weights repacked,
+        # and the repacked copy replaces the raw rows everywhere (float-activation steps, prefill, the
+        # embedding when tied to the head), so the file's rows stop taking memory.
+        self.released_bytes = 0
         if activations != "f32":
             linears = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] + [w.output]
             parts = _repacked(linears)
-            self.linears["int"] = _typed([tuple(parts[4 * i : 4 * i + 4]) for i in range(len(w.layers))])
-            self.output["int"] = _typed([parts[-1]])
+            for linear, (part0, part1) in zip(linears, parts):
+                if linear.repacked is None:
+                    self.released_bytes += linear.adopt_repacked([part0, part1][: len(linear.parts)])
+            self.linears = {"int": _typed([tuple(parts[4 * i : 4 * i + 4]) for i in range(len(w.layers))])}
+            self.output = {"int": _typed([parts[-1]])}
+        else:
+            self.linears, self.output = {}, {}
+        self.linears["f32"] = _typed([tuple(_parts(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+                                      for lw in w.layers])
+        self.output["f32"] = _typed([_parts(w.output)])
         self.eps, self.scale = _F32(c.rms_eps), _F32(c.attn_scale)
         self.act = _ACTIVATIONS[c.activation]
 

@@ -20,6 +20,7 @@ from numba.extending import overload
 
 from engine.backends.cpu_fused_matvec import _rows_into, block_sums
 from engine.backends.cpu_half import kv_load
+from engine.backends.cpu_repacked_rows import rows_into as decoded_rows_into
 from engine.backends.cpu_int8_matvec import _part_rows, quantize_act_into
 from engine.backends.cpu_int8_matvec import new_act as new_int_act
 from engine.backends.numba_cache_deps import key_on_sources
@@ -121,8 +122,9 @@ def fill_act(linear, x, qmax, act):
 def product_rows(linear, unit, unit_rows, x, act, y, table, lanes):
     """y[:, rows] = x @ W[rows].T for the rows of work unit `unit` (unit_rows rows of part 0, then part 1).
 
-    A linear is raw rows (kind0, rows0, kind1, rows1) (float activations, cpu_fused_matvec) or two
-    cpu_int8_repack parts (integer activations, cpu_int8_matvec); numba picks the implementation from the
+    A linear is raw rows (kind0, rows0, kind1, rows1) (float activations, cpu_fused_matvec), two
+    cpu_int8_repack parts (integer activations, cpu_int8_matvec), or those parts and a 0 (float activations
+    on rows decoded from them, cpu_repacked_rows, once they replaced the raw rows); numba picks the implementation from the
     tuple's type when it compiles the step. Scratch is allocated per unit, of the exact size: a slice of a
     larger buffer is typed as strided by numba, and the loops over it did not vectorise."""
     raise NotImplementedError("called from jitted code only")
@@ -130,6 +132,11 @@ def product_rows(linear, unit, unit_rows, x, act, y, table, lanes):
 
 def _is_raw(linear) -> bool:
     return isinstance(linear, types.BaseTuple) and len(linear) == 4
+
+
+def _is_decoded(linear) -> bool:
+    """Repacked parts with float activations: (part0, part1, 0)."""
+    return isinstance(linear, types.BaseTuple) and len(linear) == 3
 
 
 @overload(linear_rows, jit_options={"cache": True})
@@ -141,6 +148,8 @@ def _linear_rows_typed(linear):
 
 @overload(new_act, jit_options={"cache": True})
 def _new_act_typed(linear, n_tok, n_in):
+    if _is_decoded(linear):  # rows are decoded and dotted with x itself
+        return lambda linear, n_tok, n_in: np.empty((n_tok, 0), np.float32)
     if _is_raw(linear):
         return lambda linear, n_tok, n_in: np.empty((n_tok, n_in // 32), np.float32)
     return lambda linear, n_tok, n_in: new_int_act(n_tok, n_in)
@@ -148,6 +157,8 @@ def _new_act_typed(linear, n_tok, n_in):
 
 @overload(fill_act, jit_options={"cache": True})
 def _fill_act_typed(linear, x, qmax, act):
+    if _is_decoded(linear):
+        return lambda linear, x, qmax, act: None
     if _is_raw(linear):
         return lambda linear, x, qmax, act: block_sums(x, act)
     return lambda linear, x, qmax, act: quantize_act_into(x, qmax, act)
@@ -155,6 +166,18 @@ def _fill_act_typed(linear, x, qmax, act):
 
 @overload(product_rows, jit_options={"cache": True})
 def _product_rows_typed(linear, unit, unit_rows, x, act, y, table, lanes):
+    if _is_decoded(linear):
+        def decoded(linear, unit, unit_rows, x, act, y, table, lanes):
+            n0, n1 = linear[0][1].shape[0], linear[1][1].shape[0]
+            units0 = (n0 + unit_rows - 1) // unit_rows
+            w = np.empty(x.shape[1], np.float32)
+            if unit < units0:
+                first = unit * unit_rows
+                decoded_rows_into(linear[0], first, min(n0, first + unit_rows), x, y, 0, w)
+            else:
+                first = (unit - units0) * unit_rows
+                decoded_rows_into(linear[1], first, min(n1, first + unit_rows), x, y, n0, w)
+        return decoded
     if _is_raw(linear):
         def raw(linear, unit, unit_rows, x, act, y, table, lanes):
             n0, n1 = linear[1].shape[0], linear[3].shape[0]
@@ -195,5 +218,6 @@ def add_normed(x, delta, post_norm, eps):
 
 # numba caches each function against this file only; the jitted code and constants it calls in from
 # these modules are compiled into its entries, so their sources key the cache too.
-key_on_sources(globals(), ["engine.backends.cpu_fused_matvec", "engine.backends.cpu_half", "engine.backends.cpu_int8_matvec",
+key_on_sources(globals(), ["engine.backends.cpu_fused_matvec", "engine.backends.cpu_half",
+                           "engine.backends.cpu_repacked_rows", "engine.backends.cpu_int8_matvec",
                            "engine.backends.cpu_int8_repack", "engine.backends.cpu_quant_decode"])

@@ -12,13 +12,16 @@ The scratch buffer is per thread (pipeline stages compute concurrently) and at m
 """
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from engine.backends import cpu_quant_decode as decode
-from engine.backends.cpu_quant_kernels import dequant_rows, gather_rows, matmul_rows
+from engine.backends.cpu_quant_kernels import call_kernel, dequant_rows, gather_rows, matmul_rows
+from engine.backends.cpu_repacked_rows import dequant_part, gather_part, matmul_part
+from engine.backends.page_release import release_pages
 from engine.quant_weights import LinearPart
 
 # GGUF type -> kernel type id; the types the CPU kernels compute on directly.
@@ -49,9 +52,26 @@ class QuantLinear:
         self.in_dim = parts[0].in_dim
         self.out_dim = sum(p.out_dim for p in parts)
         self.names = [p.name for p in parts]
+        self.repacked: list | None = None  # adopt_repacked: Int8Parts that replace the raw rows
+
+    def adopt_repacked(self, parts: list) -> int:
+        """Compute on `parts` (cpu_int8_repack.Int8Part, one per raw part, the same rows) from now on and let
+        the raw rows go: pages of the memory-mapped file are handed back (they re-read from the file if
+        anything touches them again), copies (fused or permuted rows) are dropped. Returns the bytes released
+        from the mapping. `parts` then serve matmul, gather and dequantize (cpu_repacked_rows.py)."""
+        assert len(parts) == len(self.parts), self.names
+        released = 0
+        for _, rows, _ in self.parts:
+            if _file_backed(rows):
+                released += release_pages(rows)
+        self.repacked = [(part, out_dim) for part, (_, _, out_dim) in zip(parts, self.parts)]
+        self.parts = [(kind, _NO_ROWS, out_dim) for kind, _, out_dim in self.parts]
+        return released
 
     @property
     def nbytes(self) -> int:
+        if self.repacked is not None:
+            return sum(sum(a.nbytes for a in part[1:]) for part, _ in self.repacked)
         return sum(rows.nbytes for _, rows, _ in self.parts)
 
     @property
@@ -63,6 +83,14 @@ class QuantLinear:
         x = np.ascontiguousarray(x, dtype=np.float32)
         y = np.empty((x.shape[0], self.out_dim), dtype=np.float32)
         col = 0
+        if self.repacked is not None:
+            for part, out_dim in self.repacked:
+                if x.shape[0] <= KERNEL_MAX_ROWS:
+                    call_kernel(matmul_part, tuple(part), x, y, col)
+                else:
+                    self._matmul_tiled(part, None, x, y[:, col : col + out_dim])
+                col += out_dim
+            return y
         for kind, rows, out_dim in self.parts:
             if x.shape[0] <= KERNEL_MAX_ROWS:
                 matmul_rows(kind, rows, x, y, col)
@@ -71,13 +99,18 @@ class QuantLinear:
             col += out_dim
         return y
 
-    def _matmul_tiled(self, kind: int, rows: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+    def _matmul_tiled(self, kind, rows: np.ndarray | None, x: np.ndarray, y: np.ndarray) -> None:
+        """kind and rows: a raw part; or kind an Int8Part and rows None (adopt_repacked)."""
+        n_rows = kind[1].shape[0] if rows is None else rows.shape[0]
         tile_rows = max(1, SCRATCH_FLOATS // self.in_dim)
-        scratch = _thread_scratch(min(tile_rows, rows.shape[0]) * self.in_dim)
-        for start in range(0, rows.shape[0], tile_rows):
-            n = min(tile_rows, rows.shape[0] - start)
+        scratch = _thread_scratch(min(tile_rows, n_rows) * self.in_dim)
+        for start in range(0, n_rows, tile_rows):
+            n = min(tile_rows, n_rows - start)
             w = scratch[: n * self.in_dim].reshape(n, self.in_dim)
-            dequant_rows(kind, rows[start : start + n], w, threads=DEQUANT_THREADS)
+            if rows is None:
+                dequant_part(tuple(kind), start, w)
+            else:
+                dequant_rows(kind, rows[start : start + n], w, threads=DEQUANT_THREADS)
             y[:, start : start + n] = x @ w.T  # y is a column range of the fused output: not contiguous
 
     def gather(self, ids: np.ndarray) -> np.ndarray:
@@ -85,6 +118,9 @@ class QuantLinear:
         assert len(self.parts) == 1, f"an embedding table is one tensor, got {self.names}"
         kind, rows, _ = self.parts[0]
         out = np.empty((len(ids), self.in_dim), dtype=np.float32)
+        if self.repacked is not None:
+            call_kernel(gather_part, tuple(self.repacked[0][0]), np.asarray(ids, dtype=np.int64), out)
+            return out
         gather_rows(kind, rows, np.asarray(ids, dtype=np.int64), out)
         return out
 
@@ -92,10 +128,27 @@ class QuantLinear:
         """The whole matrix as float32 [out, in] (tests and tools; the forward pass never calls this)."""
         out = np.empty((self.out_dim, self.in_dim), dtype=np.float32)
         row = 0
-        for kind, rows, out_dim in self.parts:
+        for part, out_dim in self.repacked or []:
+            dequant_part(tuple(part), 0, out[row : row + out_dim])
+            row += out_dim
+        for kind, rows, out_dim in [] if self.repacked else self.parts:
             dequant_rows(kind, rows, out[row : row + out_dim])
             row += out_dim
         return out
+
+
+_NO_ROWS = np.zeros((0, 1), np.uint8)  # a raw part's rows once they are let go (adopt_repacked)
+_NO_ROWS.flags.writeable = False
+
+
+def _file_backed(rows: np.ndarray) -> bool:
+    """Whether the array's memory is a file mapping (its pages can be dropped and re-read), not a copy."""
+    base = rows
+    while base is not None:
+        if isinstance(base, (mmap.mmap, np.memmap)):
+            return True
+        base = getattr(base, "base", None)
+    return False
 
 
 def _readonly(rows: np.ndarray) -> np.ndarray:

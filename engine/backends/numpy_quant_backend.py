@@ -74,10 +74,11 @@ class QuantizedNumpyBackend(NumpyBackend):
         return model.forward(batch, pool)
 
     def prepare_decode(self, model) -> None:
-        """Build the model's fused decoder now (repacking the weights for integer activations: 1.5-7 s and
-        ~1.2x the quantised bytes), at start-up instead of in the first request's first decode step."""
-        if self.fused_decode:
-            self._fused_decoder(model)
+        """Build the model's fused decoder now (repacking the weights for integer activations: 1.5-7 s; the
+        repacked copy then replaces the raw rows), at start-up instead of in the first decode step."""
+        if self.fused_decode and (decoder := self._fused_decoder(model)) is not None and decoder.released_bytes:
+            log.info("repacked weights replace the file's rows: %.0f MiB of mapped pages handed back",
+                     decoder.released_bytes / 2**20)
 
     def _fused_decoder(self, model) -> FusedDecoder | None:
         if model not in self._fused:
