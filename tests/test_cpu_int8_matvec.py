@@ -150,3 +150,13 @@ def test_float16_scales_give_the_float32_scales_product_bit_for_bit(tensor_type)
 def test_k_quant_scales_are_refused_as_float16():
     with pytest.raises(ValueError, match="not float16"):
         repack(Q.Q4_K, random_rows(Q.Q4_K, 2, 256), 256, half_scales=True)
+
+
+def test_half_scales_fit_says_whether_the_derived_mins_stay_in_float16_range():
+    rows = random_rows(Q.Q8_0, 4, 256).copy()
+    assert cpu_int8_repack.half_scales_fit(Q.Q8_0, rows)
+    rows[2, :2] = np.array([1000.0], np.float16).view(np.uint8)  # -128 * 1000 overflows float16
+    assert not cpu_int8_repack.half_scales_fit(Q.Q8_0, rows)
+    with pytest.raises(ValueError):
+        repack(Q.Q8_0, rows, 256, half_scales=True)
+    assert not cpu_int8_repack.half_scales_fit(Q.Q6_K, random_rows(Q.Q6_K, 2, 256))

@@ -32,7 +32,7 @@ def test_an_adopting_linear_computes_as_its_raw_rows_did():
     x_few = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
     x_many = np.random.default_rng(1).standard_normal((20, 256)).astype(np.float32)
     before = [linear.matmul(x_few), linear.matmul(x_many), linear.dequantize()]
-    linear.adopt_repacked([repack(Q.Q4_1, a, 256), repack(Q.Q6_K, b, 256)])
+    assert linear.adopt_repacked([repack(Q.Q4_1, a, 256), repack(Q.Q6_K, b, 256)]) == []  # copies, no mapping
     assert all(rows.size == 0 for _, rows, _ in linear.parts)  # the raw rows are let go
     after = [linear.matmul(x_few), linear.matmul(x_many), linear.dequantize()]
     np.testing.assert_array_equal(after[2], before[2])

@@ -19,10 +19,11 @@ from numba.typed import List
 
 from engine.backends.cpu_fused_layer import GELU_TANH, SILU
 from engine.backends.cpu_fused_step import decode_step
-from engine.backends.cpu_int8_repack import HALF_SCALE_TYPES, INT8_TYPES, empty_part, repack
+from engine.backends.cpu_int8_repack import HALF_SCALE_TYPES, INT8_TYPES, empty_part, half_scales_fit, repack
 from engine.backends.cpu_quant_decode import f16_table
 from engine.backends.cpu_quant_kernels import _LANES, call_kernel
-from engine.backends.cpu_quant_linear import KERNEL_KINDS, KERNEL_MAX_ROWS, QuantLinear
+from engine.backends.cpu_quant_linear import (KERNEL_KINDS, KERNEL_MAX_ROWS, QuantLinear, mapping_root,
+                                             release_mappings)
 from engine.batch import BatchMeta
 
 _F32 = np.float32
@@ -37,10 +38,11 @@ _POOL_VIEWS = {"f32": np.float32, "f16": np.uint16}  # K/V types the step reads 
 # costs the same as int8 in cpu_int8_matvec (its products are int16 either way) and its rounding is 256x
 # finer: on gemma3 int8 moved logits by up to 0.37 and changed greedy ids after 16 tokens, int16 by ~1e-3.
 ACT_QMAX = {"f32": _F32(0.0), "int8": _F32(127.0), "int16": _F32(32767.0)}
-# Steps of more tokens take the float kernels even then: they decode a row once and dot it with every
-# token (~0.06 instructions a weight per extra token), where the integer kernels reduce every 32-weight
-# block for every token (CPU ms per SmolLM2 step at 4 tokens: 123 integer vs 60 float; at 1: 43 vs 56).
-INT_MAX_TOKENS = 1
+# Every step the fused path takes runs the integer kernels: since their products keep float lanes (no
+# reduction per block and token) a 4-token SmolLM2 step costs 46.8 ms integer against 47.0 on the raw rows'
+# float kernels and 80 on float rows decoded from the repacked form, which is all there is once the raw
+# rows are let go (session 6; before: 123 integer vs 60 float CPU ms).
+INT_MAX_TOKENS = KERNEL_MAX_ROWS
 
 
 def fused_refusal(model) -> str | None:
@@ -91,19 +93,27 @@ def _int8_parts(linear: QuantLinear, half_scales: bool) -> tuple:
     return (parts + [empty])[0], (parts + [empty])[1]
 
 
-def _repacked(linears: list[QuantLinear]) -> list[tuple]:
-    """Every linear repacked, all with float16 scales when every part's type allows it exactly (4 bytes a
-    32-weight group fewer to stream: 24 -> 20 for q4_1, 40 -> 36 for q8_0), else all float32 (the typed
-    Lists the step takes hold one array type)."""
+def _repack_and_adopt(linears: list[QuantLinear]) -> tuple[list[tuple], int]:
+    """Every linear repacked and adopting its repacked copy (QuantLinear.adopt_repacked), one at a time so
+    that each one's raw copy is freed before the next is repacked (peak RSS: one linear's two forms, not
+    the model's); all with float16 scales when every part allows it exactly (4 bytes a 32-weight group fewer
+    to stream: 24 -> 20 for q4_1, 40 -> 36 for q8_0), else all float32 (the step's typed Lists hold one array
+    type). Returns the (part0, part1) pairs and the bytes of file mapping handed back: the whole file once
+    up front (the loader has read every tensor; repacking re-reads a linear's pages from the page cache),
+    and each linear's pages again after its repack."""
     if all(m.repacked is not None for m in linears):  # an earlier decoder of this model repacked them
-        return [_adopted(m) for m in linears]
-    half = all(_GGUF_TYPE[k] in HALF_SCALE_TYPES for m in linears for k, _, _ in m.parts)
-    if half:
-        try:
-            return [_int8_parts(m, True) for m in linears]
-        except ValueError:  # a q8_0 scale whose -128 d overflows float16
-            pass
-    return [_int8_parts(m, False) for m in linears]
+        return [_adopted(m) for m in linears], 0
+    half = all(_GGUF_TYPE[k] in HALF_SCALE_TYPES and half_scales_fit(_GGUF_TYPE[k], rows)
+               for m in linears for k, rows, _ in m.parts)
+    mappings = [root for m in linears for _, rows, _ in m.parts if (root := mapping_root(rows)) is not None]
+    released = release_mappings(mappings)
+    pairs = []
+    for linear in linears:
+        if linear.repacked is None:
+            part0, part1 = _int8_parts(linear, half)
+            release_mappings(linear.adopt_repacked([part0, part1][: len(linear.parts)]))
+        pairs.append(_adopted(linear))
+    return pairs, released
 
 
 def _opt(array) -> np.ndarray:
@@ -141,10 +151,7 @@ class FusedDecoder:
         self.released_bytes = 0
         if activations != "f32":
             linears = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] + [w.output]
-            parts = _repacked(linears)
-            for linear, (part0, part1) in zip(linears, parts):
-                if linear.repacked is None:
-                    self.released_bytes += linear.adopt_repacked([part0, part1][: len(linear.parts)])
+            parts, self.released_bytes = _repack_and_adopt(linears)
             self.linears = {"int": _typed([tuple(parts[4 * i : 4 * i + 4]) for i in range(len(w.layers))])}
             self.output = {"int": _typed([parts[-1]])}
         else:

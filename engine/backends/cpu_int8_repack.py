@@ -51,6 +51,19 @@ def empty_part(half_scales: bool = False) -> Int8Part:
                             np.zeros((0, 1), scale), np.zeros((0, 1), scale)))
 
 
+def half_scales_fit(tensor_type: Q, rows: np.ndarray) -> bool:
+    """Whether repack(..., half_scales=True) of these rows succeeds: the derived mins (-8 d, -16 d, -128 d)
+    stay within float16's range (d and the stored mins are float16 already)."""
+    if tensor_type not in HALF_SCALE_TYPES:
+        return False
+    factor = {Q.Q4_0: 8.0, Q.Q5_0: 16.0, Q.Q8_0: 128.0}.get(tensor_type)
+    if factor is None or rows.size == 0:
+        return True
+    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, _BLOCK_BYTES[tensor_type])
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float32)
+    return bool(np.all(np.abs(d) * np.float32(factor) <= np.float32(65504.0)))
+
+
 def repack(tensor_type: Q, rows: np.ndarray, in_dim: int, half_scales: bool = False) -> Int8Part:
     """Raw GGUF rows [R, row_bytes] of `tensor_type` -> an Int8Part (new arrays; `rows` is not kept).
 

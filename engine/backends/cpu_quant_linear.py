@@ -12,7 +12,6 @@ The scratch buffer is per thread (pipeline stages compute concurrently) and at m
 """
 from __future__ import annotations
 
-import mmap
 import threading
 
 import numpy as np
@@ -54,19 +53,17 @@ class QuantLinear:
         self.names = [p.name for p in parts]
         self.repacked: list | None = None  # adopt_repacked: Int8Parts that replace the raw rows
 
-    def adopt_repacked(self, parts: list) -> int:
+    def adopt_repacked(self, parts: list) -> list[np.memmap]:
         """Compute on `parts` (cpu_int8_repack.Int8Part, one per raw part, the same rows) from now on and let
-        the raw rows go: pages of the memory-mapped file are handed back (they re-read from the file if
-        anything touches them again), copies (fused or permuted rows) are dropped. Returns the bytes released
-        from the mapping. `parts` then serve matmul, gather and dequantize (cpu_repacked_rows.py)."""
+        the raw rows go (copies of fused or permuted rows are freed with them). Returns the file mappings the
+        raw rows were views of: the caller hands their pages back once every linear adopted
+        (release_mappings), since the loader's copies were read from those pages too. `parts` then serve
+        matmul, gather and dequantize (cpu_repacked_rows.py)."""
         assert len(parts) == len(self.parts), self.names
-        released = 0
-        for _, rows, _ in self.parts:
-            if _file_backed(rows):
-                released += release_pages(rows)
+        roots = [root for _, rows, _ in self.parts if (root := mapping_root(rows)) is not None]
         self.repacked = [(part, out_dim) for part, (_, _, out_dim) in zip(parts, self.parts)]
         self.parts = [(kind, _NO_ROWS, out_dim) for kind, _, out_dim in self.parts]
-        return released
+        return roots
 
     @property
     def nbytes(self) -> int:
@@ -141,14 +138,20 @@ _NO_ROWS = np.zeros((0, 1), np.uint8)  # a raw part's rows once they are let go 
 _NO_ROWS.flags.writeable = False
 
 
-def _file_backed(rows: np.ndarray) -> bool:
-    """Whether the array's memory is a file mapping (its pages can be dropped and re-read), not a copy."""
-    base = rows
+def mapping_root(rows: np.ndarray) -> np.memmap | None:
+    """The outermost np.memmap the array is a view of (the whole GGUF file), or None for a copy."""
+    root, base = None, rows
     while base is not None:
-        if isinstance(base, (mmap.mmap, np.memmap)):
-            return True
+        if isinstance(base, np.memmap):
+            root = base
         base = getattr(base, "base", None)
-    return False
+    return root
+
+
+def release_mappings(roots: list[np.memmap]) -> int:
+    """Hand back the pages of each distinct file mapping (read-only: touched again, they re-read from the
+    file); returns the bytes of the ranges released."""
+    return sum(release_pages(root) for root in {id(r): r for r in roots}.values())
 
 
 def _readonly(rows: np.ndarray) -> np.ndarray:
