@@ -3,13 +3,13 @@ float32 values around every float16 rounding boundary."""
 import numpy as np
 from numba import njit
 
-from engine.backends.cpu_half import kv_load, kv_store
+from engine.backends.cpu_half import as_float, kv_store
 
 
 @njit(cache=False)
 def _widen(bits, out):
     for i in range(bits.size):
-        out[i] = kv_load(bits[i])
+        out[i] = as_float(bits[i])
 
 
 @njit(cache=False)

@@ -19,7 +19,7 @@ from numba.core import types
 from numba.extending import overload
 
 from engine.backends.cpu_fused_matvec import _rows_into, block_sums
-from engine.backends.cpu_half import kv_load
+from engine.backends.cpu_half import as_float
 from engine.backends.cpu_repacked_rows import rows_into as decoded_rows_into
 from engine.backends.cpu_int8_matvec import _part_rows, quantize_act_into
 from engine.backends.cpu_int8_matvec import new_act as new_int_act
@@ -56,7 +56,7 @@ def rope(v, cos, sin, pos, rope_dims):
 @njit(cache=True, fastmath=_FASTMATH)
 def attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, out):
     """out [hd] = softmax(q . keys) values over key positions first .. pos of one sequence (q pre-scaled);
-    the pools are float32 or float16 bits (cpu_half.kv_load).
+    the pools are float32 or float16 bits (cpu_half.as_float).
 
     Keys are walked block by block (a slot per key without a division: two integer divisions a key were
     most of the cost, SmolLM2 at 2048 keys), the exponentials taken in a loop of their own."""
@@ -71,7 +71,7 @@ def attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, o
             key_slots[i] = slot
             s = _F32(0.0)
             for j in range(q.size):
-                s += q[j] * kv_load(k_pool[kv_head, slot, j])
+                s += q[j] * as_float(k_pool[kv_head, slot, j])
             scores[i] = s
             i += 1
     best = scores.max()
@@ -84,7 +84,7 @@ def attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, o
     for i in range(n):
         e, slot = scores[i], key_slots[i]
         for j in range(acc.size):
-            acc[j] += e * kv_load(v_pool[kv_head, slot, j])
+            acc[j] += e * as_float(v_pool[kv_head, slot, j])
     for j in range(out.size):
         out[j] = acc[j] / total
 

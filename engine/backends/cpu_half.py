@@ -1,6 +1,6 @@
 """float16 in numba kernels, as its bits (uint16): numba has no float16 type, LLVM has `half`.
 
-    kv_load(pool_value) -> float32      a float32 as is; uint16 bits widened (exact)
+    as_float(value) -> float32          a float32 as is; uint16 bits widened (exact)
     kv_store(value, pool_dtype_value)   float32 -> the pool's type: float32 as is; uint16 = the float16 nearest,
                                         ties to even (LLVM's fptrunc), the rounding numpy's astype(float16) does
 
@@ -32,7 +32,8 @@ def float_to_half(typingctx, value):
 
 
 def as_float(value):
-    """A float32 as is, float16 bits (uint16) widened: the repacked weights' scales (jitted code only)."""
+    """A float32 as is, float16 bits (uint16) widened (exact): a K/V pool element or a repacked weight scale
+    (jitted code only)."""
     raise NotImplementedError("called from jitted code only")
 
 
@@ -43,21 +44,9 @@ def _as_float_typed(value):
     return lambda value: value
 
 
-def kv_load(value):
-    """A K/V pool element as float32 (jitted code only)."""
-    raise NotImplementedError("called from jitted code only")
-
-
 def kv_store(value, like):
     """float32 value in the type of `like`, a K/V pool element (jitted code only)."""
     raise NotImplementedError("called from jitted code only")
-
-
-@overload(kv_load, jit_options={"cache": True})
-def _kv_load_typed(value):
-    if value == types.uint16:
-        return lambda value: half_to_float(value)
-    return lambda value: value
 
 
 @overload(kv_store, jit_options={"cache": True})
