@@ -87,7 +87,7 @@ def int8_refusal(model) -> str | None:
 
 
 def _int8_parts(linear: QuantLinear, half_scales: bool) -> tuple:
-    """The linear's parts repacked (cpu_int8_repack) as the (part0, part1) tuple project_i8 takes."""
+    """The linear's parts repacked (cpu_int8_repack) as the (part0, part1) pair the step's products take."""
     parts = [tuple(repack(_GGUF_TYPE[k], rows, linear.in_dim, half_scales)) for k, rows, _ in linear.parts]
     empty = tuple(empty_part(half_scales))
     return (parts + [empty])[0], (parts + [empty])[1]

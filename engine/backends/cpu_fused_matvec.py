@@ -114,6 +114,7 @@ def _rows_into(kind, rows, first, last, x, xs, y, col0, w, table, lanes):
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def matvec2(kind0, rows0, kind1, rows1, x, xs, y, table, lanes):
     """y[:, :] = x @ [part0; part1].T, one parallel region over both parts' rows (rows1 may have 0 rows).
+    The whole product the kernel tests check; the decode step calls _rows_into on its own work units.
 
     x [T, in] float32, xs = block_sums(x), y [T, out0 + out1] float32."""
     n0, n1 = rows0.shape[0], rows1.shape[0]

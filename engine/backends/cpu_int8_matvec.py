@@ -188,7 +188,8 @@ def matvec2_i8(part0, part1, act, y, lanes):
 
 @njit(cache=True, fastmath=_FASTMATH)
 def project_i8(part0, part1, x, qmax, lanes):
-    """x @ [part0; part1].T as a new [T, out] float32 array (x [T, in] float32 quantised here to qmax)."""
+    """x @ [part0; part1].T as a new [T, out] float32 array (x [T, in] float32 quantised here to qmax).
+    The whole product the kernel tests check; the decode step calls _part_rows on its own work units."""
     y = np.empty((x.shape[0], part0[1].shape[0] + part1[1].shape[0]), np.float32)
     matvec2_i8(part0, part1, quantize_act(x, qmax), y, lanes)
     return y
