@@ -86,7 +86,7 @@ def test_int8_product_matches_the_dequantised_product(tensor_type, n_tokens, qma
     out_dim, in_dim = 37, 512  # 37: a partial last task of 16 rows
     rows = random_rows(tensor_type, out_dim, in_dim)
     x = _x(n_tokens, in_dim)
-    y = project_i8(tuple(repack(tensor_type, rows, in_dim)), _EMPTY, x, qmax, 16)
+    y = project_i8(tuple(repack(tensor_type, rows, in_dim)), _EMPTY, x, qmax)
     _assert_close_both_ways(y, x, reference(tensor_type, rows, out_dim, in_dim), qmax)
 
 
@@ -95,7 +95,7 @@ def test_int8_product_stacks_two_parts_of_different_forms(qmax):
     in_dim = 256
     a, b = random_rows(Q.Q4_K, 20, in_dim, seed=2), random_rows(Q.Q6_K, 9, in_dim, seed=3)
     x = _x(3, in_dim, seed=4)
-    y = project_i8(tuple(repack(Q.Q4_K, a, in_dim)), tuple(repack(Q.Q6_K, b, in_dim)), x, qmax, 16)
+    y = project_i8(tuple(repack(Q.Q4_K, a, in_dim)), tuple(repack(Q.Q6_K, b, in_dim)), x, qmax)
     w = np.concatenate([reference(Q.Q4_K, a, 20, in_dim), reference(Q.Q6_K, b, 9, in_dim)])
     _assert_close_both_ways(y, x, w, qmax)
 
@@ -106,9 +106,9 @@ def test_each_token_is_computed_alone(qmax):
     rows = random_rows(Q.Q4_1, 40, 256)
     part = tuple(repack(Q.Q4_1, rows, 256))
     x = _x(5, 256)
-    together = project_i8(part, _EMPTY, x, qmax, 16)
+    together = project_i8(part, _EMPTY, x, qmax)
     for t in range(5):
-        np.testing.assert_array_equal(together[t], project_i8(part, _EMPTY, x[t : t + 1].copy(), qmax, 16)[0])
+        np.testing.assert_array_equal(together[t], project_i8(part, _EMPTY, x[t : t + 1].copy(), qmax)[0])
 
 
 @pytest.mark.parametrize("tensor_type", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
@@ -128,7 +128,7 @@ def test_a_non_finite_activation_makes_the_product_nan(bad):
     rows = random_rows(Q.Q4_1, 20, 256)
     x = _x(2, 256)
     x[1, 70] = bad
-    y = project_i8(tuple(repack(Q.Q4_1, rows, 256)), _EMPTY, x, QMAX[1], 16)
+    y = project_i8(tuple(repack(Q.Q4_1, rows, 256)), _EMPTY, x, QMAX[1])
     assert np.all(np.isfinite(y[0])) and np.all(np.isnan(y[1]))
 
 
@@ -143,8 +143,8 @@ def test_float16_scales_give_the_float32_scales_product_bit_for_bit(tensor_type)
     np.testing.assert_array_equal(half.m.view(np.float16).astype(np.float32), full.m)
     x = _x(3, 256)
     for qmax in QMAX:
-        np.testing.assert_array_equal(project_i8(tuple(half), tuple(empty_part(True)), x, qmax, 16),
-                                      project_i8(tuple(full), _EMPTY, x, qmax, 16))
+        np.testing.assert_array_equal(project_i8(tuple(half), tuple(empty_part(True)), x, qmax),
+                                      project_i8(tuple(full), _EMPTY, x, qmax))
 
 
 def test_k_quant_scales_are_refused_as_float16():

@@ -47,12 +47,12 @@ def test_an_edit_to_the_callee_alone_recompiles_the_caller_only_when_keyed(tmp_p
 
 @pytest.mark.parametrize("module, dependencies", [
     ("cpu_fused_layer", ["cpu_fused_matvec", "cpu_half", "cpu_repacked_rows", "cpu_int8_matvec", "cpu_int8_repack",
-                         "cpu_quant_decode"]),
+                         "cpu_quant_decode", "cpu_simd_dot"]),
     ("cpu_fused_step", ["cpu_fused_layer", "cpu_fused_matvec", "cpu_int8_matvec", "cpu_int8_repack",
-                        "cpu_quant_decode", "cpu_sync", "cpu_half", "cpu_repacked_rows"]),
+                        "cpu_quant_decode", "cpu_sync", "cpu_half", "cpu_repacked_rows", "cpu_simd_dot"]),
     ("cpu_repacked_rows", ["cpu_half", "cpu_int8_repack"]),
     ("cpu_fused_matvec", ["cpu_quant_decode"]), ("cpu_quant_kernels", ["cpu_quant_decode"]),
-    ("cpu_int8_matvec", ["cpu_int8_repack", "cpu_half"])])
+    ("cpu_int8_matvec", ["cpu_int8_repack", "cpu_simd_dot"])])
 def test_the_kernel_modules_key_every_cached_dispatcher_on_what_they_call(module, dependencies):
     import importlib
 

@@ -195,14 +195,12 @@ def _product_rows_typed(linear, unit, unit_rows, x, act, y, table, lanes):
     def repacked(linear, unit, unit_rows, x, act, y, table, lanes):
         n0, n1 = linear[0][1].shape[0], linear[1][1].shape[0]
         units0 = (n0 + unit_rows - 1) // unit_rows
-        n_in = x.shape[1]
-        isums = np.empty(n_in // 16, np.int32)
         if unit < units0:
             first = unit * unit_rows
-            _part_rows(linear[0], first, min(n0, first + unit_rows), act, y, 0, isums, lanes)
+            _part_rows(linear[0], first, min(n0, first + unit_rows), act, y, 0)
         else:
             first = (unit - units0) * unit_rows
-            _part_rows(linear[1], first, min(n1, first + unit_rows), act, y, n0, isums, lanes)
+            _part_rows(linear[1], first, min(n1, first + unit_rows), act, y, n0)
     return repacked
 
 
@@ -220,4 +218,5 @@ def add_normed(x, delta, post_norm, eps):
 # these modules are compiled into its entries, so their sources key the cache too.
 key_on_sources(globals(), ["engine.backends.cpu_fused_matvec", "engine.backends.cpu_half",
                            "engine.backends.cpu_repacked_rows", "engine.backends.cpu_int8_matvec",
-                           "engine.backends.cpu_int8_repack", "engine.backends.cpu_quant_decode"])
+                           "engine.backends.cpu_int8_repack", "engine.backends.cpu_quant_decode",
+                           "engine.backends.cpu_simd_dot"])

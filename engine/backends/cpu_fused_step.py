@@ -215,4 +215,5 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
 key_on_sources(globals(), ["engine.backends.cpu_fused_layer", "engine.backends.cpu_fused_matvec",
                            "engine.backends.cpu_int8_matvec", "engine.backends.cpu_int8_repack",
                            "engine.backends.cpu_quant_decode", "engine.backends.cpu_sync",
-                           "engine.backends.cpu_half", "engine.backends.cpu_repacked_rows"])
+                           "engine.backends.cpu_half", "engine.backends.cpu_repacked_rows",
+                           "engine.backends.cpu_simd_dot"])

@@ -11,14 +11,10 @@ w_j = d q_j + m, integer q_j >= 0) meets them as
 
 so the only rounding beyond float32 is xq's (|x_j - dx xq_j| <= dx / 2): the error bound of a product is
 sum over blocks of dx / 2 * sum_j |w_j| (tests/test_cpu_int8_matvec.py checks both that and the tight
-bound against the same quantised x). The inner loops are written as zero-extended weights times int16
-activations summed into int32, which LLVM turns into vpmaddwd (vpdpwssd with VNNI) on x86 and into the
-matching instructions elsewhere; int16 * int16 is typed int64 by numba, so every product is cast back to
-int32 before it is summed (else the lanes widen to 64 bits). int16 activations cost what int8 ones do here
-(the products are int16 either way; nothing emits vpdpbusd) and round 256x finer. The 16-lane trip count is
-passed at run time (`lanes`), as in cpu_quant_decode.py: a constant one made LLVM vectorise the block loop
-with gathers (6x slower, measured). Measured one thread, 3072 x 576 q4_1 rows (SmolLM2's gate_up): 8.9
-Gweights/s vs 4.5 for the float activation kernel (cpu_fused_matvec.py, `--cpu-weights quantized-f32act`).
+bound against the same quantised x). The row products themselves are LLVM vector IR (cpu_simd_dot.py:
+vpmaddwd on AVX2, plain vector IR elsewhere): the numba loops they replaced never got vpmaddwd from LLVM
+and ran 2.4-3.0 Gweights/s per thread against 9.6-11.5 (3072 x 576 and 49152 x 576 q4_1 / q8_0 rows, AVX2
+EPYC, session 7). int16 activations cost what int8 ones would with vpmaddwd and round 256x finer.
 A non-finite activation makes its block's scale NaN, so the product is NaN, as on the float path.
 
 cpu_fused_step.decode_step inlines these kernels; numba's cache alone is keyed on each function's own
@@ -30,14 +26,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.backends.cpu_half import as_float
 from engine.backends.cpu_int8_repack import U8
+from engine.backends.cpu_simd_dot import u4_row_dot, u8_row_dot16, u8_row_dot32
 from engine.backends.numba_cache_deps import key_on_sources
 
-_F32, _I32, _I16, _U8, _U32 = np.float32, np.int32, np.int16, np.uint8, np.uint32
+_F32, _I32, _I16 = np.float32, np.int32, np.int16
 _FASTMATH = {"reassoc", "contract", "nsz"}  # as cpu_quant_kernels: no nnan / ninf
 _ROWS_PER_TASK = 16
-_LOW, _SHIFT = _U8(15), _U8(4)
 
 
 @njit(cache=True)
@@ -88,113 +83,52 @@ def quantize_act_into(x, qmax, act):
             sx16[t, 2 * b], sx16[t, 2 * b + 1] = d * _F32(sums[0]), d * _F32(sums[1])
 
 
-@njit(cache=True, fastmath=_FASTMATH)
-def _dot_u4_lanes(qs, d, m, r, xlo, xhi, dx, sx, t, acc, lanes):
-    """Row r of U4 . token t, the block products kept in float lanes: each lane's int16 pair of products
-    is scaled by its block's d dx and summed into acc[lane], one horizontal sum for the row (ggml's way).
-    A horizontal integer sum per block, then the scale, ran 5.4 Gweights/s against 8.0 (one thread,
-    SmolLM2's gate_up shape); the same change to the byte form gained nothing (7.9 vs 8.0)."""
-    acc[:] = 0.0
-    offsets = _F32(0.0)
-    for b in range(d.shape[1]):
-        offsets += as_float(m[r, b]) * sx[t, b]
-    for b in range(d.shape[1]):
-        s = as_float(d[r, b]) * dx[t, b]
-        for j in range(lanes):
-            q = qs[r, b * 16 + j]
-            acc[j] += _F32(_I32(_I16(q & _LOW) * xlo[t, b * 16 + j] + _I16(q >> _SHIFT) * xhi[t, b * 16 + j])) * s
-    for j in range(lanes):
-        offsets += acc[j]
-    return offsets
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _rows_u4(qs, d, m, first, last, xlo, xhi, dx, sx, y, col0, lanes):
-    """Every token dotted straight from the bytes (_dot_u4_lanes), so a batch's row t is bit-identical to
-    token t alone. Unpacking a row's nibbles once for several tokens saved little next to the products."""
-    acc = np.empty(lanes, np.float32)
-    for r in range(first, last):
-        for t in range(xlo.shape[0]):
-            y[t, col0 + r] = _dot_u4_lanes(qs, d, m, r, xlo, xhi, dx, sx, t, acc, lanes)
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _scale_u8(d, m, r, dxg, sxg, t, isums):
-    acc = _F32(0.0)
-    for g in range(d.shape[1]):
-        acc += _F32(isums[g]) * (as_float(d[r, g]) * dxg[t, g]) + as_float(m[r, g]) * sxg[t, g]
-    return acc
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _rows_u8_32(qs, d, m, first, last, x16, dx, sx, y, col0, isums, lanes):
-    """Groups of 32 byte weights, one scale and min each; every token dotted straight from the bytes.
-    The group's two halves in one loop of `lanes` = 16, as U4's nibbles (one loop of 32 trips ran 25%
-    slower); the offset of the second half must be a constant (a run-time one: 13x slower, measured)."""
-    for r in range(first, last):
-        for t in range(x16.shape[0]):
-            for g in range(d.shape[1]):
-                isum = _I32(0)
-                for j in range(lanes):
-                    i = g * 32 + j
-                    isum += _I32(_I16(qs[r, i]) * x16[t, i] + _I16(qs[r, i + 16]) * x16[t, i + 16])
-                isums[g] = isum
-            y[t, col0 + r] = _scale_u8(d, m, r, dx, sx, t, isums)
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _rows_u8_16(qs, d, m, first, last, x16, dx16, sx16, y, col0, isums, lanes):
-    """_rows_u8_32 for groups of 16 (q6_k): halves of 8, `lanes` = 8."""
-    for r in range(first, last):
-        for t in range(x16.shape[0]):
-            for g in range(d.shape[1]):
-                isum = _I32(0)
-                for j in range(lanes):
-                    i = g * 16 + j
-                    isum += _I32(_I16(qs[r, i]) * x16[t, i] + _I16(qs[r, i + 8]) * x16[t, i + 8])
-                isums[g] = isum
-            y[t, col0 + r] = _scale_u8(d, m, r, dx16, sx16, t, isums)
-
-
-@njit(cache=True, fastmath=_FASTMATH)
-def _part_rows(part, first, last, act, y, col0, isums, lanes):
+@njit(cache=True)
+def _part_rows(part, first, last, act, y, col0):
+    """y[t, col0 + r] = part row r . token t for rows first .. last - 1 and every token, each dotted straight
+    from the bytes (cpu_simd_dot), so a batch's row t is bit-identical to token t alone."""
     form, qs, qh, d, m = part
     xlo, xhi, x16, dx, dx16, sx, sx16 = act
     if form == U8:
         if x16.shape[1] // d.shape[1] == 32:
-            _rows_u8_32(qs, d, m, first, last, x16, dx, sx, y, col0, isums, lanes)
+            for r in range(first, last):
+                for t in range(x16.shape[0]):
+                    y[t, col0 + r] = u8_row_dot32(qs, d, m, x16, dx, sx, r, t)
         else:
-            _rows_u8_16(qs, d, m, first, last, x16, dx16, sx16, y, col0, isums, lanes // 2)
+            for r in range(first, last):
+                for t in range(x16.shape[0]):
+                    y[t, col0 + r] = u8_row_dot16(qs, d, m, x16, dx16, sx16, r, t)
     else:
-        _rows_u4(qs, d, m, first, last, xlo, xhi, dx, sx, y, col0, lanes)
+        for r in range(first, last):
+            for t in range(xlo.shape[0]):
+                y[t, col0 + r] = u4_row_dot(qs, d, m, xlo, xhi, dx, sx, r, t)
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def matvec2_i8(part0, part1, act, y, lanes):
+def matvec2_i8(part0, part1, act, y):
     """y[:, :] = x @ [part0; part1].T for act = quantize_act(x); parts are (form, qs, qh, d, m) tuples
     (cpu_int8_repack.Int8Part), part1 may have 0 rows. One parallel region over both parts' rows."""
     n0, n1 = part0[1].shape[0], part1[1].shape[0]
     tasks0 = (n0 + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     tasks = tasks0 + (n1 + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
     for task in prange(tasks):
-        isums = np.empty(act[2].shape[1] // 16, np.int32)
         if task < tasks0:
             first = task * _ROWS_PER_TASK
-            _part_rows(part0, first, min(n0, first + _ROWS_PER_TASK), act, y, 0, isums, lanes)
+            _part_rows(part0, first, min(n0, first + _ROWS_PER_TASK), act, y, 0)
         else:
             first = (task - tasks0) * _ROWS_PER_TASK
-            _part_rows(part1, first, min(n1, first + _ROWS_PER_TASK), act, y, n0, isums, lanes)
+            _part_rows(part1, first, min(n1, first + _ROWS_PER_TASK), act, y, n0)
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def project_i8(part0, part1, x, qmax, lanes):
+def project_i8(part0, part1, x, qmax):
     """x @ [part0; part1].T as a new [T, out] float32 array (x [T, in] float32 quantised here to qmax).
     The whole product the kernel tests check; the decode step calls _part_rows on its own work units."""
     y = np.empty((x.shape[0], part0[1].shape[0] + part1[1].shape[0]), np.float32)
-    matvec2_i8(part0, part1, quantize_act(x, qmax), y, lanes)
+    matvec2_i8(part0, part1, quantize_act(x, qmax), y)
     return y
 
 
 # numba caches each function against this file only; the jitted code and constants it calls in from
 # these modules are compiled into its entries, so their sources key the cache too.
-key_on_sources(globals(), ["engine.backends.cpu_int8_repack", "engine.backends.cpu_half"])
+key_on_sources(globals(), ["engine.backends.cpu_int8_repack", "engine.backends.cpu_simd_dot"])
