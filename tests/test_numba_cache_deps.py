@@ -25,6 +25,27 @@ KEYED = key_on_sources(globals(), ["callee"]) if {keyed} else 0
 CALLEE = "from numba import njit\n\n@njit(cache=True)\ndef g():\n    return {value}\n"
 
 
+OVERLOADING_CALLER = """
+from numba import njit
+from numba.extending import overload
+import callee
+from engine.backends.numba_cache_deps import key_on_sources
+
+def h():
+    raise NotImplementedError
+
+@overload(h{options})
+def _h():
+    return lambda: callee.g()
+
+@njit(cache=True)
+def f():
+    return h()
+
+KEYED = key_on_sources(globals(), ["callee"])
+"""
+
+
 def _run(folder: Path) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(ROOT)])}
     env.pop("NUMBA_CACHE_DIR", None)  # the cache beside the sources, as a checkout has it
@@ -63,3 +84,25 @@ def test_the_kernel_modules_key_every_cached_dispatcher_on_what_they_call(module
     own = [v for v in namespace.values() if getattr(v, "py_func", None) is not None
            and v.py_func.__module__ == namespace["__name__"] and getattr(v, "_cache", None) is not None]
     assert own and all(v._cache._cache_file._source_stamp[1] == digest for v in own)  # (numba's, ours)
+
+
+@pytest.mark.parametrize("cached_overload", [False, True])
+def test_an_overload_is_fresh_only_when_it_is_not_cached_on_its_own(tmp_path, cached_overload):
+    """numba caches an overload's implementation under its own file, where key_on_sources cannot reach:
+    cached, it keeps the old callee inside the re-keyed caller (so the kernel modules do not cache theirs)."""
+    options = ', jit_options={"cache": True}' if cached_overload else ""
+    (tmp_path / "caller.py").write_text(OVERLOADING_CALLER.format(options=options))
+    (tmp_path / "callee.py").write_text(CALLEE.format(value=1))
+    assert _run(tmp_path)[0] == "1"
+    (tmp_path / "callee.py").write_text(CALLEE.format(value=22))
+    assert _run(tmp_path)[0] == ("1" if cached_overload else "22")
+
+
+def test_kernel_modules_that_inline_other_modules_do_not_cache_their_overloads():
+    import re
+
+    for path in (ROOT / "engine" / "backends").glob("*.py"):
+        source = path.read_text()
+        keyed = re.search(r"key_on_sources\(globals\(\), \[\s*\S", source)
+        if keyed:
+            assert 'jit_options={"cache": True}' not in source, path.name

@@ -7,6 +7,10 @@ integer activations (cpu_int8_matvec); `product_rows` computes one unit (a slice
 the overload picked by numba from the tuple's type when it compiles the step.
 numba's disk cache is keyed on this file and on the kernel files whose code it inlines (the decoders, the
 float and integer matvecs: engine/backends/numba_cache_deps.py), so an edit to any of them recompiles it.
+The overloads are not cached themselves: numba caches an overload's implementation under this file alone,
+out of key_on_sources' reach, and a cached `product_rows` kept the step on the integer kernels of an
+earlier cpu_int8_matvec (found in session 7 by disassembling the running step); their callers' entries,
+which are keyed, hold them compiled in.
 Decoders: f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k mxfp4.
 """
 from __future__ import annotations
@@ -139,14 +143,14 @@ def _is_decoded(linear) -> bool:
     return isinstance(linear, types.BaseTuple) and len(linear) == 3
 
 
-@overload(linear_rows, jit_options={"cache": True})
+@overload(linear_rows)
 def _linear_rows_typed(linear):
     if _is_raw(linear):
         return lambda linear: (linear[1].shape[0], linear[3].shape[0])
     return lambda linear: (linear[0][1].shape[0], linear[1][1].shape[0])
 
 
-@overload(new_act, jit_options={"cache": True})
+@overload(new_act)
 def _new_act_typed(linear, n_tok, n_in):
     if _is_decoded(linear):  # rows are decoded and dotted with x itself
         return lambda linear, n_tok, n_in: np.empty((n_tok, 0), np.float32)
@@ -155,7 +159,7 @@ def _new_act_typed(linear, n_tok, n_in):
     return lambda linear, n_tok, n_in: new_int_act(n_tok, n_in)
 
 
-@overload(fill_act, jit_options={"cache": True})
+@overload(fill_act)
 def _fill_act_typed(linear, x, qmax, act):
     if _is_decoded(linear):
         return lambda linear, x, qmax, act: None
@@ -164,7 +168,7 @@ def _fill_act_typed(linear, x, qmax, act):
     return lambda linear, x, qmax, act: quantize_act_into(x, qmax, act)
 
 
-@overload(product_rows, jit_options={"cache": True})
+@overload(product_rows)
 def _product_rows_typed(linear, unit, unit_rows, x, act, y, table, lanes):
     if _is_decoded(linear):
         def decoded(linear, unit, unit_rows, x, act, y, table, lanes):

@@ -27,7 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from engine.backends.cpu_int8_repack import U8
-from engine.backends.cpu_simd_dot import u4_row_dot, u8_row_dot16, u8_row_dot32
+from engine.backends.cpu_simd_dot import MAX_TOKENS, u4_rows, u8_rows16, u8_rows32
 from engine.backends.numba_cache_deps import key_on_sources
 
 _F32, _I32, _I16 = np.float32, np.int32, np.int16
@@ -85,23 +85,23 @@ def quantize_act_into(x, qmax, act):
 
 @njit(cache=True)
 def _part_rows(part, first, last, act, y, col0):
-    """y[t, col0 + r] = part row r . token t for rows first .. last - 1 and every token, each dotted straight
-    from the bytes (cpu_simd_dot), so a batch's row t is bit-identical to token t alone."""
+    """y[t, col0 + r] = part row r . token t for rows first .. last - 1 and every token, up to MAX_TOKENS
+    tokens a call (cpu_simd_dot: they share the row's unpacking); a token's result does not depend on the
+    tokens it is computed with, so a batch's row t is bit-identical to token t alone."""
     form, qs, qh, d, m = part
     xlo, xhi, x16, dx, dx16, sx, sx16 = act
-    if form == U8:
-        if x16.shape[1] // d.shape[1] == 32:
-            for r in range(first, last):
-                for t in range(x16.shape[0]):
-                    y[t, col0 + r] = u8_row_dot32(qs, d, m, x16, dx, sx, r, t)
-        else:
-            for r in range(first, last):
-                for t in range(x16.shape[0]):
-                    y[t, col0 + r] = u8_row_dot16(qs, d, m, x16, dx16, sx16, r, t)
-    else:
-        for r in range(first, last):
-            for t in range(xlo.shape[0]):
-                y[t, col0 + r] = u4_row_dot(qs, d, m, xlo, xhi, dx, sx, r, t)
+    n_tok = x16.shape[0]
+    for r in range(first, last):
+        t = 0
+        while t < n_tok:
+            n = min(MAX_TOKENS, n_tok - t)
+            if form != U8:
+                u4_rows(qs, d, m, xlo, xhi, dx, sx, r, t, n, y, col0 + r)
+            elif x16.shape[1] // d.shape[1] == 32:
+                u8_rows32(qs, d, m, x16, dx, sx, r, t, n, y, col0 + r)
+            else:
+                u8_rows16(qs, d, m, x16, dx16, sx16, r, t, n, y, col0 + r)
+            t += n
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)

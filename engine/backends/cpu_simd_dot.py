@@ -26,7 +26,7 @@ from numba.extending import intrinsic
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32, _HALF = ir.FloatType(), ir.HalfType()
-_V8F, _V8I32 = ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
+_V4F, _V8F, _V8I32 = ir.VectorType(_F32, 4), ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
 _V16I16, _V32I16 = ir.VectorType(_I16, 16), ir.VectorType(_I16, 32)
 _V16I8, _V32I8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
 _FAST = ("fast",)
@@ -70,130 +70,199 @@ def _madd(builder, weights, activations, x86):
                        builder.shuffle_vector(products, products, _mask(range(1, 16, 2))))
 
 
-def _group_sums(builder, layout, x86, qs, xa, xb, g):
-    """The exact int32 sums (8 lanes) of group g: weights times int16 activations."""
-    if layout == U4_BLOCK:
-        w = builder.zext(_load(builder, qs, builder.mul(g, ir.Constant(_I64, 16)), _V16I8), _V16I16)
-        low = builder.and_(w, ir.Constant(_V16I16, [15] * 16))
-        high = builder.lshr(w, ir.Constant(_V16I16, [4] * 16))
-        at = builder.mul(g, ir.Constant(_I64, 16))
-        return builder.add(_madd(builder, low, _load(builder, xa, at, _V16I16), x86),
-                           _madd(builder, high, _load(builder, xb, at, _V16I16), x86))
-    if layout == U8_GROUP32:
-        at = builder.mul(g, ir.Constant(_I64, 32))
-        w = builder.zext(_load(builder, qs, at, _V32I8), _V32I16)
-        x = _load(builder, xa, at, _V32I16)
-        halves = [_mask(range(16)), _mask(range(16, 32))]
-        return builder.add(*[_madd(builder, builder.shuffle_vector(w, w, h), builder.shuffle_vector(x, x, h),
-                                   x86) for h in halves])
-    at = builder.mul(g, ir.Constant(_I64, 16))
-    w = builder.zext(_load(builder, qs, at, _V16I8), _V16I16)
-    return _madd(builder, w, _load(builder, xa, at, _V16I16), x86)
+def _splat(builder, vector, lane):
+    """<8 x float> of vector[lane]."""
+    return builder.shuffle_vector(vector, vector, _mask([lane] * 8))
 
 
-def _splat(builder, value):
+def _scalar_splat(builder, value):
     vec = builder.insert_element(ir.Constant(_V8F, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, _mask([0] * 8))
+    return _splat(builder, vec, 0)
 
 
-def _accumulate(builder, kind, args, g, acc, offset):
-    """acc + float(sums of group g) * (d dx), offset + m sx."""
-    layout, half, x86 = kind
-    qs, d, m, xa, xb, dx, sx, _ = args
-    sums = builder.sitofp(_group_sums(builder, layout, x86, qs, xa, xb, g), _V8F)
-    s = builder.fmul(_scale(builder, d, g, half), builder.load(builder.gep(dx, [g])), flags=_FAST)
-    acc = builder.fadd(acc, builder.fmul(sums, _splat(builder, s), flags=_FAST), flags=_FAST)
-    o = builder.fmul(_scale(builder, m, g, half), builder.load(builder.gep(sx, [g])), flags=_FAST)
-    return acc, builder.fadd(offset, o, flags=_FAST)
+def _scales4(builder, base, g0, half):
+    """The 4 scales of groups g0 .. g0 + 3 as <4 x float>."""
+    if half:
+        bits = _load(builder, base, g0, ir.VectorType(_I16, 4))
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(_HALF, 4)), _V4F)
+    return _load(builder, base, g0, _V4F)
 
 
-def _horizontal_sum(builder, acc):
-    for width in (4, 2, 1):
+def _hsum(builder, acc, width):
+    while width > 1:
+        width //= 2
         acc = builder.fadd(builder.shuffle_vector(acc, acc, _mask(range(width))),
                            builder.shuffle_vector(acc, acc, _mask(range(width, 2 * width))), flags=_FAST)
     return builder.extract_element(acc, ir.Constant(_I32, 0))
 
 
-def _row_function(module, kind):
-    """float fn(qs*, d*, m*, xa*, xb*, dx*, sx*, i64 groups): one row dotted with one token's activations;
-    kind = (layout, scales are float16 bits, x86's vpmaddwd)."""
+class _Row:
+    """The state of one row function being generated: its arguments, per-token pointers and accumulators
+    (allocas, which LLVM's SROA turns into registers)."""
+
+    def __init__(self, builder, kind, args, tokens):
+        self.b, (self.layout, self.half, self.x86) = builder, kind
+        qs, d, m, xa, xb, dx, sx, self.n_groups, x_stride, s_stride, y, y_stride = args
+        self.qs, self.d, self.m = qs, d, m
+        at = [ir.Constant(_I64, t) for t in range(tokens)]
+        self.xa = [builder.gep(xa, [builder.mul(t, x_stride)]) for t in at]
+        self.xb = [builder.gep(xb, [builder.mul(t, x_stride)]) for t in at]
+        self.dx = [builder.gep(dx, [builder.mul(t, s_stride)]) for t in at]
+        self.sx = [builder.gep(sx, [builder.mul(t, s_stride)]) for t in at]
+        self.y = [builder.gep(y, [builder.mul(t, y_stride)]) for t in at]
+        zero8, zero4 = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_V4F, [0.0] * 4)
+        self.acc = [self._var(_V8F, zero8) for _ in at]
+        self.off4 = [self._var(_V4F, zero4) for _ in at]  # m sx of the groups in fours
+        self.off1 = [self._var(_F32, ir.Constant(_F32, 0.0)) for _ in at]  # ... of the last n % 4 groups
+
+    def _var(self, ty, value):
+        slot = cgutils.alloca_once(self.b, ty)
+        self.b.store(value, slot)
+        return slot
+
+    def add(self, slot, value):
+        self.b.store(self.b.fadd(self.b.load(slot), value, flags=_FAST), slot)
+
+    def weights(self, g):
+        """Group g's weights as int16 vectors, unpacked once for every token."""
+        b, qs = self.b, self.qs
+        if self.layout == U4_BLOCK:
+            w = b.zext(_load(b, qs, b.mul(g, ir.Constant(_I64, 16)), _V16I8), _V16I16)
+            return b.and_(w, ir.Constant(_V16I16, [15] * 16)), b.lshr(w, ir.Constant(_V16I16, [4] * 16))
+        if self.layout == U8_GROUP32:
+            w = b.zext(_load(b, qs, b.mul(g, ir.Constant(_I64, 32)), _V32I8), _V32I16)
+            return b.shuffle_vector(w, w, _mask(range(16))), b.shuffle_vector(w, w, _mask(range(16, 32)))
+        return (b.zext(_load(b, qs, b.mul(g, ir.Constant(_I64, 16)), _V16I8), _V16I16),)
+
+    def sums(self, weights, g, t):
+        """float(exact int32 sums of group g . token t), 8 lanes."""
+        b = self.b
+        if self.layout == U4_BLOCK:
+            at = b.mul(g, ir.Constant(_I64, 16))
+            x = (_load(b, self.xa[t], at, _V16I16), _load(b, self.xb[t], at, _V16I16))
+        elif self.layout == U8_GROUP32:
+            at = b.mul(g, ir.Constant(_I64, 32))
+            x = (_load(b, self.xa[t], at, _V16I16), _load(b, self.xa[t], b.add(at, ir.Constant(_I64, 16)), _V16I16))
+        else:
+            x = (_load(b, self.xa[t], b.mul(g, ir.Constant(_I64, 16)), _V16I16),)
+        products = [_madd(b, w, v, self.x86) for w, v in zip(weights, x)]
+        total = products[0] if len(products) == 1 else b.add(products[0], products[1])
+        return b.sitofp(total, _V8F)
+
+    def four_groups(self, g0):
+        """Groups g0 .. g0 + 3 for every token: their scales and mins read as vectors of 4."""
+        b = self.b
+        d4, m4 = _scales4(b, self.d, g0, self.half), _scales4(b, self.m, g0, self.half)
+        s4 = []
+        for t in range(len(self.y)):
+            s4.append(b.fmul(d4, _load(b, self.dx[t], g0, _V4F), flags=_FAST))
+            self.add(self.off4[t], b.fmul(m4, _load(b, self.sx[t], g0, _V4F), flags=_FAST))
+        pairs = [[None, None] for _ in self.y]  # per token: groups 0 + 1 and 2 + 3, then one add into acc
+        for k in range(4):
+            g = b.add(g0, ir.Constant(_I64, k))
+            weights = self.weights(g)
+            for t in range(len(self.y)):
+                scaled = b.fmul(self.sums(weights, g, t), _splat(b, s4[t], k), flags=_FAST)
+                pair = pairs[t][k // 2]
+                pairs[t][k // 2] = scaled if pair is None else b.fadd(pair, scaled, flags=_FAST)
+        for t, (p01, p23) in enumerate(pairs):
+            self.add(self.acc[t], b.fadd(p01, p23, flags=_FAST))
+
+    def one_group(self, g):
+        b = self.b
+        d, m = _scale(b, self.d, g, self.half), _scale(b, self.m, g, self.half)
+        weights = self.weights(g)
+        for t in range(len(self.y)):
+            s = b.fmul(d, b.load(b.gep(self.dx[t], [g])), flags=_FAST)
+            self.add(self.acc[t], b.fmul(self.sums(weights, g, t), _scalar_splat(b, s), flags=_FAST))
+            self.add(self.off1[t], b.fmul(m, b.load(b.gep(self.sx[t], [g])), flags=_FAST))
+
+    def store(self):
+        b = self.b
+        for t, y in enumerate(self.y):
+            total = b.fadd(_hsum(b, b.load(self.acc[t]), 8), _hsum(b, b.load(self.off4[t]), 4), flags=_FAST)
+            b.store(b.fadd(total, b.load(self.off1[t]), flags=_FAST), y)
+
+
+def _row_function(module, kind, tokens):
+    """void fn(qs*, d*, m*, xa*, xb*, dx*, sx*, i64 groups, i64 x_stride, i64 s_stride, y*, i64 y_stride):
+    y[t * y_stride] = one row . token t for t < tokens (the tokens' activations x_stride / s_stride elements
+    apart); kind = (layout, scales are float16 bits, x86's vpmaddwd).
+
+    The groups run in fours (scales and mins loaded as vectors), then the last n % 4 one by one; group g
+    always adds into its token's accumulator g % 2 in the same order, whatever `tokens` is, so a token's
+    result does not depend on which tokens it was computed with."""
     layout, half, x86 = kind
-    name = f"strata_simd_row_{layout}_{'f16' if half else 'f32'}_{'avx2' if x86 else 'ir'}"
+    name = f"strata_simd_rows_{layout}_{'f16' if half else 'f32'}_{'avx2' if x86 else 'ir'}_t{tokens}"
     try:
         return module.get_global(name)
     except KeyError:
         pass
-    scale = _I16 if half else _F32
-    fnty = ir.FunctionType(_F32, [_I8.as_pointer(), scale.as_pointer(), scale.as_pointer(), _I16.as_pointer(),
-                                  _I16.as_pointer(), _F32.as_pointer(), _F32.as_pointer(), _I64])
+    scale = (_I16 if half else _F32).as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), scale, scale, _I16.as_pointer(), _I16.as_pointer(),
+                                           _F32.as_pointer(), _F32.as_pointer(), _I64, _I64, _I64,
+                                           _F32.as_pointer(), _I64])
     fn = ir.Function(module, fnty, name)
     fn.linkage = "internal"
-    args = fn.args
-    n_groups = args[7]
-    entry, head, body, tail_check, tail, done = [fn.append_basic_block(b) for b in
-                                                 ("entry", "head", "body", "tail_check", "tail", "done")]
-    builder = ir.IRBuilder(entry)
-    zero_acc, zero = ir.Constant(_V8F, [0.0] * 8), ir.Constant(_F32, 0.0)
-    pairs = builder.lshr(n_groups, ir.Constant(_I64, 1))
-    builder.branch(head)
-
-    builder.position_at_end(head)
-    i = builder.phi(_I64)
-    acc0, acc1, offset = builder.phi(_V8F), builder.phi(_V8F), builder.phi(_F32)
-    for phi, start in ((i, ir.Constant(_I64, 0)), (acc0, zero_acc), (acc1, zero_acc), (offset, zero)):
-        phi.add_incoming(start, entry)
-    builder.cbranch(builder.icmp_unsigned("<", i, pairs), body, tail_check)
-
-    builder.position_at_end(body)  # groups 2i and 2i + 1 into the two accumulators
-    g0 = builder.shl(i, ir.Constant(_I64, 1))
-    next0, off0 = _accumulate(builder, kind, args, g0, acc0, offset)
-    next1, off1 = _accumulate(builder, kind, args, builder.add(g0, ir.Constant(_I64, 1)), acc1, off0)
-    for phi, value in ((i, builder.add(i, ir.Constant(_I64, 1))), (acc0, next0), (acc1, next1), (offset, off1)):
-        phi.add_incoming(value, body)
-    builder.branch(head)
-
-    builder.position_at_end(tail_check)  # an odd group count: the last group alone
-    odd = builder.trunc(n_groups, ir.IntType(1))
-    builder.cbranch(odd, tail, done)
-    builder.position_at_end(tail)
-    last_acc, last_off = _accumulate(builder, kind, args, builder.sub(n_groups, ir.Constant(_I64, 1)),
-                                     acc0, offset)
-    builder.branch(done)
-
-    builder.position_at_end(done)
-    acc_end, off_end = builder.phi(_V8F), builder.phi(_F32)
-    acc_end.add_incoming(acc0, tail_check)
-    acc_end.add_incoming(last_acc, tail)
-    off_end.add_incoming(offset, tail_check)
-    off_end.add_incoming(last_off, tail)
-    total = _horizontal_sum(builder, builder.fadd(acc_end, acc1, flags=_FAST))
-    builder.ret(builder.fadd(total, off_end, flags=_FAST))
+    fn.attributes.add("noinline")
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    row = _Row(builder, kind, fn.args, tokens)
+    n_groups = fn.args[7]
+    fours = builder.lshr(n_groups, ir.Constant(_I64, 2))
+    with cgutils.for_range(builder, fours) as loop:
+        row.four_groups(builder.shl(loop.index, ir.Constant(_I64, 2)))
+    base = builder.shl(fours, ir.Constant(_I64, 2))
+    rest = builder.sub(n_groups, base)
+    for k in range(3):
+        with builder.if_then(builder.icmp_unsigned(">", rest, ir.Constant(_I64, k))):
+            row.one_group(builder.add(base, ir.Constant(_I64, k)))
+    row.store()
+    builder.ret_void()
     return fn
 
 
-def _row_pointer(context, builder, array_type, array, row):
+MAX_TOKENS = 4  # tokens one call computes (the weights' unpacking is shared by them)
+
+
+def _row_pointer(context, builder, array_type, array, row, col=None):
     ary = context.make_array(array_type)(context, builder, array)
-    zero = context.get_constant(types.intp, 0)
-    return cgutils.get_item_pointer(context, builder, array_type, ary, [row, zero]), ary
+    col = context.get_constant(types.intp, 0) if col is None else col
+    return cgutils.get_item_pointer(context, builder, array_type, ary, [row, col]), ary
 
 
-def _row_dot_codegen(layout, x86):
+def _row_length(builder, ary):
+    return cgutils.unpack_tuple(builder, ary.shape, 2)[1]
+
+
+def _rows_codegen(layout, x86):
+    """codegen of (qs, d, m, xa, xb, dx, sx, r, t0, count, y, col): y[t0 + i, col] = row r . token t0 + i
+    for i < count (1 .. MAX_TOKENS; other counts do nothing)."""
     def codegen(context, builder, signature, args):
-        qs, d, m, xa, xb, dx, sx, r, t = args
-        qs_t, d_t, m_t, xa_t, xb_t, dx_t, sx_t, r_t, t_t = signature.args
-        r = context.cast(builder, r, r_t, types.intp)
-        t = context.cast(builder, t, t_t, types.intp)
-        qs_p, _ = _row_pointer(context, builder, qs_t, qs, r)
-        d_p, d_ary = _row_pointer(context, builder, d_t, d, r)
-        m_p, _ = _row_pointer(context, builder, m_t, m, r)
-        xa_p, _ = _row_pointer(context, builder, xa_t, xa, t)
-        xb_p, _ = _row_pointer(context, builder, xb_t, xb, t)
-        dx_p, _ = _row_pointer(context, builder, dx_t, dx, t)
-        sx_p, _ = _row_pointer(context, builder, sx_t, sx, t)
-        n_groups = cgutils.unpack_tuple(builder, d_ary.shape, 2)[1]
-        kind = (layout, d_t.dtype == types.uint16, simd_enabled() if x86 is None else x86)
-        fn = _row_function(builder.module, kind)
-        return builder.call(fn, [qs_p, d_p, m_p, xa_p, xb_p, dx_p, sx_p, n_groups])
+        qs, d, m, xa, xb, dx, sx, r, t0, count, y, col = args
+        types_ = signature.args
+        r, t0, count, col = (context.cast(builder, v, types_[i], types.intp)
+                             for i, v in ((7, r), (8, t0), (9, count), (11, col)))
+        qs_p, _ = _row_pointer(context, builder, types_[0], qs, r)
+        d_p, d_ary = _row_pointer(context, builder, types_[1], d, r)
+        m_p, _ = _row_pointer(context, builder, types_[2], m, r)
+        xa_p, xa_ary = _row_pointer(context, builder, types_[3], xa, t0)
+        xb_p, _ = _row_pointer(context, builder, types_[4], xb, t0)
+        dx_p, dx_ary = _row_pointer(context, builder, types_[5], dx, t0)
+        sx_p, _ = _row_pointer(context, builder, types_[6], sx, t0)
+        y_p, y_ary = _row_pointer(context, builder, types_[10], y, t0, col)
+        call_args = [qs_p, d_p, m_p, xa_p, xb_p, dx_p, sx_p, _row_length(builder, d_ary),
+                     _row_length(builder, xa_ary), _row_length(builder, dx_ary), y_p, _row_length(builder, y_ary)]
+        kind = (layout, types_[1].dtype == types.uint16, simd_enabled() if x86 is None else x86)
+        done = builder.append_basic_block("rows_done")
+        switch = builder.switch(count, done)
+        for tokens in range(1, MAX_TOKENS + 1):
+            block = builder.append_basic_block(f"rows_t{tokens}")
+            switch.add_case(ir.Constant(count.type, tokens), block)
+            builder.position_at_end(block)
+            builder.call(_row_function(builder.module, kind, tokens), call_args)
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
     return codegen
 
 
@@ -202,40 +271,35 @@ def _check(arrays):
         raise TypeError("simd row products take C-contiguous 2-D arrays")
 
 
-def _u8_codegen(layout, x86):
-    """A U8 product's codegen: its one activation array passed as both of U4's (xlo, xhi; the second unused)."""
-    codegen = _row_dot_codegen(layout, x86)
-
-    def u8(context, builder, signature, args):
-        a = signature.args
-        doubled = types.float32(a[0], a[1], a[2], a[3], a[3], a[4], a[5], a[6], a[7])
-        return codegen(context, builder, doubled, (*args[:4], args[3], *args[4:]))
-    return u8
-
-
 def row_dots(x86=None):
-    """(u4, u8 groups of 32, u8 groups of 16) row-product intrinsics; x86 None: vpmaddwd where numba targets
-    AVX2, else plain vector IR; True / False force either (tests compare the two)."""
+    """(u4, u8 groups of 32, u8 groups of 16) row-product intrinsics, each
+
+        f(qs, d, m, activations..., dx, sx, r, t0, count, y, col):  y[t0 + i, col] = row r . token t0 + i
+
+    for i < count (1 .. MAX_TOKENS), float32; the activations are cpu_int8_matvec's (U4: the xlo, xhi planes
+    and dx, sx; U8 groups of 32: x16, dx, sx; of 16 (q6_k): x16, dx16, sx16). x86 None: vpmaddwd where numba
+    targets AVX2, else plain vector IR; True / False force either (tests compare the two)."""
 
     @intrinsic
-    def u4_row_dot(typingctx, qs, d, m, xlo, xhi, dx, sx, r, t):
-        """Row r of a U4 part . token t (cpu_int8_matvec's activation planes xlo / xhi, dx, sx), float32."""
-        _check((qs, d, m, xlo, xhi, dx, sx))
-        return types.float32(qs, d, m, xlo, xhi, dx, sx, r, t), _row_dot_codegen(U4_BLOCK, x86)
+    def u4_rows(typingctx, qs, d, m, xlo, xhi, dx, sx, r, t0, count, y, col):
+        _check((qs, d, m, xlo, xhi, dx, sx, y))
+        return types.void(qs, d, m, xlo, xhi, dx, sx, r, t0, count, y, col), _rows_codegen(U4_BLOCK, x86)
 
-    @intrinsic
-    def u8_row_dot32(typingctx, qs, d, m, x16, dx, sx, r, t):
-        """Row r of a U8 part with groups of 32 . token t (x16, dx, sx), float32."""
-        _check((qs, d, m, x16, dx, sx))
-        return types.float32(qs, d, m, x16, dx, sx, r, t), _u8_codegen(U8_GROUP32, x86)
+    def u8(layout):
+        codegen = _rows_codegen(layout, x86)
 
-    @intrinsic
-    def u8_row_dot16(typingctx, qs, d, m, x16, dx16, sx16, r, t):
-        """Row r of a U8 part with groups of 16 (q6_k) . token t (x16, dx16, sx16), float32."""
-        _check((qs, d, m, x16, dx16, sx16))
-        return types.float32(qs, d, m, x16, dx16, sx16, r, t), _u8_codegen(U8_GROUP16, x86)
+        def u8_codegen(context, builder, signature, args):  # x16 passed as both planes (the second unused)
+            a = signature.args
+            doubled = types.void(*a[:4], a[3], *a[4:])
+            return codegen(context, builder, doubled, (*args[:4], args[3], *args[4:]))
 
-    return u4_row_dot, u8_row_dot32, u8_row_dot16
+        @intrinsic
+        def u8_rows(typingctx, qs, d, m, x16, dx, sx, r, t0, count, y, col):
+            _check((qs, d, m, x16, dx, sx, y))
+            return types.void(qs, d, m, x16, dx, sx, r, t0, count, y, col), u8_codegen
+        return u8_rows
+
+    return u4_rows, u8(U8_GROUP32), u8(U8_GROUP16)
 
 
-u4_row_dot, u8_row_dot32, u8_row_dot16 = row_dots()
+u4_rows, u8_rows32, u8_rows16 = row_dots()
