@@ -38,3 +38,16 @@ def test_an_adopting_linear_computes_as_its_raw_rows_did():
     np.testing.assert_array_equal(after[2], before[2])
     for got, want in zip(after[:2], before[:2]):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_head_takes_float16_scales_when_only_the_layers_cannot():
+    """gemma3's shape: k-quant layers (float32 scales) beside a Q8_0 head, whose scales are float16 exactly."""
+    from engine.backends.cpu_fused_decode import _repack_and_adopt
+
+    layer = QuantLinear([LinearPart(Q.Q6_K, random_rows(Q.Q6_K, 8, 256), 8, 256, "l")])
+    head_rows = random_rows(Q.Q8_0, 16, 256)
+    head = QuantLinear([LinearPart(Q.Q8_0, head_rows, 16, 256, "h")])
+    want = reference(Q.Q8_0, head_rows, 16, 256)
+    pairs, _ = _repack_and_adopt([layer], head)
+    assert pairs[0][0][3].dtype == np.float32 and pairs[1][0][3].dtype == np.uint16
+    np.testing.assert_array_equal(head.dequantize(), want)

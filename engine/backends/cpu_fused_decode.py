@@ -93,24 +93,27 @@ def _int8_parts(linear: QuantLinear, half_scales: bool) -> tuple:
     return (parts + [empty])[0], (parts + [empty])[1]
 
 
-def _repack_and_adopt(linears: list[QuantLinear]) -> tuple[list[tuple], int]:
+def _repack_and_adopt(layers: list[QuantLinear], head: QuantLinear) -> tuple[list[tuple], int]:
     """Every linear repacked and adopting its repacked copy (QuantLinear.adopt_repacked), one at a time so
     that each one's raw copy is freed before the next is repacked (peak RSS: one linear's two forms, not
-    the model's); all with float16 scales when every part allows it exactly (4 bytes a 32-weight group fewer
-    to stream: 24 -> 20 for q4_1, 40 -> 36 for q8_0), else all float32 (the step's typed Lists hold one array
-    type). Returns the (part0, part1) pairs and the bytes of file mapping handed back: the whole file once
-    up front (the loader has read every tensor; repacking re-reads a linear's pages from the page cache),
-    and each linear's pages again after its repack."""
+    the model's). The layers' linears all with float16 scales when every part allows it exactly (4 bytes a
+    32-weight group fewer to stream: 24 -> 20 for q4_1, 40 -> 36 for q8_0), else all float32 (the step's
+    typed List of layers holds one array type); the head, in a List of its own, decides for itself (gemma3's
+    Q8_0 head beside Q4_K / Q6_K layers: 210 -> 189 MB a token). Returns the (part0, part1) pairs, the
+    head's last, and the bytes of file mapping handed back: the whole file once up front (the loader has read
+    every tensor; repacking re-reads a linear's pages from the page cache), and each linear's pages again
+    after its repack."""
+    linears = layers + [head]
     if all(m.repacked is not None for m in linears):  # an earlier decoder of this model repacked them
         return [_adopted(m) for m in linears], 0
-    half = all(_GGUF_TYPE[k] in HALF_SCALE_TYPES and half_scales_fit(_GGUF_TYPE[k], rows)
-               for m in linears for k, rows, _ in m.parts)
+    half_layers, half_head = (all(_GGUF_TYPE[k] in HALF_SCALE_TYPES and half_scales_fit(_GGUF_TYPE[k], rows)
+                                  for m in group for k, rows, _ in m.parts) for group in (layers, [head]))
     mappings = [root for m in linears for _, rows, _ in m.parts if (root := mapping_root(rows)) is not None]
     released = release_mappings(mappings)
     pairs = []
     for linear in linears:
         if linear.repacked is None:
-            part0, part1 = _int8_parts(linear, half)
+            part0, part1 = _int8_parts(linear, half_head if linear is head else half_layers)
             release_mappings(linear.adopt_repacked([part0, part1][: len(linear.parts)]))
         pairs.append(_adopted(linear))
     return pairs, released
@@ -150,8 +153,8 @@ class FusedDecoder:
         # embedding when tied to the head), so the file's rows stop taking memory.
         self.released_bytes = 0
         if activations != "f32":
-            linears = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)] + [w.output]
-            parts, self.released_bytes = _repack_and_adopt(linears)
+            linears = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
+            parts, self.released_bytes = _repack_and_adopt(linears, w.output)
             self.linears = {"int": _typed([tuple(parts[4 * i : 4 * i + 4]) for i in range(len(w.layers))])}
             self.output = {"int": _typed([parts[-1]])}
         else:

@@ -1,5 +1,5 @@
 """The pieces of the fused decode step (cpu_fused_step.py), in numba: norms, RoPE, one head's attention,
-the gated activation, and the products as work units over either weight form.
+a span of the gated activation, and the products as work units over either weight form.
 
 An optional weight (bias, QK-norm, post norms) is passed as a 0-length array when the model has none.
 Products: a linear is raw GGUF rows (float activations, cpu_fused_matvec) or two parts repacked for
@@ -22,10 +22,10 @@ from numba import njit
 from numba.core import types
 from numba.extending import overload
 
-from engine.backends.cpu_fused_matvec import _rows_into, block_sums
+from engine.backends.cpu_fused_matvec import _rows_into, block_sums, block_sums_of
 from engine.backends.cpu_half import as_float
 from engine.backends.cpu_repacked_rows import rows_into as decoded_rows_into
-from engine.backends.cpu_int8_matvec import _part_rows, quantize_act_into
+from engine.backends.cpu_int8_matvec import _part_rows, quantize_act_into, quantize_blocks
 from engine.backends.cpu_int8_matvec import new_act as new_int_act
 from engine.backends.numba_cache_deps import key_on_sources
 
@@ -94,17 +94,16 @@ def attend_one(q, k_pool, v_pool, kv_head, pos, table_row, block_size, window, o
 
 
 @njit(cache=True, fastmath=_FASTMATH)
-def activate(gate_up, act, out):
-    """out [T, F] = act(gate) * up for gate_up [T, 2F] = (gate | up)."""
+def activate_span(gate_up, act, out, t, first, last):
+    """out[t, first:last] = act(gate) * up there, for gate_up [T, 2F] = (gate | up) and out [T, F]."""
     f = out.shape[1]
-    for t in range(out.shape[0]):
-        for i in range(f):
-            g, u = gate_up[t, i], gate_up[t, f + i]
-            if act == SILU:
-                out[t, i] = g / (_F32(1.0) + np.exp(-g)) * u
-            else:
-                inner = _GELU_C * (g + _F32(0.044715) * g * g * g)
-                out[t, i] = _F32(0.5) * g * (_F32(1.0) + np.tanh(inner)) * u
+    for i in range(first, last):
+        g, u = gate_up[t, i], gate_up[t, f + i]
+        if act == SILU:
+            out[t, i] = g / (_F32(1.0) + np.exp(-g)) * u
+        else:
+            inner = _GELU_C * (g + _F32(0.044715) * g * g * g)
+            out[t, i] = _F32(0.5) * g * (_F32(1.0) + np.tanh(inner)) * u
 
 
 def linear_rows(linear):
@@ -120,6 +119,12 @@ def new_act(linear, n_tok, n_in):
 
 def fill_act(linear, x, qmax, act):
     """Fill act = new_act(linear, *x.shape) from x (float block sums, or integers of at most qmax)."""
+    raise NotImplementedError("called from jitted code only")
+
+
+def fill_act_span(linear, x, qmax, act, t, first, last):
+    """fill_act for elements first .. last - 1 of token t alone (first a multiple of 32; the blocks that
+    start in the span, so spans ending at a multiple of 32, or at the row's end, tile a row exactly)."""
     raise NotImplementedError("called from jitted code only")
 
 
@@ -166,6 +171,17 @@ def _fill_act_typed(linear, x, qmax, act):
     if _is_raw(linear):
         return lambda linear, x, qmax, act: block_sums(x, act)
     return lambda linear, x, qmax, act: quantize_act_into(x, qmax, act)
+
+
+@overload(fill_act_span)
+def _fill_act_span_typed(linear, x, qmax, act, t, first, last):
+    if _is_decoded(linear):
+        return lambda linear, x, qmax, act, t, first, last: None
+    if _is_raw(linear):
+        return lambda linear, x, qmax, act, t, first, last: block_sums_of(x, act, t, first // 32,
+                                                                            min(act.shape[1], (last + 31) // 32))
+    return lambda linear, x, qmax, act, t, first, last: quantize_blocks(x, qmax, act, t, first // 32,
+                                                                         min(x.shape[1] // 32, (last + 31) // 32))
 
 
 @overload(product_rows)

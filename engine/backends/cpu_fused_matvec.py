@@ -32,11 +32,17 @@ _LOW, _SHIFT = _U8(15), _U8(4)
 def block_sums(x, xs):
     """xs[t, b] = sum of x[t, 32 b : 32 b + 32]; x [T, in] float32, xs [T, in / 32]."""
     for t in range(x.shape[0]):
-        for b in range(xs.shape[1]):
-            s = _F32(0.0)
-            for j in range(32):
-                s += x[t, b * 32 + j]
-            xs[t, b] = s
+        block_sums_of(x, xs, t, 0, xs.shape[1])
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def block_sums_of(x, xs, t, first, last):
+    """block_sums for blocks first .. last - 1 of token t alone."""
+    for b in range(first, last):
+        s = _F32(0.0)
+        for j in range(32):
+            s += x[t, b * 32 + j]
+        xs[t, b] = s
 
 
 @njit(inline="always", cache=True)

@@ -12,7 +12,7 @@ For T <= 8 sequences of one new token each, per layer:
       o    = a @ Wo.T                                                   phase WO
       x   += post_attn_norm?(o);  h = rmsnorm(x, ffn_norm)              phase PREP_FFN  (1 unit)
       g|u  = h @ Wgate_up.T                                             phase GATE_UP
-      f    = act(g) * u                                                 phase ACT       (1 unit)
+      f    = act(g) * u                                                 phase ACT       (256-element units)
       o    = f @ Wdown.T                                                phase DOWN
     and x += post_ffn_norm?(o) in the next layer's PREP; then the output norm and the head (HEAD).
 
@@ -30,8 +30,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.backends.cpu_fused_layer import (activate, add_normed, attend_one, fill_act, linear_rows, new_act,
-                                             product_rows, rms_norm_into, rope)
+from engine.backends.cpu_fused_layer import (activate_span, add_normed, attend_one, fill_act, fill_act_span,
+                                             linear_rows, new_act, product_rows, rms_norm_into, rope)
 from engine.backends.cpu_half import kv_store
 from engine.backends.cpu_sync import STRIDE, claim, claim_end, unit_done, wait_phase
 from engine.backends.numba_cache_deps import key_on_sources
@@ -41,6 +41,9 @@ _FASTMATH = {"reassoc", "contract", "nsz"}
 PREP, QKV, HEADS, ATTN, PREP_O, WO, PREP_FFN, GATE_UP, ACT, DOWN = range(10)
 PHASES_PER_LAYER = 10
 _UNIT_WEIGHTS = 32768  # weights a product unit covers at least (16 rows of SmolLM2's 576 inputs)
+# Elements of one token's FFN activation a unit of ACT covers (a multiple of 32: whole activation blocks).
+# One unit a step was 12% of a 4-token SmolLM2 step on one worker while the other waited (session 7).
+ACT_SPAN = 256
 
 
 @njit(cache=True)
@@ -151,6 +154,8 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
     u_qkv, u_wo = _units(wqkv0, d), _units(linears[0][1], q_dim)
     u_gu, u_down = _units(w_gate_up0, d), _units(linears[0][3], n_ff)
     u_head = _units(output, d)
+    act_spans = (n_ff + ACT_SPAN - 1) // ACT_SPAN
+    u_act = n_tok * act_spans
     for worker in prange(n_workers):
         for li in range(n_layers):
             layer, (wqkv, wo, w_gate_up, w_down) = layers[li], linears[li]
@@ -192,11 +197,15 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
                 unit_done(counters, base + PREP_FFN)
             wait_phase(counters, base + PREP_FFN, 1)
             _product(w_gate_up, base + GATE_UP, counters, u_gu, h, act_d, gate_up, table, lanes, worker)
-            if claim(counters, base + ACT, 1) == 0:
-                activate(gate_up, act_kind, hidden)
-                fill_act(w_down, hidden, qmax, act_f)
+            u = claim(counters, base + ACT, u_act)
+            while u >= 0:
+                t, first = u // act_spans, u % act_spans * ACT_SPAN
+                last = min(n_ff, first + ACT_SPAN)
+                activate_span(gate_up, act_kind, hidden, t, first, last)
+                fill_act_span(w_down, hidden, qmax, act_f, t, first, last)
                 unit_done(counters, base + ACT)
-            wait_phase(counters, base + ACT, 1)
+                u = claim(counters, base + ACT, u_act)
+            wait_phase(counters, base + ACT, u_act)
             _product(w_down, base + DOWN, counters, u_down, hidden, act_f, delta, table, lanes, worker)
         last = n_layers * PHASES_PER_LAYER
         if claim(counters, last, 1) == 0:

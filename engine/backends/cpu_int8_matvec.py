@@ -58,29 +58,37 @@ def quantize_act(x, qmax):
 @njit(cache=True, fastmath=_FASTMATH)
 def quantize_act_into(x, qmax, act):
     """quantize_act writing into act = new_act(T, in) (the first T rows of larger buffers also do)."""
+    for t in range(x.shape[0]):
+        quantize_blocks(x, qmax, act, t, 0, x.shape[1] // 32)
+
+
+@njit(cache=True, fastmath=_FASTMATH)
+def quantize_blocks(x, qmax, act, t, first, last):
+    """quantize_act_into for blocks first .. last - 1 of token t alone (the fused step splits a product's
+    activations into units of blocks)."""
     xlo, xhi, x16, dx, dx16, sx, sx16 = act
-    n_tok, n_in = x.shape
-    nb = n_in // 32
-    for t in range(n_tok):
-        for b in range(nb):
-            amax, finite = _F32(0.0), _F32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[t, b * 32 + j]))
-                finite += x[t, b * 32 + j] * _F32(0.0)  # NaN if any value is NaN or infinite
-            d = amax / qmax if finite == _F32(0.0) else _F32(np.nan)
-            inv = _F32(1.0) / d if d > _F32(0.0) else _F32(0.0)
-            sums = np.zeros(2, np.int32)  # the two halves' sums
-            for j in range(32):
-                v = x[t, b * 32 + j] * inv  # |v| <= qmax; rounded half away from zero, as ggml's roundf
-                q = _I16(_I32(v + _F32(0.5)) if v >= _F32(0.0) else -_I32(_F32(0.5) - v))
-                x16[t, b * 32 + j] = q
-                sums[j // 16] += _I32(q)
-            for j in range(16):
-                xlo[t, b * 16 + j] = x16[t, b * 32 + j]
-                xhi[t, b * 16 + j] = x16[t, b * 32 + 16 + j]
-            dx[t, b], dx16[t, 2 * b], dx16[t, 2 * b + 1] = d, d, d
-            sx[t, b] = d * _F32(sums[0] + sums[1])
-            sx16[t, 2 * b], sx16[t, 2 * b + 1] = d * _F32(sums[0]), d * _F32(sums[1])
+    for b in range(first, last):
+        amax, finite = _F32(0.0), _F32(0.0)
+        for j in range(32):
+            amax = max(amax, abs(x[t, b * 32 + j]))
+            finite += x[t, b * 32 + j] * _F32(0.0)  # NaN if any value is NaN or infinite
+        d = amax / qmax if finite == _F32(0.0) else _F32(np.nan)
+        inv = _F32(1.0) / d if d > _F32(0.0) else _F32(0.0)
+        low_sum, high_sum = _I32(0), _I32(0)  # the two halves' sums
+        for j in range(32):
+            v = x[t, b * 32 + j] * inv  # |v| <= qmax; rounded half away from zero, as ggml's roundf
+            q = _I16(_I32(v + _F32(0.5)) if v >= _F32(0.0) else -_I32(_F32(0.5) - v))
+            x16[t, b * 32 + j] = q
+            if j < 16:
+                low_sum += _I32(q)
+            else:
+                high_sum += _I32(q)
+        for j in range(16):
+            xlo[t, b * 16 + j] = x16[t, b * 32 + j]
+            xhi[t, b * 16 + j] = x16[t, b * 32 + 16 + j]
+        dx[t, b], dx16[t, 2 * b], dx16[t, 2 * b + 1] = d, d, d
+        sx[t, b] = d * _F32(low_sum + high_sum)
+        sx16[t, 2 * b], sx16[t, 2 * b + 1] = d * _F32(low_sum), d * _F32(high_sum)
 
 
 @njit(cache=True)
