@@ -6,7 +6,7 @@ matrix size and tokens a step; prints a markdown table of Gweights/s (weight-tok
 
 Rows are random GGUF blocks repacked as a model's are (float16 scales where the type allows). A shape that
 fits the caches (3072 x 576: SmolLM2's gate_up) measures the kernel's compute; one several times the L3
-(196608 x 576, 68 MiB of q4_1) measures it streaming from memory, where one core's bandwidth bounds
+(196608 x 576, 68 MiB of q4_1) measures it streaming from memory (k-quants take 512 inputs), where one core's bandwidth bounds
 a single token (the GB/s column). Medians of --repeats, each a whole pass over the rows, the passes of
 every configuration interleaved so a noisy neighbour slows them all alike; the machine's load average is
 printed. The lowering (vpmaddwd on AVX2, plain vector IR elsewhere) is as numba targets this CPU.
@@ -32,6 +32,7 @@ from engine.backends.cpu_simd_dot import simd_enabled  # noqa: E402
 from tests.test_cpu_quant_kernels import random_rows  # noqa: E402
 
 _BASE_ROWS = 4096  # random rows made once per type, tiled to the larger shapes
+_SUPER_BLOCK_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 def parse_args():
@@ -57,6 +58,8 @@ def main() -> None:
     cases = []
     for tensor_type in types:
         for n_out, n_in in shapes:
+            if tensor_type in _SUPER_BLOCK_TYPES:  # 256-weight super-blocks: the inputs rounded down
+                n_in = max(256, n_in // 256 * 256)
             part = make_part(tensor_type, n_out, n_in)
             mib = sum(a.nbytes for a in part[1:]) / 2**20
             for n_tok in tokens:
