@@ -38,10 +38,10 @@ _POOL_VIEWS = {"f32": np.float32, "f16": np.uint16}  # K/V types the step reads 
 # costs the same as int8 in cpu_int8_matvec (its products are int16 either way) and its rounding is 256x
 # finer: on gemma3 int8 moved logits by up to 0.37 and changed greedy ids after 16 tokens, int16 by ~1e-3.
 ACT_QMAX = {"f32": _F32(0.0), "int8": _F32(127.0), "int16": _F32(32767.0)}
-# Every step the fused path takes runs the integer kernels: since their products keep float lanes (no
-# reduction per block and token) a 4-token SmolLM2 step costs 46.8 ms integer against 47.0 on the raw rows'
-# float kernels and 80 on float rows decoded from the repacked form, which is all there is once the raw
-# rows are let go (session 6; before: 123 integer vs 60 float CPU ms).
+# Every step the fused path takes runs the integer kernels (cpu_simd_dot: up to 4 tokens a row call). The
+# float path has only rows decoded from the repacked form once the raw rows are let go: a 4-token SmolLM2
+# step took 80 ms on those against 47 on the integer loops of the time (session 6, Intel); the integer
+# kernels now take 26 (session 7, AMD).
 INT_MAX_TOKENS = KERNEL_MAX_ROWS
 
 

@@ -13,8 +13,8 @@ so the only rounding beyond float32 is xq's (|x_j - dx xq_j| <= dx / 2): the err
 sum over blocks of dx / 2 * sum_j |w_j| (tests/test_cpu_int8_matvec.py checks both that and the tight
 bound against the same quantised x). The row products themselves are LLVM vector IR (cpu_simd_dot.py:
 vpmaddwd on AVX2, plain vector IR elsewhere): the numba loops they replaced never got vpmaddwd from LLVM
-and ran 2.4-3.0 Gweights/s per thread against 9.6-11.5 (3072 x 576 and 49152 x 576 q4_1 / q8_0 rows, AVX2
-EPYC, session 7). int16 activations cost what int8 ones would with vpmaddwd and round 256x finer.
+and ran 2.4-3.0 Gweights/s per thread, against 9.8-12.5 for one token and 22-26 for four now (q4_1 / q8_0,
+SmolLM2's shapes, AVX2 EPYC, session 7; docs/BENCHMARKS.md). int16 activations cost what int8 ones would with vpmaddwd and round 256x finer.
 A non-finite activation makes its block's scale NaN, so the product is NaN, as on the float path.
 
 cpu_fused_step.decode_step inlines these kernels; numba's cache alone is keyed on each function's own

@@ -1,22 +1,27 @@
 """Row products of repacked weights (cpu_int8_repack) and int16 activations (cpu_int8_matvec) written as LLVM
-vector IR with x86's multiply-add instruction, for CPUs with AVX2.
+vector IR, with x86's multiply-add instruction on CPUs with AVX2.
 
-LLVM did not find vpmaddwd in the numba loops: their nibble products ran 2.4 Gweights/s per thread on an
-AVX2 EPYC, most of a SmolLM2 decode step. Here a group of weights is one instruction sequence:
+LLVM did not find vpmaddwd in the numba loops these replace: their nibble products ran 2.4-3.0 Gweights/s
+per thread on an AVX2 EPYC, most of a SmolLM2 decode step (9.8-27 now: scripts/bench_decode_kernels.py).
+A group of weights is one instruction sequence:
 
     U4 block (16 bytes, 32 weights): zero-extend to 16 int16, mask the low nibbles / shift out the high ones,
         vpmaddwd each against the block's 16 low-half / 16 high-half activations -> 8 int32 (exact sums)
     U8 group (32 or 16 bytes): zero-extend, vpmaddwd against the group's activations -> 8 int32
-    then  acc (8 float32) += float(int32 sums) * (d * dx);  offset += m * sx  (the weight mins)
+    then  acc (8 float32) += float(int32 sums) * (d dx),  offset += m sx  (the weight mins)
 
-with two accumulators (even and odd groups) so consecutive groups' float adds do not wait on each other, and
-one horizontal sum per row. The integer sums are exact (255 * 32767 * 4 < 2^31), so the result differs from
-the numba loops' (cpu_int8_matvec._dot_*_loop) only in float32 summation order; tests/test_cpu_simd_dot.py
-checks the integer part exactly and the rest against them. Every token of a batch runs the same function,
-so a batch's rows stay bit-identical to each token alone.
+A row function computes 1-4 tokens (MAX_TOKENS): the groups go in fours, their scales and mins read as
+vectors, each group unpacked once for every token, a token's four scaled groups summed in pairs and then
+added to its one accumulator (one dependent add per four groups); one horizontal sum per row and token.
+The integer sums are exact (255 * 32767 * 4 < 2^31), so only float32 summation order differs from a plain
+dot product; tests/test_cpu_simd_dot.py checks the integer part exactly and the rest against a float64
+reference. A token's operations are the same whatever tokens share its call, so a batch's rows are
+bit-identical to each token alone.
 
-`simd_enabled()` is decided from the features numba compiles for (a cache entry is keyed on them), not the
-host's: NUMBA_CPU_NAME=generic gets the loops.
+Float flags are reassoc / contract / nsz, as the numba kernels' fastmath (no nnan / ninf: a non-finite
+activation must still make its product NaN). `simd_enabled()` is decided from the features numba compiles
+for (a cache entry is keyed on them), not the host's: with NUMBA_CPU_NAME=generic the multiply-add is plain
+vector IR, which LLVM lowers to what the target has.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ _F32, _HALF = ir.FloatType(), ir.HalfType()
 _V4F, _V8F, _V8I32 = ir.VectorType(_F32, 4), ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
 _V16I16, _V32I16 = ir.VectorType(_I16, 16), ir.VectorType(_I16, 32)
 _V16I8, _V32I8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
-_FAST = ("fast",)
+_FAST = ("reassoc", "contract", "nsz")
 U4_BLOCK, U8_GROUP32, U8_GROUP16 = "u4", "u8g32", "u8g16"  # the three group layouts
 
 
