@@ -22,10 +22,10 @@ from numba import njit
 from numba.core import types
 from numba.extending import overload
 
-from engine.backends.cpu_fused_matvec import _rows_into, block_sums, block_sums_of
+from engine.backends.cpu_fused_matvec import _rows_into, block_sums_of
 from engine.backends.cpu_half import as_float
 from engine.backends.cpu_repacked_rows import rows_into as decoded_rows_into
-from engine.backends.cpu_int8_matvec import _part_rows, quantize_act_into, quantize_blocks
+from engine.backends.cpu_int8_matvec import _part_rows, quantize_blocks
 from engine.backends.cpu_int8_matvec import new_act as new_int_act
 from engine.backends.numba_cache_deps import key_on_sources
 
@@ -164,15 +164,6 @@ def _new_act_typed(linear, n_tok, n_in):
     return lambda linear, n_tok, n_in: new_int_act(n_tok, n_in)
 
 
-@overload(fill_act)
-def _fill_act_typed(linear, x, qmax, act):
-    if _is_decoded(linear):
-        return lambda linear, x, qmax, act: None
-    if _is_raw(linear):
-        return lambda linear, x, qmax, act: block_sums(x, act)
-    return lambda linear, x, qmax, act: quantize_act_into(x, qmax, act)
-
-
 @overload(fill_act_span)
 def _fill_act_span_typed(linear, x, qmax, act, t, first, last):
     if _is_decoded(linear):
@@ -182,6 +173,14 @@ def _fill_act_span_typed(linear, x, qmax, act, t, first, last):
                                                                             min(act.shape[1], (last + 31) // 32))
     return lambda linear, x, qmax, act, t, first, last: quantize_blocks(x, qmax, act, t, first // 32,
                                                                          min(x.shape[1] // 32, (last + 31) // 32))
+
+
+@overload(fill_act)
+def _fill_act_typed(linear, x, qmax, act):
+    def whole(linear, x, qmax, act):  # every token's whole row: one span each
+        for t in range(x.shape[0]):
+            fill_act_span(linear, x, qmax, act, t, 0, x.shape[1])
+    return whole
 
 
 @overload(product_rows)
