@@ -36,7 +36,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     pull = sub.add_parser("pull", help="fetch a model into $STRATA_HOME and print its path")
-    pull.add_argument("name", nargs="?", default=default_model_name(), help="smollm2, gemma3-270m or a .gguf path")
+    pull.add_argument("name", nargs="?", default=default_model_name(),
+                      help=f"a known model (--list shows them; default {default_model_name()}) or a .gguf path")
+    pull.add_argument("--list", action="store_true", help="list the known models and which are already on disk")
     pull.set_defaults(func=_cmd_pull)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -107,8 +109,25 @@ def _cmd_kernels(args) -> int:
 
 
 def _cmd_pull(args) -> int:
+    if args.list:
+        _print_model_list()
+        return 0
     print(resolve_model(args.name))
     return 0
+
+
+def _print_model_list() -> None:
+    from engine.model_store import list_known_models
+
+    rows = [("name", "size", "context", "tools", "on disk", "description")]
+    for entry in list_known_models():
+        src = entry.source
+        default = " (default)" if src.name == default_model_name() else ""
+        rows.append((src.name + default, f"{src.size / 2**20:.0f} MiB", f"{src.context_length}",
+                     src.tool_format or "-", str(entry.path) if entry.on_disk else "no", src.description))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
 
 
 def _cmd_generate(args) -> int:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from api.config_checks import MIN_CTX_SIZE, flag_name, validate_config
+from api.config_checks import AUTO_CTX_CAP, MIN_CTX_SIZE, flag_name, validate_config
+from engine.model_store import default_model_name
 
 LOG_FORMATS = ("kv", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -49,7 +50,8 @@ class ServerConfig:
     pass them on explicitly (see `public_model_name`).
     """
 
-    model: str = _opt("smollm2", "model name (smollm2, gemma3-270m) or path to a .gguf", metavar="NAME|PATH")
+    model: str = _opt(default_model_name(), "model name (`strata pull --list` shows them) or path to a .gguf",
+                      metavar="NAME|PATH")
     host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)", metavar="ADDR")
     port: int = _opt(8100, "TCP port to listen on (0 picks a free one)")
     batch: int = _opt(4, "number of slots: conversations decoded together")
@@ -60,7 +62,8 @@ class ServerConfig:
                             metavar="L[,L...]")
     prefill_chunk: int = _opt(512, "prompt tokens computed per prefill step")
     max_queue: int = _opt(64, "requests allowed to wait for a slot; more get 503")
-    ctx_size: int = _opt(8192, f"tokens of context per slot (>= {MIN_CTX_SIZE})")
+    ctx_size: int = _opt(0, f"tokens of context per slot (>= {MIN_CTX_SIZE}; 0: the model's trained context, "
+                            f"at most {AUTO_CTX_CAP}, enough for an agent's first prompt)")
     default_max_tokens: int = _opt(0, "reply budget of a request that sets none (most agents send none); 0: the "
                                       "room its context leaves, as llama-server's -n -1")
     default_temperature: float | None = _opt(None, "sampling temperature of a request that sets none (agents such "

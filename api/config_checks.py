@@ -10,6 +10,14 @@ if TYPE_CHECKING:
     from api.config import ServerConfig
 
 MIN_CTX_SIZE = 16
+# --ctx-size 0 takes the model's trained context up to this: Claude Code's first prompt is ~19K tokens, and
+# a 128K-262K context per slot would size the K/V pool for prompts agents on this hardware never send.
+AUTO_CTX_CAP = 32768
+
+
+def resolve_ctx_size(ctx_size: int, trained_context: int) -> int:
+    """Tokens of context per slot: ``ctx_size`` as given, or for 0 the trained context capped at AUTO_CTX_CAP."""
+    return ctx_size or min(trained_context, AUTO_CTX_CAP)
 
 
 def flag_name(name: str) -> str:
@@ -39,7 +47,8 @@ def validate_config(cfg: "ServerConfig") -> None:
     need(cfg.prefill_chunk >= 1, f"--prefill-chunk must be >= 1 (got {cfg.prefill_chunk})")
     need(cfg.max_queue >= 0,
          f"--max-queue must be >= 0 (got {cfg.max_queue}; 0 rejects requests when every slot is busy)")
-    need(cfg.ctx_size >= MIN_CTX_SIZE, f"--ctx-size must be >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
+    need(cfg.ctx_size == 0 or cfg.ctx_size >= MIN_CTX_SIZE,
+         f"--ctx-size must be 0 (auto) or >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
     need(cfg.kv_cache_max_mib >= 0, f"--kv-cache-max-mib must be >= 0 (got {cfg.kv_cache_max_mib})")
     need(cfg.default_temperature is None or 0.0 <= cfg.default_temperature <= 2.0,
          f"--default-temperature must be in 0..2 (got {cfg.default_temperature})")

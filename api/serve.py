@@ -18,6 +18,7 @@ import uvicorn
 from api.checkpoint_hints import find_line_end_ids, find_message_start_id
 from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
+from api.config_checks import AUTO_CTX_CAP, resolve_ctx_size
 from api.server import ServerState, create_app
 from engine.backends.cuda_device import leave_outside_arena
 from engine.backends.cuda_expert_cache_budget import connect_expert_budget
@@ -41,19 +42,20 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     if loaded is None and elastic_max_mib:  # cuda: the elastic pool's chunks come from outside the arena
         leave_outside_arena(int(elastic_max_mib * 2**20))
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
-                                  max_positions=config.ctx_size, backend_name=config.backend,
+                                  max_positions=config.ctx_size or AUTO_CTX_CAP, backend_name=config.backend,
                                   cpu_weights=config.cpu_weights, expert_cache_mib=config.expert_cache_mib)
     prepare = getattr(loaded.model.backend, "prepare_decode", None)  # numpy: the fused decoder's repacking
     if prepare is not None:
         prepare(loaded.model)
-    if config.ctx_size > loaded.model.config.context_length:
+    ctx_size = resolve_ctx_size(config.ctx_size, loaded.model.config.context_length)
+    if ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
-                    config.ctx_size, loaded.model.config.context_length)
+                    ctx_size, loaded.model.config.context_length)
     kv_type = resolve_kv_type(config.kv_type, loaded.model.backend)
     bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE, kv_type).bytes_per_block
     on_host = loaded.model.backend.name == "numpy"
     pool = size_kv_pool(config.kv_cache_range_mib, bytes_per_block=bytes_per_block,
-                        slot_blocks=blocks_needed(config.ctx_size, BLOCK_SIZE), batch=config.batch,
+                        slot_blocks=blocks_needed(ctx_size, BLOCK_SIZE), batch=config.batch,
                         backend=loaded.model.backend, weight_bytes=loaded.info.weight_bytes if on_host else 0,
                         min_free_mib=config.conversation_cache_min_free_mib)
     min_blocks, num_blocks = pool.min_blocks, pool.reserved_blocks
@@ -94,7 +96,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     aliases = {served, config.model, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens; K/V %s, %d bytes per token",
              engine.cache.num_blocks, BLOCK_SIZE, engine.cache.num_blocks * bytes_per_block / 2**20, config.batch,
-             config.ctx_size, kv_type, runner.layout.bytes_per_token,
+             ctx_size, kv_type, runner.layout.bytes_per_token,
              extra={"fields": {"kv_type": kv_type, "kv_bytes_per_token": runner.layout.bytes_per_token,
                                "kv_blocks": engine.cache.num_blocks}})
     tiers = tier_budgets(engine)
@@ -106,7 +108,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     message_start = find_message_start_id(loaded.chat_template, loaded.tokenizer) \
         if loaded.model.config.is_hybrid else None
     line_ends = find_line_end_ids(loaded.tokenizer) if loaded.model.config.is_hybrid else frozenset()
-    return ServerState(config, loaded, engine, metrics, config.ctx_size, served, aliases, protocol=protocol,
+    return ServerState(config, loaded, engine, metrics, ctx_size, served, aliases, protocol=protocol,
                        message_start_id=message_start, line_end_ids=line_ends)
 
 

