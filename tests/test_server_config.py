@@ -116,7 +116,7 @@ def test_bad_flag_value_names_the_flag():
 @pytest.mark.parametrize(("argv", "message"), [
     (["--batch", "0"], "--batch must be >= 1"),
     (["--port", "70000"], "--port 70000 is out of range"),
-    (["--ctx-size", "8"], "--ctx-size must be >= 16"),
+    (["--ctx-size", "8"], "--ctx-size must be 0 (auto) or >= 16"),
     (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
     (["--kv-cache-mib", "-5"], "--kv-cache-mib must be >= 0"),
