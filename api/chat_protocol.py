@@ -29,8 +29,22 @@ class ChatProtocol:
     reasoning_field: str | None  # "reasoning_content" | "reasoning"; None: reasoning stays in content
     tokenizer: Tokenizer
     special_token_ids: dict[str, int] = field(default_factory=dict)  # control-token text -> id, for grammars
+    recovers_calls: bool = False  # --tool-call-recovery on and the format's models write JSON calls
     _compiler: GrammarCompiler | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _recovered_shapes: set[str] = field(default_factory=set)
+
+    def note_recovered(self, shape: str) -> None:
+        """Log the first recovered call of each shape ("fenced", "bare", "... function-wrapper") once."""
+        with self._lock:
+            if shape in self._recovered_shapes:
+                return
+            self._recovered_shapes.add(shape)
+        what = {"fenced": "a fenced JSON block", "bare": "bare JSON"}[shape.split()[0]]
+        spelling = ' in the old "function": {...} spelling' if shape.endswith("function-wrapper") else ""
+        log.info("tool calls: the model wrote a tool call as %s%s instead of the %s format's markup; recovered "
+                 "(--tool-call-recovery off turns this off; logged once per shape)", what, spelling,
+                 self.tool_format.name, extra={"fields": {"tool_call_recovered": shape}})
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -41,7 +55,7 @@ class ChatProtocol:
 
 
 def create_chat_protocol(template: ChatTemplate, tokenizer: Tokenizer, tool_call_format: str = "auto",
-                         reasoning_format: str = "reasoning_content") -> ChatProtocol:
+                         reasoning_format: str = "reasoning_content", tool_call_recovery: str = "on") -> ChatProtocol:
     """Pick the tool-call format and reasoning tags for a model and log the choice once."""
     if tool_call_format == "auto":
         fmt, how = detect_format(template.template), "picked from the chat template"
@@ -71,6 +85,10 @@ def create_chat_protocol(template: ChatTemplate, tokenizer: Tokenizer, tool_call
     # llguidance matches a control token only by id (<[id]>), never by its text: markers such as Mistral's
     # [TOOL_CALLS] must be written that way in the format's grammar.
     specials = {tokenizer.id_to_token(i): i for i in sorted(tokenizer.special_ids)}
-    protocol = ChatProtocol(fmt, reasoning, field_name, tokenizer, specials)
+    recovers = tool_call_recovery == "on" and fmt.recovers_json_calls
+    if recovers:
+        log.info("tool calls: calls the model writes as bare or fenced JSON naming a declared tool are recovered "
+                 "(--tool-call-recovery off: only the %s markup counts)", fmt.name)
+    protocol = ChatProtocol(fmt, reasoning, field_name, tokenizer, specials, recovers)
     protocol.grammar.prepare()  # 0.15 s (49K vocab) to 0.7 s (152K) holding the GIL: at start, not in a request
     return protocol

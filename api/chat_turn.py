@@ -5,7 +5,8 @@ through ``prepare_turn``: one template render, one tokenizer call, one grammar c
 
     tool_choice required / a named function  -> the format's tool-call grammar from the first token
     response_format json_object / json_schema -> that JSON grammar
-    tool_choice auto                          -> free text, constrained once the format's trigger appears
+    tool_choice auto                          -> free text, constrained once the format's trigger appears, or
+                                                 a line opens a call as bare or fenced JSON (recovery)
                                                  (generic format: its JSON grammar from the first token)
     tool_choice none                          -> free text, no call parsed (generic format: text that
                                                  cannot begin its tool-call JSON)
@@ -14,12 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from api.chat_protocol import ChatProtocol
 from api.errors import bad_request
 from api.generic_tools import rewrite_history
 from api.tool_calls import OutputParser, create_output_parser, prompt_opens_reasoning
+from api.tool_calls.recovered_call import recovery_trigger
 from api.tool_specs import ToolSpecs
 from engine.grammar import GrammarError, TokenConstraint, json_object_grammar, json_schema_grammar
 from engine.loader import encode_chat_prompt
@@ -51,13 +53,15 @@ class PreparedTurn:
     starts_in_reasoning: bool
     tools: list[dict[str, Any]]
     custom_tool_names: frozenset[str] = frozenset()
+    recovers_calls: bool = False  # calls written as bare or fenced JSON are recovered (tool_choice auto)
 
-    def create_parser(self) -> OutputParser:
+    def create_parser(self, on_recovered: Callable[[str], None] | None = None) -> OutputParser:
         owns_reasoning = self.protocol.tool_format.owns_reasoning  # harmony: every reply is channel markup
         fmt = self.protocol.tool_format if self.parses_tools or owns_reasoning else None
         return create_output_parser(fmt, self.tools if self.parses_tools else None,
                                     reasoning=self.protocol.reasoning if self.protocol.reasoning_field else None,
-                                    starts_in_reasoning=self.starts_in_reasoning)
+                                    starts_in_reasoning=self.starts_in_reasoning,
+                                    recover_calls=self.recovers_calls, on_recovered=on_recovered)
 
 
 def render_turn(state, turn: ChatTurn) -> str:
@@ -74,6 +78,14 @@ def render_turn(state, turn: ChatTurn) -> str:
                                                  **kwargs)
     except ValueError as exc:
         raise bad_request(f"the chat template could not render these messages: {exc}", param="messages") from exc
+
+
+def recovers_calls(protocol: ChatProtocol, turn: ChatTurn) -> bool:
+    """Whether this turn's reply may hold calls written as JSON objects, to be recovered: tool_choice auto, no
+    response_format (whose JSON answers must stay answers), a format whose models do that, recovery on."""
+    specs = turn.specs
+    return (protocol.recovers_calls and specs.calls_possible and specs.mode == "auto"
+            and _answer_format_grammar(turn.response_format) is None)
 
 
 def _reply_grammar(protocol: ChatProtocol, turn: ChatTurn) -> tuple[str | None, str | None, str]:
@@ -129,8 +141,9 @@ def build_constraint(protocol: ChatProtocol, turn: ChatTurn) -> TokenConstraint 
     grammar, trigger, param = _reply_grammar(protocol, turn)
     if grammar is None:
         return None
+    triggers = (recovery_trigger(turn.specs.tools),) if trigger is not None and recovers_calls(protocol, turn) else ()
     try:
-        return protocol.grammar.constraint(grammar, lazy_trigger=trigger)
+        return protocol.grammar.constraint(grammar, lazy_trigger=trigger, triggers=triggers)
     except GrammarError as exc:
         raise bad_request(f"{param}: the grammar for this request does not compile: {exc}", param=param) from exc
 
@@ -146,4 +159,4 @@ def prepare_turn(state, turn: ChatTurn) -> PreparedTurn:
     reasoning = protocol.reasoning
     starts_in_reasoning = reasoning is not None and prompt_opens_reasoning(text, reasoning)
     return PreparedTurn(text, prompt_ids, constraint, protocol, parses_tools, starts_in_reasoning, specs.tools,
-                        specs.custom_names)
+                        specs.custom_names, recovers_calls(protocol, turn))

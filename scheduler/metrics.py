@@ -16,6 +16,9 @@ class Metrics:
         self.reused_tokens = Counter("strata_reused_tokens", "Prompt tokens whose KV was reused", registry=r)
         self.computed_tokens = Counter("strata_computed_tokens", "Prompt tokens computed", registry=r)
         self.generated_tokens = Counter("strata_generated_tokens", "Tokens generated", registry=r)
+        self.tool_calls_recovered = Counter(
+            "strata_tool_calls_recovered", "Tool calls the model wrote as bare or fenced JSON, recovered as calls",
+            ["shape"], registry=r)
         self.queue_depth = Gauge("strata_queue_depth", "Requests waiting for a slot", registry=r)
         self.slots_in_use = Gauge("strata_slots_in_use", "Slots holding a running request", registry=r)
         self.step_seconds = Histogram(

@@ -117,6 +117,9 @@ class ToolFormat:
     Llama 3's bare-JSON calls, where the same text mid-reply is ordinary content.
     ``owns_reasoning``: the format's own markup carries the reasoning (harmony's analysis channel), so its
     parser runs on every reply, tools or not, and no reasoning-tag splitter wraps it.
+    ``recovers_json_calls``: models of this format also write calls as bare or fenced JSON objects, outside the
+    markup; with tool_choice auto such calls are recovered (api/tool_calls/recovery.py). False where JSON is
+    the format itself (llama3_json, generic) or the markup is a whole protocol (harmony).
     """
 
     name: str = ""
@@ -125,6 +128,7 @@ class ToolFormat:
     lazy_trigger: str | None = None
     trigger_only_at_start: bool = False
     owns_reasoning: bool = False  # the parser splits reasoning itself and parses replies without tools too
+    recovers_json_calls: bool = False
 
     def create_parser(self, tools: list[dict]) -> OutputParser:
         """A fresh streaming parser for one reply; ``tools`` are OpenAI-shape tool definitions."""

@@ -84,6 +84,7 @@ class HermesFormat(ToolFormat):
 
     name = "hermes"
     lazy_trigger = OPEN
+    recovers_json_calls = True
 
     def create_parser(self, tools: list[dict]) -> OutputParser:
         return HermesParser()

@@ -190,6 +190,7 @@ class Qwen3CoderFormat(ToolFormat):
     """Qwen3-Coder's ``<function=...>`` blocks inside ``<tool_call>``."""
 
     name = "qwen3_coder"
+    recovers_json_calls = True
     lazy_trigger = OPEN
 
     def create_parser(self, tools: list[dict]) -> OutputParser:

@@ -1,6 +1,8 @@
 """The registry of tool-call formats, picking one from a chat template, and assembling a reply's parser."""
 from __future__ import annotations
 
+from typing import Callable
+
 from api.tool_calls.base import OutputParser, PlainContentParser, ToolFormat, function_specs
 from api.tool_calls.generic import GenericFormat, GenericJsonFormat
 from api.tool_calls.harmony import CHANNEL as HARMONY_CHANNEL
@@ -10,6 +12,7 @@ from api.tool_calls.llama3_json import Llama3JsonFormat
 from api.tool_calls.mistral import MistralFormat
 from api.tool_calls.qwen3_coder import Qwen3CoderFormat
 from api.tool_calls.reasoning import ReasoningSplitter, ReasoningTags
+from api.tool_calls.recovery import RecoveringParser
 
 FORMATS: dict[str, ToolFormat] = {
     fmt.name: fmt
@@ -56,17 +59,22 @@ def detect_format(template_source: str) -> ToolFormat:
 
 
 def create_output_parser(fmt: ToolFormat | None, tools: list[dict] | None, *, reasoning: ReasoningTags | None,
-                         starts_in_reasoning: bool) -> OutputParser:
+                         starts_in_reasoning: bool, recover_calls: bool = False,
+                         on_recovered: Callable[[str], None] | None = None) -> OutputParser:
     """The parser for one reply: reasoning split off first, then ``fmt``'s tool calls in what remains.
 
     Without a format or without function tools the reply is plain content (after the reasoning split). A
-    format that ``owns_reasoning`` (harmony) parses every reply itself and is never wrapped.
+    format that ``owns_reasoning`` (harmony) parses every reply itself and is never wrapped. With
+    ``recover_calls`` (and a format that ``recovers_json_calls``), calls written as JSON objects outside the
+    format's markup are recovered too; ``on_recovered(shape)`` hears of each.
     """
     if fmt is not None and fmt.owns_reasoning:
         return fmt.create_parser(list(tools or []))
     inner: OutputParser
     if fmt is not None and function_specs(tools):
         inner = fmt.create_parser(list(tools or []))
+        if recover_calls and fmt.recovers_json_calls:
+            inner = RecoveringParser(inner, list(tools or []), on_recovered)
     else:
         inner = PlainContentParser()
     if reasoning is None:
