@@ -21,7 +21,7 @@ from api.chat_protocol import ChatProtocol
 from api.errors import bad_request
 from api.generic_tools import rewrite_history
 from api.tool_calls import OutputParser, create_output_parser, prompt_opens_reasoning
-from api.tool_calls.recovered_call import recovery_trigger
+from api.tool_calls.recovered_call import answered_calls, recovery_trigger
 from api.tool_specs import ToolSpecs
 from engine.grammar import GrammarError, TokenConstraint, json_object_grammar, json_schema_grammar
 from engine.loader import encode_chat_prompt
@@ -54,6 +54,7 @@ class PreparedTurn:
     tools: list[dict[str, Any]]
     custom_tool_names: frozenset[str] = frozenset()
     recovers_calls: bool = False  # calls written as bare or fenced JSON are recovered (tool_choice auto)
+    answered_calls: frozenset[tuple[str, str]] = frozenset()  # the calls whose tool results end the prompt
 
     def create_parser(self, on_recovered: Callable[[str], None] | None = None) -> OutputParser:
         owns_reasoning = self.protocol.tool_format.owns_reasoning  # harmony: every reply is channel markup
@@ -61,7 +62,8 @@ class PreparedTurn:
         return create_output_parser(fmt, self.tools if self.parses_tools else None,
                                     reasoning=self.protocol.reasoning if self.protocol.reasoning_field else None,
                                     starts_in_reasoning=self.starts_in_reasoning,
-                                    recover_calls=self.recovers_calls, on_recovered=on_recovered)
+                                    recover_calls=self.recovers_calls, on_recovered=on_recovered,
+                                    answered_calls=self.answered_calls)
 
 
 def render_turn(state, turn: ChatTurn) -> str:
@@ -159,4 +161,4 @@ def prepare_turn(state, turn: ChatTurn) -> PreparedTurn:
     reasoning = protocol.reasoning
     starts_in_reasoning = reasoning is not None and prompt_opens_reasoning(text, reasoning)
     return PreparedTurn(text, prompt_ids, constraint, protocol, parses_tools, starts_in_reasoning, specs.tools,
-                        specs.custom_names, recovers_calls(protocol, turn))
+                        specs.custom_names, recovers_calls(protocol, turn), answered_calls(turn.messages))

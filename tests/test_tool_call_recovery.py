@@ -5,7 +5,8 @@ import json
 import pytest
 
 from api.tool_calls import create_output_parser, get_format
-from api.tool_calls.recovered_call import call_from_object, recovery_trigger
+from api.tool_calls.recovered_call import answered_calls, call_from_object, recovery_trigger
+from engine.sampling import allowed_tokens
 
 READ = {"type": "function", "function": {"name": "read_file", "description": "Read a file",
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
@@ -17,12 +18,12 @@ FUNCTIONS = {"read_file": READ["function"], "write_file": WRITE["function"]}
 CALL = '{"name": "read_file", "arguments": {"path": "note.txt"}}'
 
 
-def parse(text: str, split: int | None = None, tools=TOOLS):
+def parse(text: str, split: int | None = None, tools=TOOLS, answered=frozenset()):
     """(content, [(name, arguments)], recovered shapes) of ``text`` fed in pieces of ``split`` characters,
     checking on the way that content only ever grows as a prefix of the final content."""
     shapes = []
     parser = create_output_parser(get_format("hermes"), tools, reasoning=None, starts_in_reasoning=False,
-                                  recover_calls=True, on_recovered=shapes.append)
+                                  recover_calls=True, on_recovered=shapes.append, answered_calls=answered)
     pieces = [text] if split is None else [text[i:i + split] for i in range(0, len(text), split)]
     content, calls = "", {}
     for delta in [parser.feed(piece) for piece in pieces] + [parser.finish()]:
@@ -151,9 +152,9 @@ def test_the_trigger_ignores_what_is_not_a_call_opening(text):
 def test_the_trigger_grammar_closes_what_the_opening_began():
     trigger = recovery_trigger(TOOLS)
     plain = trigger.grammar_for(trigger.pattern.search(b'{"name": "read_file", "arguments": '))
-    assert plain.startswith('start: WS? args WS? "}"\n') and '"path"' in plain
+    assert plain.startswith('start: WS? args WS? "}" TAIL?\n') and '"path"' in plain
     wrapped = trigger.grammar_for(trigger.pattern.search(b'```json\n{"function": {"name": "read_file", "arguments": '))
-    assert wrapped.startswith('start: WS? args WS? "}" WS? "}" (WS? "```")?\n')
+    assert wrapped.startswith('start: WS? args WS? "}" WS? "}" (WS? "```")? TAIL?\n')
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +178,14 @@ def test_a_recovered_call_opening_constrains_its_arguments_to_the_schema(compile
     _accept_text(constraint, compiler.tokenizer, 'Let me look.\n{"name": "read_file", "parameters":')
     assert constraint.is_active and constraint.fired_trigger == "recovered JSON call"
     _accept_text(constraint, compiler.tokenizer, ' {"path": "a.txt"}')
-    assert not constraint.is_finished  # the call object's own "}" is still owed
-    _accept_text(constraint, compiler.tokenizer, "}")
-    assert constraint.is_finished and not constraint.error
+    tokenizer = compiler.tokenizer
+    eos = tokenizer.eos_id
+    assert not allowed_tokens(constraint.mask(), tokenizer.vocab_size)[eos]  # the object's own "}" is owed
+    _accept_text(constraint, tokenizer, "}")
+    allowed = allowed_tokens(constraint.mask(), tokenizer.vocab_size)
+    assert allowed[eos] and allowed.sum() > 0.99 * tokenizer.vocab_size  # the call is whole: end, or go on freely
+    _accept_text(constraint, tokenizer, '\n{"answer": 42} and some text')
+    assert not constraint.is_finished and not constraint.error
 
 
 def test_json_that_is_no_call_leaves_the_reply_free(compiler):
@@ -188,3 +194,24 @@ def test_json_that_is_no_call_leaves_the_reply_free(compiler):
     _accept_text(constraint, compiler.tokenizer, '{"name": "Alice", "arguments": {"x": [1, 2]}}\n'
                                                  '```python\n{"name": "read_file", "arguments": {}}\n')
     assert not constraint.is_active and constraint.mask() is None
+
+
+ANSWERED = [{"role": "user", "content": "Read note.txt"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "note.txt"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "The launch code is 7481-ZETA."}]
+
+
+def test_answered_calls_are_those_whose_results_end_the_prompt():
+    assert answered_calls(ANSWERED) == {("read_file", '{"path": "note.txt"}')}
+    assert answered_calls(ANSWERED + [{"role": "user", "content": "and now?"}]) == frozenset()
+    assert answered_calls(ANSWERED[:2]) == frozenset()  # the call is not answered yet
+
+
+@pytest.mark.parametrize("split", [None, 1])
+def test_restating_the_call_just_answered_is_content_and_the_answer_after_it_too(split):
+    text = CALL + '\n{"launch_code": "7481-ZETA"}'
+    content, calls, shapes = parse(text, split, answered=answered_calls(ANSWERED))
+    assert (content, calls, shapes) == (text, [], [])
+    other = '{"name": "read_file", "arguments": {"path": "other.txt"}}'  # a new call is still a call
+    assert parse(other, split, answered=answered_calls(ANSWERED))[1] == [("read_file", {"path": "other.txt"})]

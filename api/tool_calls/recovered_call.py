@@ -10,7 +10,12 @@ only when all of this holds, so that ordinary JSON answers stay content:
 - its members are a call's and nothing else: ``name`` + ``arguments`` (or ``parameters``), optionally
   ``"type": "function"`` and ``id``, or the same inside ``"function": {...}`` (OpenAI's older spellings);
 - ``name`` is one of the request's declared function tools;
-- the arguments (an object, or a string holding one) validate against that tool's parameters schema.
+- the arguments (an object, or a string holding one) validate against that tool's parameters schema;
+- it is not the call the tool results at the end of the prompt just answered, name and arguments alike: small
+  models (Qwen2.5-Coder-0.5B) restate that call before answering, and an agent would run it again and again.
+
+Once a call's object has closed the reply goes on unconstrained (the grammar's free tail): the model ends it
+there as a rule, but a restated call is followed by the answer.
 """
 from __future__ import annotations
 
@@ -33,6 +38,33 @@ CALL_KEYS = frozenset({"name", "arguments", "parameters", "type", "function", "i
 _WRAPPER_KEYS = frozenset({"type", "function", "id"})
 _INNER_KEYS = frozenset({"name", "arguments", "parameters"})
 TRIGGER_NAME = "recovered JSON call"
+_FREE_TAIL = "TAIL: /(?s:.+)/"  # whatever follows a closed call: unconstrained, the end of the reply allowed
+
+
+def call_key(name: str, arguments: Any) -> tuple[str, str]:
+    """A call's identity: its name and its arguments in one canonical JSON text (a string is parsed first)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            pass
+    return name, json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+
+
+def answered_calls(messages: list[dict]) -> frozenset[tuple[str, str]]:
+    """The calls (``call_key``) of the assistant message whose tool results end ``messages``; empty when the
+    prompt does not end with tool results."""
+    end = len(messages)
+    while end > 0 and messages[end - 1].get("role") == "tool":
+        end -= 1
+    if end == len(messages) or end == 0 or messages[end - 1].get("role") != "assistant":
+        return frozenset()
+    keys = set()
+    for call in messages[end - 1].get("tool_calls") or []:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            keys.add(call_key(function["name"], function.get("arguments", {})))
+    return frozenset(keys)
 
 
 @dataclass(frozen=True)
@@ -100,7 +132,7 @@ def recovery_trigger(tools: list[dict]) -> LazyTrigger:
         close = ' WS? "}"' * (2 if match["wrap"] else 1)
         fence = ' (WS? "```")?' if match["fence"] else ""
         rules = [f"args: %json {g.schema_json(g.arguments_schema(function))}"]
-        return g.assemble(f"start: WS? args{close}{fence}", rules)
+        return g.assemble(f"start: WS? args{close}{fence} TAIL?", rules, _FREE_TAIL)
 
     return LazyTrigger(pattern, grammar_for, TRIGGER_NAME, accepts=lambda window, match: not inside_foreign_fence(
         window[:match.start()]))

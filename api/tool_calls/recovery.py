@@ -15,7 +15,7 @@ from typing import Callable
 
 from api.tool_calls.base import OutputParser, ParsedDelta, ToolCallDelta, function_specs, new_call_id
 from api.tool_calls.json_scan import JsonScanner
-from api.tool_calls.recovered_call import CALL_KEYS, FENCE_LANGUAGES, RecoveredCall, call_from_object
+from api.tool_calls.recovered_call import CALL_KEYS, FENCE_LANGUAGES, RecoveredCall, call_from_object, call_key
 
 FENCE = "```"
 _BLANK = " \t"
@@ -38,12 +38,15 @@ class _Candidate:
 
 class RecoveringParser:
     """Wraps a format's parser; ``on_recovered(shape)`` is called for each recovered call ("fenced" or
-    "bare", with " function-wrapper" appended for the ``"function": {...}`` spelling)."""
+    "bare", with " function-wrapper" appended for the ``"function": {...}`` spelling). ``answered`` holds the
+    ``call_key``s of the calls the prompt's closing tool results answer: restating one is content."""
 
     def __init__(self, inner: OutputParser, tools: list[dict],
-                 on_recovered: Callable[[str], None] | None = None) -> None:
+                 on_recovered: Callable[[str], None] | None = None,
+                 answered: frozenset[tuple[str, str]] = frozenset()) -> None:
         self._inner = inner
         self._functions = {spec["name"]: spec for spec in function_specs(tools)}
+        self._answered = answered
         self._on_recovered = on_recovered
         self._pending = ""  # content from the inner parser, not yet decided
         self._line_start = True  # the pending text begins a line
@@ -171,6 +174,8 @@ class RecoveringParser:
             if cand.scanner.done:
                 self._pending = self._pending[position + 1:]
                 cand.call = call_from_object(json.loads("".join(cand.text)), self._functions)
+                if cand.call is not None and call_key(cand.call.name, cand.call.arguments) in self._answered:
+                    cand.call = None  # the model restating the call the tool just answered
                 if cand.call is None:
                     self._release(fence_open=cand.fenced)
                 elif cand.fenced:

@@ -60,13 +60,15 @@ def detect_format(template_source: str) -> ToolFormat:
 
 def create_output_parser(fmt: ToolFormat | None, tools: list[dict] | None, *, reasoning: ReasoningTags | None,
                          starts_in_reasoning: bool, recover_calls: bool = False,
-                         on_recovered: Callable[[str], None] | None = None) -> OutputParser:
+                         on_recovered: Callable[[str], None] | None = None,
+                         answered_calls: frozenset[tuple[str, str]] = frozenset()) -> OutputParser:
     """The parser for one reply: reasoning split off first, then ``fmt``'s tool calls in what remains.
 
     Without a format or without function tools the reply is plain content (after the reasoning split). A
     format that ``owns_reasoning`` (harmony) parses every reply itself and is never wrapped. With
     ``recover_calls`` (and a format that ``recovers_json_calls``), calls written as JSON objects outside the
-    format's markup are recovered too; ``on_recovered(shape)`` hears of each.
+    format's markup are recovered too; ``on_recovered(shape)`` hears of each; restating one of
+    ``answered_calls`` (the calls whose results end the prompt) is content.
     """
     if fmt is not None and fmt.owns_reasoning:
         return fmt.create_parser(list(tools or []))
@@ -74,7 +76,7 @@ def create_output_parser(fmt: ToolFormat | None, tools: list[dict] | None, *, re
     if fmt is not None and function_specs(tools):
         inner = fmt.create_parser(list(tools or []))
         if recover_calls and fmt.recovers_json_calls:
-            inner = RecoveringParser(inner, list(tools or []), on_recovered)
+            inner = RecoveringParser(inner, list(tools or []), on_recovered, answered_calls)
     else:
         inner = PlainContentParser()
     if reasoning is None:
