@@ -66,8 +66,7 @@ async def handle(state, http_request: HTTPRequest, request_id: str, kind: str, r
         raise bad_request("the prompt is empty after tokenization", param="prompt")
     constraint = build_constraint(state.protocol, ChatTurn([], normalise_tools(None), body.response_format))
     params = body.sampling_params_for(fit_max_tokens(state, len(prompt_ids), body.requested_max_tokens),
-                                      default_seed=state.config.seed,
-                                      default_temperature=state.config.default_temperature)
+                                      state.sampling_defaults, default_seed=state.config.seed)
     top_logprobs = body.top_logprobs_count()
     salt = cache_salt_for(state.config, http_request.headers.get("authorization", ""), body.cache_salt)
     stream = submit(state, Request(request_id, prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
@@ -85,8 +84,8 @@ async def _handle_chat(state, http_request: HTTPRequest, request_id: str, body: 
     top_logprobs = body.top_logprobs_count()
     run = start_chat_turn(state, http_request, request_id, chat_turn_from_body(body),
                           requested_max_tokens=body.requested_max_tokens,
-                          make_params=lambda n: body.sampling_params_for(
-                              n, default_seed=state.config.seed, default_temperature=state.config.default_temperature),
+                          make_params=lambda n: body.sampling_params_for(n, state.sampling_defaults,
+                                                                         default_seed=state.config.seed),
                           client_salt=body.cache_salt, top_logprobs=top_logprobs, num_tools=len(body.tools or []))
     builder = ResponseBuilder("chat", request_id, body.model, state.loaded.tokenizer)
     want_logprobs = top_logprobs is not None

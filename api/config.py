@@ -64,11 +64,15 @@ class ServerConfig:
     max_queue: int = _opt(64, "requests allowed to wait for a slot; more get 503")
     ctx_size: int = _opt(0, f"tokens of context per slot (>= {MIN_CTX_SIZE}; 0: the model's trained context, "
                             f"at most {AUTO_CTX_CAP}, enough for an agent's first prompt)")
-    default_max_tokens: int = _opt(0, "reply budget of a request that sets none (most agents send none); 0: the "
-                                      "room its context leaves, as llama-server's -n -1")
+    # 8192, not the whole room: a small model that never writes its end token would otherwise fill a 32K context
+    # (minutes of CPU) before Codex or a chat client without max_tokens saw a reply; 8192 still holds a
+    # reasoning model's thinking plus a file-sized answer. Claude Code sends 32000 itself: clamped to the room.
+    default_max_tokens: int = _opt(8192, "reply budget of a request that sets none (Codex sends none), clamped to "
+                                         "the room its context leaves; 0: all that room, as llama-server's -n -1")
     default_temperature: float | None = _opt(None, "sampling temperature of a request that sets none (agents such "
-                                                   "as Codex send none); unset: 1.0, as OpenAI and Anthropic",
-                                             metavar="T")
+                                                   "as Codex send none); unset: the model's (its GGUF's "
+                                                   "general.sampling.temp, its store entry's, else llama-server's "
+                                                   "0.8)", metavar="T")
     kv_cache_mib: str = _opt("0", "device KV pool in MiB: N (fixed; 0: enough for batch * ctx-size tokens), "
                                   "MIN:MAX (elastic, numpy: starts at MIN, grows to MAX as requests need room, "
                                   "shrinks on POST /cache/device-pool or SIGUSR1), or auto (sized from the "

@@ -52,7 +52,8 @@ def validate_config(cfg: "ServerConfig") -> None:
     need(cfg.kv_cache_max_mib >= 0, f"--kv-cache-max-mib must be >= 0 (got {cfg.kv_cache_max_mib})")
     need(cfg.default_temperature is None or 0.0 <= cfg.default_temperature <= 2.0,
          f"--default-temperature must be in 0..2 (got {cfg.default_temperature})")
-    need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens})")
+    need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens}; 0 gives a "
+         f"reply all the room its context leaves)")
     need(not cfg.kv_cache_mib.startswith("-"),
          f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
     need(cfg.expert_cache_mib in ("", "auto") or re.fullmatch(r"\d+(\.\d+)?", cfg.expert_cache_mib) is not None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +21,7 @@ from api.chat_turn import ChatTurn, render_turn
 from api.errors import APIError, internal_error
 from api.messages_events import BlockWriter, message_shell, sse_event, stop_reason, usage_body
 from api.messages_schema import CountTokensRequest, MessagesRequest, chat_turn
+from api.sampling_defaults import SamplingDefaults
 from api.schemas import parse_body
 from api.tenancy import api_keys
 from api.tool_specs import normalise_tools
@@ -105,21 +106,24 @@ async def count_tokens(state, http_request: HTTPRequest, request_id: str, raw: b
     return JSONResponse({"input_tokens": len(encode_chat_prompt(state.loaded.tokenizer, text))})
 
 
+def sampling_for(body: MessagesRequest, defaults: SamplingDefaults,
+                 default_seed: int | None) -> Callable[[int], SamplingParams]:
+    """max_tokens -> the request's sampling; what the body leaves out takes the model's ``defaults``."""
+    def make(max_tokens: int) -> SamplingParams:
+        return defaults.params(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
+                               top_p=body.top_p, seed=default_seed, stop=tuple(body.stop_sequences or ()))
+    return make
+
+
 async def create_message(state, http_request: HTTPRequest, request_id: str, raw: bytes) -> Response:
     """One Messages request: a stream of Anthropic's events, or the whole message object."""
     body = parse_body(MessagesRequest, raw)
     _check_model(state, body.model)
     stops = tuple(body.stop_sequences or ())
-
-    def params(max_tokens: int) -> SamplingParams:
-        temperature = body.temperature if body.temperature is not None else state.config.default_temperature
-        return SamplingParams(temperature=1.0 if temperature is None else temperature,
-                              top_k=body.top_k or 0, top_p=body.top_p or 1.0, seed=state.config.seed,
-                              max_tokens=max_tokens, stop=stops)
-
     # max_tokens 0 pre-warms the cache: the prompt is read and the one token sampled after it is dropped.
     run = start_chat_turn(state, http_request, request_id, _turn(state, body, http_request.headers),
-                          requested_max_tokens=max(1, body.max_tokens), make_params=params,
+                          requested_max_tokens=max(1, body.max_tokens),
+                          make_params=sampling_for(body, state.sampling_defaults, state.config.seed),
                           client_salt=_tenant_salt(state, http_request.headers), num_tools=len(body.tools or []),
                           top_logprobs=0 if stops else None)  # see StopTracker
     message_id = "msg_" + request_id.removeprefix("req-")

@@ -62,7 +62,7 @@ class MessagesRequest(CountTokensRequest):
 
     max_tokens: int = Field(ge=0)  # required, as in Anthropic's API; 0 only reads the prompt into the cache
     stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # Anthropic's range; None: 1.0
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # Anthropic's range; None: the model's default
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False

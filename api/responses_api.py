@@ -26,6 +26,7 @@ from api.errors import APIError, not_found_model
 from api.response_store import ResponseStore
 from api.responses_events import ResponseWriter, sse_event
 from api.responses_schema import ResponsesRequest, turn_from_request
+from api.sampling_defaults import SamplingDefaults
 from api.schemas import parse_body
 from api.turn_runner import TurnRun, start_chat_turn, wait_for_disconnect
 from engine.sampling import SamplingParams
@@ -64,29 +65,25 @@ def codex_model_info(state) -> dict[str, Any]:
             "experimental_supported_tools": [], "input_modalities": ["text"]}
 
 
-def _echo(body: ResponsesRequest, parallel_by_default: bool, default_temperature: float | None) -> dict[str, Any]:
-    """The request fields a Response object repeats (parallel_tool_calls as it applied)."""
+def _echo(body: ResponsesRequest, parallel_by_default: bool, params: SamplingParams) -> dict[str, Any]:
+    """The request fields a Response object repeats (parallel_tool_calls, temperature and top_p as they
+    applied: ``params`` is what the request samples with)."""
     parallel = parallel_by_default if body.parallel_tool_calls is None else body.parallel_tool_calls
     return {"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": parallel, "previous_response_id": body.previous_response_id,
             "reasoning": {key: (body.reasoning or {}).get(key) for key in ("effort", "summary")},
-            "store": body.store, "temperature": _temperature(body, default_temperature),
+            "store": body.store, "temperature": params.temperature,
             "text": body.text or {"format": {"type": "text"}}, "tool_choice": body.tool_choice or "auto",
-            "tools": body.tools or [], "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled",
+            "tools": body.tools or [], "top_p": params.top_p, "truncation": "disabled",
             "metadata": body.metadata or {}, "prompt_cache_key": body.prompt_cache_key, "background": False}
 
 
-def _temperature(body: ResponsesRequest, default: float | None) -> float:
-    """The request's temperature, else --default-temperature, else OpenAI's 1.0."""
-    return body.temperature if body.temperature is not None else (1.0 if default is None else default)
-
-
-def _params(body: ResponsesRequest, default_seed: int | None,
-            default_temperature: float | None) -> Callable[[int], SamplingParams]:
+def sampling_for(body: ResponsesRequest, defaults: SamplingDefaults,
+                 default_seed: int | None) -> Callable[[int], SamplingParams]:
+    """max_tokens -> the request's sampling; what the body leaves out takes the model's ``defaults``."""
     def make(max_tokens: int) -> SamplingParams:
         seed = default_seed if body.seed is None else body.seed
-        return SamplingParams(temperature=_temperature(body, default_temperature),
-                              top_p=1.0 if body.top_p is None else body.top_p, seed=seed, max_tokens=max_tokens)
+        return defaults.params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed)
     return make
 
 
@@ -100,22 +97,23 @@ async def create(state, http_request: HTTPRequest, request_id: str, raw: bytes) 
         if body.previous_response_id else []
     turn = turn_from_request(body, history)
 
-    def writer_for(custom_tool_names: frozenset[str]) -> ResponseWriter:
+    make_params = sampling_for(body, state.sampling_defaults, state.config.seed)
+
+    def writer_for(custom_tool_names: frozenset[str], params: SamplingParams) -> ResponseWriter:
         return ResponseWriter("resp_" + request_id.removeprefix("req-"), model,
-                              _echo(body, state.protocol.tool_format.parallel_by_default,
-                                    state.config.default_temperature), custom_tool_names)
+                              _echo(body, state.protocol.tool_format.parallel_by_default, params), custom_tool_names)
 
     try:
         run = start_chat_turn(state, http_request, request_id, turn, requested_max_tokens=body.max_output_tokens,
-                              make_params=_params(body, state.config.seed, state.config.default_temperature), num_tools=len(body.tools or []))
+                              make_params=make_params, num_tools=len(body.tools or []))
     except APIError as exc:
         if not body.stream or exc.code != "context_length_exceeded":
             raise
-        writer = writer_for(frozenset())
+        writer = writer_for(frozenset(), make_params(1))  # no reply: the echo reads only temperature and top_p
         events = writer.start() + writer.finish("failed", error={"code": exc.code, "message": exc.message})
         return StreamingResponse(iter([sse_event(e) for e in events]), media_type="text/event-stream",
                                  headers=_SSE_HEADERS)
-    writer = writer_for(run.prepared.custom_tool_names)
+    writer = writer_for(run.prepared.custom_tool_names, run.request.params)
     conversation = history + body.input_items()
 
     def keep() -> None:  # once the response has ended (not when the client went away first)

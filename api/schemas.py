@@ -19,6 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from api.errors import bad_request
 from api.schemas_base import ChatMessage, Messages, RequestBody, parse_body, usage_dict
+from api.sampling_defaults import SamplingDefaults
 from api.schemas_utility import ApplyTemplateRequest, DetokenizeRequest, DevicePoolRequest, TokenizeRequest
 from engine.sampling import SamplingParams
 
@@ -44,12 +45,14 @@ class SamplingFields(RequestBody):
     """Fields common to chat and text completions: model, sampling, stop strings, streaming."""
 
     model: str
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1.0, as in OpenAI
+    # None (here and in the sampling fields below): the model's default (api/sampling_defaults.py)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # vLLM's extension; 1: off
     seed: int | None = Field(default=None, ge=-1, lt=2**64)  # -1: unset (llama.cpp's "random")
     stop: tuple[str, ...] = ()  # a string or a list of strings in the body
     n: int = 1
@@ -110,29 +113,20 @@ class SamplingFields(RequestBody):
         """Whether a streamed response ends with a usage chunk."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params_for(self, max_tokens: int, default_seed: int | None = None,
-                            default_temperature: float | None = None) -> SamplingParams:
+    def sampling_params_for(self, max_tokens: int, defaults: SamplingDefaults,
+                            default_seed: int | None = None) -> SamplingParams:
         """Engine sampling settings with ``max_tokens`` as the server decided it (clamped to the context's
-        room); the server's defaults (``--seed``, ``--default-temperature``) fill what the client left out.
-        Raises APIError."""
-        return self._sampling(max_tokens, default_seed, default_temperature)
-
-    def _sampling(self, max_tokens: int, default_seed: int | None,
-                  default_temperature: float | None = None) -> SamplingParams:
+        room); ``defaults`` (the model's, api/sampling_defaults.py) and ``--seed`` fill what the client left
+        out. Raises APIError."""
         seed = default_seed if self.seed in (None, -1) else self.seed
+        top_k = None if self.top_k is None else max(0, self.top_k)
         try:
-            return SamplingParams(
-                temperature=_default(self.temperature, _default(default_temperature, 1.0)),
-                top_k=max(0, _default(self.top_k, 0)),
-                top_p=_default(self.top_p, 1.0),
-                min_p=_default(self.min_p, 0.0),
+            return defaults.params(
+                max_tokens=max_tokens, temperature=self.temperature, top_k=top_k, top_p=self.top_p,
+                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=_default(self.presence_penalty, 0.0),
                 frequency_penalty=_default(self.frequency_penalty, 0.0),
-                seed=seed,
-                max_tokens=max_tokens,
-                stop=self.stop,
-                ignore_eos=self.ignore_eos,
-            )
+                seed=seed, stop=self.stop, ignore_eos=self.ignore_eos)
         except ValueError as exc:  # SamplingParams messages start with the field's name
             raise bad_request(str(exc), param=str(exc).split()[0]) from exc
 
@@ -190,10 +184,6 @@ class ChatCompletionRequest(SamplingFields):
     def top_logprobs_count(self) -> int | None:
         """Alternatives to report per token: None without ``logprobs``, else ``top_logprobs`` (default 0)."""
         return _default(self.top_logprobs, 0) if self.logprobs else None
-
-    def sampling_params(self, default_max_tokens: int, default_seed: int | None = None) -> SamplingParams:
-        """Engine sampling settings; the server's defaults fill what the client left out. Raises APIError."""
-        return self._sampling(_default(self.requested_max_tokens, default_max_tokens), default_seed)
 
 
 def _single_prompt(value: Any) -> str | list[int]:
@@ -256,7 +246,3 @@ class CompletionRequest(SamplingFields):
         """Alternatives to report per token: the legacy ``logprobs`` integer, None when absent."""
         return self.logprobs
 
-    def sampling_params(self, default_max_tokens: int, default_seed: int | None = None) -> SamplingParams:
-        """Engine sampling settings. ``default_max_tokens`` applies only when max_tokens is None, which a
-        parsed body never has (null means OpenAI's default, 16). Raises APIError."""
-        return self._sampling(_default(self.max_tokens, default_max_tokens), default_seed)

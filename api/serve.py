@@ -19,6 +19,7 @@ from api.checkpoint_hints import find_line_end_ids, find_message_start_id
 from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.config_checks import AUTO_CTX_CAP, resolve_ctx_size
+from api.sampling_defaults import load_sampling_defaults
 from api.server import ServerState, create_app
 from engine.backends.cuda_device import leave_outside_arena
 from engine.backends.cuda_expert_cache_budget import connect_expert_budget
@@ -109,7 +110,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
         if loaded.model.config.is_hybrid else None
     line_ends = find_line_end_ids(loaded.tokenizer) if loaded.model.config.is_hybrid else frozenset()
     return ServerState(config, loaded, engine, metrics, ctx_size, served, aliases, protocol=protocol,
-                       message_start_id=message_start, line_end_ids=line_ends)
+                       message_start_id=message_start, line_end_ids=line_ends,
+                       sampling_defaults=load_sampling_defaults(loaded.path, config.default_temperature))
 
 
 def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:

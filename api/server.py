@@ -21,6 +21,7 @@ from api.config import ServerConfig
 from api.errors import APIError, bad_request, internal_error, too_large, unauthorized
 from api.logging_setup import new_request_id, request_id_var
 from api.messages_events import anthropic_error_response
+from api.sampling_defaults import SamplingDefaults
 from api.tenancy import api_keys
 from api.schemas import ApplyTemplateRequest, DetokenizeRequest, DevicePoolRequest, TokenizeRequest, parse_body
 from engine.loader import LoadedModel, encode_chat_prompt
@@ -47,6 +48,7 @@ class ServerState:
     protocol: ChatProtocol | None = None  # tool-call format, reasoning tags, grammar (api/chat_protocol.py)
     message_start_id: int | None = None  # hybrid models: checkpoint before each message (api/checkpoint_hints.py)
     line_end_ids: frozenset[int] = frozenset()  # hybrid models: tokens that end a line (the same file)
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # what a request that sets none samples with
 
 
 def _openai_error(exc: APIError) -> Response:

@@ -46,7 +46,7 @@ def fit_max_tokens(state, prompt_len: int, requested: int | None) -> int:
     room = state.ctx_size - prompt_len
     if room < 1:
         raise context_overflow(prompt_len, requested or 1, state.ctx_size)
-    if requested is None:  # the operator's default (--default-max-tokens), else all the room there is
+    if requested is None:  # --default-max-tokens, clamped without a log line (its 0: all the room there is)
         return min(room, state.config.default_max_tokens or room)
     if requested > room:
         log.info("max_tokens %d is more than the %d tokens the context leaves after a %d-token prompt; "

@@ -1,11 +1,18 @@
 """Token sampling on host logits: penalties, temperature, top-k, top-p, min-p, a seeded generator.
 
-Order (as vLLM and the OpenAI API document it): presence/frequency penalties on the raw logits, then
-temperature, then top-k, top-p and min-p filters on the tempered distribution, then one draw.
-temperature below GREEDY_BELOW_TEMPERATURE is greedy (argmax after penalties; ties go to the lowest id, as in
-llama.cpp): vLLM's rule, and dividing logits by a tinier temperature overflows to inf - inf = NaN.
+Order (as vLLM and the OpenAI API document it): the repetition penalty, then presence/frequency penalties on
+the raw logits, then temperature, then top-k, top-p and min-p filters on the tempered distribution, then one
+draw. temperature below GREEDY_BELOW_TEMPERATURE is greedy (argmax after penalties; ties go to the lowest id,
+as in llama.cpp): vLLM's rule, and dividing logits by a tinier temperature overflows to inf - inf = NaN.
 A grammar's token bitmask (engine/grammar.py) comes first of all: disallowed tokens get -inf before the
 penalties, so every filter and the draw see only allowed tokens, and a disallowed token is never returned.
+
+The repetition penalty is llama.cpp's penalty_repeat (HF's and vLLM's repetition_penalty): the logit of each
+token among the last ``repetition_last_n`` generated ones is divided by it when positive, multiplied by it
+when not. Unlike llama-server's, the window holds only generated tokens, never the prompt's tail: an agent's
+reply must be free to repeat the file names and identifiers its prompt holds.
+Every backend samples here, on logits copied to the host (scheduler/step.py); the CUDA kernel sample_f32
+(cuda_kernels/sampling.cu), which has no penalties, is not on the serving path.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages the recent tokens
+    repetition_last_n: int = 64  # generated tokens the penalty looks back on (llama.cpp: 0 off, -1 all)
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
@@ -41,6 +50,8 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0 (1 disables it)"),
+            (self.repetition_last_n >= -1, "repetition_last_n must be >= -1 (-1: every generated token)"),
             (self.max_tokens >= 1, "max_tokens must be >= 1"),
         ]
         for ok, message in checks:
@@ -59,6 +70,7 @@ class Sampler:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
         self._counts: dict[int, int] = {}  # generated token -> occurrences, for the penalties
+        self._generated: list[int] = []  # in order, for the repetition penalty's window
 
     def sample(self, logits: np.ndarray, mask: np.ndarray | None = None) -> int:
         """Pick the next token from logits [vocab] (float32); records it for the penalties.
@@ -71,7 +83,7 @@ class Sampler:
         if mask is not None:
             allowed = allowed_tokens(mask, logits.shape[0])
             logits = _masked(logits, allowed)
-        logits = self._apply_penalties(logits)
+        logits = self._apply_penalties(self._apply_repetition_penalty(logits))
         if allowed is not None and not np.isfinite(np.max(logits)):
             # Every allowed logit is -inf (or one is NaN): argmax and the draw would pick any id.
             token = int(np.flatnonzero(allowed)[0])
@@ -80,7 +92,22 @@ class Sampler:
         else:
             token = self._draw(logits)
         self._counts[token] = self._counts.get(token, 0) + 1
+        self._generated.append(token)
         return token
+
+    def _apply_repetition_penalty(self, logits: np.ndarray) -> np.ndarray:
+        p = self.params
+        if p.repetition_penalty == 1.0 or not self._generated or p.repetition_last_n == 0:
+            return logits
+        if p.repetition_last_n < 0:
+            ids = np.fromiter(self._counts.keys(), dtype=np.int64)
+        else:
+            ids = np.unique(np.asarray(self._generated[-p.repetition_last_n:], dtype=np.int64))
+        out = logits.astype(np.float32, copy=True)
+        seen = out[ids]
+        penalty = np.float32(p.repetition_penalty)
+        out[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+        return out
 
     def _apply_penalties(self, logits: np.ndarray) -> np.ndarray:
         p = self.params

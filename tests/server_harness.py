@@ -7,6 +7,7 @@ import time
 from dataclasses import replace
 
 from api.config import ServerConfig
+from api.sampling_defaults import store_entry_for
 from api.serve import build_state, create_server
 
 
@@ -18,6 +19,8 @@ def running_server(loaded, with_server: bool = False, **config_fields):
     (to call ``server.handle_exit(signal.SIGTERM, None)`` as a signal would) and the thread running it.
     """
     config_fields.setdefault("conversation_cache_mib", 64)  # tests: keep the committed host tier small
+    entry = store_entry_for(loaded.path)  # --model as a user names it: requests for "smollm2" are served
+    config_fields.setdefault("model", entry.name if entry is not None else str(loaded.path))
     config = replace(ServerConfig(port=0), **config_fields)
     state = build_state(config, loaded)
     server = create_server(state, port=0)

@@ -66,8 +66,53 @@ def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
     assert [s.sample(_logits(1.0, 2.0, 2.0, -3.0)) for _ in range(5)] == [1] * 5
 
 
+def _penalised_reference(logits, generated, penalty, last_n, frequency=0.0):
+    """llama.cpp's penalty_repeat by hand: each distinct token of the window, then the frequency penalty over
+    every generated token (vLLM's order)."""
+    out = logits.astype(np.float64)
+    window = generated if last_n < 0 else generated[-last_n:] if last_n else []
+    for token in set(window):
+        out[token] = out[token] / penalty if out[token] > 0 else out[token] * penalty
+    for token in set(generated):
+        out[token] -= frequency * generated.count(token)
+    return out
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    s = Sampler(SamplingParams(temperature=0, repetition_penalty=2.0))
+    assert [s.sample(_logits(3.0, 2.0)) for _ in range(3)] == [0, 1, 0]  # 3/2 < 2; then 1.5 > 2/2
+    s = Sampler(SamplingParams(temperature=0, repetition_penalty=1.5))
+    assert [s.sample(_logits(-1.0, -1.2, -3.0)) for _ in range(2)] == [0, 1]  # -1 * 1.5 < -1.2 (not -0.67)
+
+
+def test_repetition_penalty_forgets_tokens_that_left_the_window():
+    s = Sampler(SamplingParams(temperature=0, repetition_penalty=10.0, repetition_last_n=2))
+    assert [s.sample(_logits(3.0, 2.0, 1.0)) for _ in range(5)] == [0, 1, 2, 0, 1]
+
+
+@pytest.mark.parametrize("last_n", [-1, 0, 3, 64])
+def test_repetition_penalty_matches_a_numpy_reference(last_n):
+    rng = np.random.default_rng(5)
+    s = Sampler(SamplingParams(temperature=0, repetition_penalty=1.3, repetition_last_n=last_n,
+                               frequency_penalty=0.2))
+    generated = []
+    for _ in range(60):
+        logits = rng.normal(size=8).astype(np.float32)
+        expected = int(np.argmax(_penalised_reference(logits, generated, 1.3, last_n, frequency=0.2)))
+        assert s.sample(logits) == expected
+        generated.append(expected)
+    assert len(set(generated)) > 3  # the window held several tokens
+
+
+def test_repetition_penalty_one_leaves_the_logits_alone():
+    logits = np.random.default_rng(0).normal(size=50).astype(np.float32)
+    plain, penalised = Sampler(SamplingParams(seed=4)), Sampler(SamplingParams(seed=4, repetition_penalty=1.0))
+    assert [plain.sample(logits) for _ in range(30)] == [penalised.sample(logits) for _ in range(30)]
+
+
 @pytest.mark.parametrize(
-    "field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5), ("max_tokens", 0)]
+    "field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5), ("max_tokens", 0),
+                    ("repetition_penalty", 0.0), ("repetition_last_n", -2)]
 )
 def test_invalid_params_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from api import schemas_base
 from api.errors import APIError, context_overflow, from_validation_error, not_found_model, overloaded
+from api.sampling_defaults import SamplingDefaults
 from api.schemas import (
     ApplyTemplateRequest,
     ChatCompletionRequest,
@@ -119,18 +120,19 @@ def test_top_logprobs_without_logprobs_is_rejected():
 
 def test_max_completion_tokens_wins_over_max_tokens():
     body = parse_body(ChatCompletionRequest, chat(max_tokens=5, max_completion_tokens=7))
-    assert body.sampling_params(default_max_tokens=100).max_tokens == 7
+    assert body.requested_max_tokens == 7
 
 
 def test_unset_fields_take_defaults():
-    params = parse_body(ChatCompletionRequest, chat(temperature=None, top_k=-1)).sampling_params(100, 3)
-    assert (params.temperature, params.top_k, params.max_tokens, params.seed) == (1.0, 0, 100, 3)
+    body = parse_body(ChatCompletionRequest, chat(temperature=None, top_k=-1))
+    params = body.sampling_params_for(100, SamplingDefaults(temperature=0.5, top_k=9), default_seed=3)
+    assert (params.temperature, params.top_k, params.max_tokens, params.seed) == (0.5, 0, 100, 3)  # -1: off
 
 
 def test_stop_string_becomes_a_tuple():
     body = parse_body(ChatCompletionRequest, chat(stop="END"))
     assert body.stop == ("END",)
-    assert body.sampling_params(default_max_tokens=10).stop == ("END",)
+    assert body.sampling_params_for(10, SamplingDefaults()).stop == ("END",)
 
 
 def test_too_many_stop_strings_are_rejected():
@@ -154,7 +156,7 @@ def test_token_id_prompt_is_accepted():
 
 
 def test_completion_max_tokens_defaults_to_16():
-    assert parse_body(CompletionRequest, completion()).sampling_params(default_max_tokens=500).max_tokens == 16
+    assert parse_body(CompletionRequest, completion()).requested_max_tokens == 16
 
 
 def test_suffix_is_rejected():
@@ -272,10 +274,10 @@ def test_parallel_tool_calls_is_accepted_either_way():
 
 def test_default_temperature_fills_only_an_unset_temperature():
     unset = parse_body(ChatCompletionRequest, chat())
-    assert unset.sampling_params_for(8).temperature == 1.0  # OpenAI's default
-    assert unset.sampling_params_for(8, default_temperature=0.0).temperature == 0.0  # --default-temperature 0
+    assert unset.sampling_params_for(8, SamplingDefaults()).temperature == 0.8  # llama-server's default
+    assert unset.sampling_params_for(8, SamplingDefaults(temperature=0.0)).temperature == 0.0
     explicit = parse_body(ChatCompletionRequest, chat(temperature=0.7))
-    assert explicit.sampling_params_for(8, default_temperature=0.0).temperature == 0.7
+    assert explicit.sampling_params_for(8, SamplingDefaults(temperature=0.0)).temperature == 0.7
     assert unset.parallel_tool_calls is None  # unsaid: the tool format's default applies
 
 
