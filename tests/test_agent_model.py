@@ -111,3 +111,17 @@ def test_a_json_answer_the_user_asked_for_stays_content(agent_server, stream):
     assert json.loads(content.strip().removeprefix("```json").removesuffix("```")) == {"name": "Paris",
                                                                                        "country": "France"}
     assert _recovered(state) == before
+
+
+def test_a_streamed_call_never_shows_as_content(agent_server):
+    url, _ = agent_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x")
+    chunks = list(client.chat.completions.create(
+        model="qwen2.5-coder-0.5b", messages=[{"role": "user", "content": TASK}],
+        tools=[{"type": "function", "function": READ_FILE}], temperature=0, max_tokens=100, stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(delta.content or "" for delta in deltas) == ""
+    calls = [call for delta in deltas for call in delta.tool_calls or []]
+    assert calls[0].function.name == "read_file"
+    assert json.loads("".join(call.function.arguments or "" for call in calls)) == {"path": "note.txt"}
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "tool_calls"
