@@ -111,6 +111,10 @@ class ServerConfig:
     tool_call_format: str = _opt("auto", "how the model writes tool calls (auto: from the chat template; generic: "
                                          "the server describes the tools in the system prompt; generic_json: "
                                          "generic with every reply JSON, as llama.cpp does)", TOOL_CALL_FORMATS)
+    tool_call_recovery: str = _opt("on", "with tool_choice auto, also take a tool call the model writes as a bare "
+                                         "or ```json fenced JSON object naming a declared tool (Qwen2.5-Coder's "
+                                         "habit), outside its format's markup (off: only the markup counts)",
+                                   ("on", "off"))
     reasoning_format: str = _opt("reasoning_content", "message field for a thinking model's reasoning text "
                                                       "(none: leave it in content)", REASONING_FORMATS)
     log_format: str = _opt("kv", "log line format", LOG_FORMATS)

@@ -83,7 +83,12 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
                       checkpoint_positions=message_starts(prepared.prompt_ids, state.message_start_id),
                       line_starts=line_starts(prepared.prompt_ids, state.line_end_ids))
     stream = submit(state, request)
-    return TurnRun(request, stream, prepared, ReplyAssembler(prepared.create_parser(), state.protocol.reasoning_field))
+    def on_recovered(shape: str) -> None:
+        state.protocol.note_recovered(shape)
+        state.metrics.tool_calls_recovered.labels(shape=shape).inc()
+
+    return TurnRun(request, stream, prepared,
+                   ReplyAssembler(prepared.create_parser(on_recovered), state.protocol.reasoning_field))
 
 
 def conversation_name(body_key: str | None, headers: Mapping[str, str]) -> str | None:
