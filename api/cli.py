@@ -35,10 +35,13 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    pull = sub.add_parser("pull", help="fetch a model into $STRATA_HOME and print its path")
+    pull = sub.add_parser("pull", help="fetch a model into $STRATA_HOME, compile its CPU kernels, print its path")
     pull.add_argument("name", nargs="?", default=default_model_name(),
                       help=f"a known model (--list shows them; default {default_model_name()}) or a .gguf path")
     pull.add_argument("--list", action="store_true", help="list the known models and which are already on disk")
+    pull.add_argument("--no-warm", action="store_true",
+                      help="only fetch the file: skip loading the model and compiling its numpy-backend kernels "
+                      "into numba's disk cache (the first `strata serve` of it then compiles them)")
     pull.set_defaults(func=_cmd_pull)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -112,8 +115,24 @@ def _cmd_pull(args) -> int:
     if args.list:
         _print_model_list()
         return 0
-    print(resolve_model(args.name))
+    path = resolve_model(args.name)
+    if not args.no_warm:
+        _warm_kernels(path)
+    print(path)
     return 0
+
+
+def _warm_kernels(path) -> None:
+    """Load the model on the numpy backend as `strata serve` does by default and run its warm-up once
+    (engine/warmup.py), so that numba's disk cache holds the kernels its first server start needs."""
+    from engine.kv import resolve_kv_type
+    from engine.loader import open_model
+    from engine.warmup import warm_model
+
+    print(f"strata: compiling the CPU kernels of {path.name} into numba's disk cache (a minute or two the first "
+          "time; --no-warm skips this)", file=sys.stderr)
+    loaded = open_model(str(path), max_positions=4096, fetch=False)  # positions: only the RoPE table's size
+    warm_model(loaded.model, resolve_kv_type("auto", loaded.model.backend))
 
 
 def _print_model_list() -> None:

@@ -1,7 +1,9 @@
-"""`strata serve`: load the model, start the engine loop and uvicorn on one event loop, stop gracefully.
+"""`strata serve`: listen at once, load the model and warm its kernels, then serve; stop gracefully.
 
-On SIGTERM / Ctrl+C the server stops admitting (503 and /health says so), lets in-flight requests finish
-for up to --shutdown-timeout-s, then cancels what is left and exits.
+While the model loads and its kernels compile (engine/warmup.py) the port already answers: /health 503
+{"status": "loading"}, every other route 503 (api/server.py LoadingState). Once ready the engine loop runs
+beside uvicorn on one event loop. On SIGTERM / Ctrl+C the server stops admitting (503 and /health says
+so), lets in-flight requests finish for up to --shutdown-timeout-s, then cancels what is left and exits.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 
 import uvicorn
 
@@ -20,12 +24,13 @@ from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.config_checks import AUTO_CTX_CAP, resolve_ctx_size
 from api.sampling_defaults import load_sampling_defaults
-from api.server import ServerState, create_app
+from api.server import LoadingState, ServerState, create_app
 from engine.backends.cuda_device import leave_outside_arena
 from engine.backends.cuda_expert_cache_budget import connect_expert_budget
 from engine.loader import LoadedModel, open_model
 from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type
 from engine.sequence import ModelRunner
+from engine.warmup import warm_model
 from scheduler.admission import create_admission, plan_memory
 from scheduler.disk_tier import DiskTier, model_file_identity
 from scheduler.engine_loop import EngineLoop
@@ -122,15 +127,51 @@ def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -
                                int(config.conversation_cache_disk_mib * 2**20))
 
 
+def load_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
+    """build_state, then the warm-up of the model's kernels for its K/V type and layer split (on a runner
+    of its own: the server's pool and cache stay untouched): all `strata serve` does before it is ready."""
+    state = build_state(config, loaded)
+    warm_model(state.loaded.model, state.engine.runner.layout.kv_type, config.layer_cuts)
+    return state
+
+
 @contextlib.asynccontextmanager
 async def _lifespan(app):
-    state: ServerState = app.state.strata
+    if isinstance(app.state.strata, ServerState):  # built before serving; a loading one starts when loaded
+        _start_engine(app.state.strata)
+    yield
+    state = app.state.strata  # the ready state, when loading ended meanwhile
+    state.is_shutting_down = True
+    if isinstance(state, ServerState):
+        await state.engine.shutdown(timeout_s=1.0)  # uvicorn already waited --shutdown-timeout-s for requests
+
+
+def _start_engine(state: ServerState) -> None:
     state.engine.start()
     _install_pool_signals(state.engine)
     log.info("serving %s on http://%s:%d", state.served_name, state.config.host, state.config.port)
-    yield
-    state.is_shutting_down = True
-    await state.engine.shutdown(timeout_s=1.0)  # uvicorn already waited --shutdown-timeout-s for requests
+
+
+async def _in_daemon_thread(fn: Callable[[], ServerState]) -> ServerState:
+    """fn() on a daemon thread of its own: a stop during a minute of kernel compilation then exits at once,
+    where the event loop's default executor would hold the process until fn returned."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def run() -> None:
+        try:
+            settle, value = future.set_result, fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            settle, value = future.set_exception, exc
+
+        def done() -> None:
+            if not future.done():  # cancelled: the server stopped while this ran
+                settle(value)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(done)
+
+    threading.Thread(target=run, name="strata-load", daemon=True).start()
+    return await future
 
 
 def _install_pool_signals(engine: EngineLoop) -> None:
@@ -156,15 +197,55 @@ def _install_pool_signals(engine: EngineLoop) -> None:
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn server that flips /health to 503 and refuses new work as soon as a stop is asked for."""
+    """uvicorn server that flips /health to 503 and refuses new work as soon as a stop is asked for.
 
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+    Given `load`, it listens as soon as uvicorn has started (the app holding a LoadingState), runs `load` on
+    a thread of its own, then puts the ServerState it returned in the app and starts its engine; a load
+    that raised stops the server and is kept in `load_error`."""
+
+    def __init__(self, config: uvicorn.Config, app, load: Callable[[], ServerState] | None = None):
         super().__init__(config)
-        self.strata_state = state
+        self.strata_app = app
+        self.load = load
+        self.load_error: BaseException | None = None
+        self._load_task: asyncio.Task | None = None
+
+    @property
+    def strata_state(self) -> ServerState | LoadingState:
+        return self.strata_app.state.strata
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.load is not None and self.started:
+            config = self.strata_state.config
+            log.info("listening on http://%s:%d; /health answers 503 \"loading\" until the model is loaded and "
+                     "its kernels are warm", config.host, config.port)
+            self._load_task = asyncio.get_running_loop().create_task(self._load_then_serve())
+
+    async def _load_then_serve(self) -> None:
+        started = time.perf_counter()
+        try:
+            state = await _in_daemon_thread(self.load)
+        except Exception as exc:  # noqa: BLE001 - run_server raises it once uvicorn has stopped
+            self.load_error, self.should_exit = exc, True
+            return
+        if self.strata_state.is_shutting_down:  # stopped while loading: nothing to start
+            return
+        self.strata_app.state.strata = state
+        _start_engine(state)
+        log.info("ready after %.1f s of loading and warm-up", time.perf_counter() - started)
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._load_task is not None:
+            self._load_task.cancel()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig, frame) -> None:
         state = self.strata_state
-        if not state.is_shutting_down:
+        if not state.is_shutting_down and not isinstance(state, ServerState):
+            log.info("stopping while the model loads")  # the load's thread is a daemon: nothing waits for it
+            state.is_shutting_down = True
+        elif not state.is_shutting_down:
             log.info("stopping: finishing in-flight requests for up to %.0f s", state.config.shutdown_timeout_s)
             state.is_shutting_down = True
             state.engine.stop_admitting()
@@ -180,15 +261,19 @@ class _GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def create_server(state: ServerState, port: int | None = None) -> _GracefulServer:
+def create_server(state: ServerState | LoadingState, port: int | None = None,
+                  load: Callable[[], ServerState] | None = None) -> _GracefulServer:
+    """The uvicorn server of a ready `state`; or, given `load` (and a LoadingState), one that listens at once
+    and serves the ServerState `load` returns from when it returns (_GracefulServer)."""
     config = state.config
     loop = "uvloop" if sys.platform != "win32" else "asyncio"
+    app = create_app(state, lifespan=_lifespan)
     uv_config = uvicorn.Config(
-        create_app(state, lifespan=_lifespan), host=config.host, port=config.port if port is None else port,
+        app, host=config.host, port=config.port if port is None else port,
         loop=loop, log_config=None, access_log=False,
         timeout_graceful_shutdown=config.shutdown_timeout_s + STEP_GRACE_S,
     )
-    return _GracefulServer(uv_config, state)
+    return _GracefulServer(uv_config, app, load)
 
 
 def blas_threads(num_stages: int) -> int:
@@ -203,6 +288,8 @@ def run_server(config: ServerConfig) -> int:
 
     limit_threads(config.threads or blas_threads(len(config.layer_cuts) + 1))
     log.info("effective configuration", extra={"fields": config.as_log_dict()})
-    state = build_state(config)
-    create_server(state).run()
+    server = create_server(LoadingState(config), load=lambda: load_state(config))
+    server.run()
+    if server.load_error is not None:  # e.g. a model that does not exist: the CLI says why, exit status 2
+        raise server.load_error
     return 0

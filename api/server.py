@@ -18,7 +18,7 @@ from starlette.routing import Route
 from api import completions, messages_api, responses_api, worker_info
 from api.chat_protocol import ChatProtocol
 from api.config import ServerConfig
-from api.errors import APIError, bad_request, internal_error, too_large, unauthorized
+from api.errors import APIError, bad_request, internal_error, overloaded, too_large, unauthorized
 from api.logging_setup import new_request_id, request_id_var
 from api.messages_events import anthropic_error_response
 from api.sampling_defaults import SamplingDefaults
@@ -31,6 +31,17 @@ from scheduler.metrics import Metrics
 log = logging.getLogger("strata.api")
 # answer without the API key: load balancers, scrapers, and a router's probes (api/worker_info.py)
 _OPEN_PATHS = {"/health", "/metrics", *worker_info.OPEN_PATHS}
+LOADING_RETRY_S = 5  # the Retry-After of a request refused while the model loads
+
+
+@dataclass
+class LoadingState:
+    """What the app holds while `strata serve` loads the model and warms its kernels (api/serve.py puts the
+    ServerState in its place when both are done): /health answers 503 {"status": "loading"}, every other
+    route 503 server_is_overloaded with a Retry-After, as llama-server does while it loads."""
+
+    config: ServerConfig
+    is_shutting_down: bool = False
 
 
 @dataclass
@@ -55,13 +66,14 @@ def _openai_error(exc: APIError) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def endpoint(handler=None, *, render_error=_openai_error):
+def endpoint(handler=None, *, render_error=_openai_error, while_loading: bool = False):
     """Request id, API key, and error objects for a handler(state, http_request, request_id).
 
     ``render_error(APIError) -> Response`` writes errors in another dialect's shape: ``@endpoint(render_error=
-    anthropic_error_response)`` gives the Messages routes Anthropic's error objects."""
+    anthropic_error_response)`` gives the Messages routes Anthropic's error objects. Only a handler marked
+    ``while_loading`` runs before the model is ready (it then gets a LoadingState); the others answer 503."""
     if handler is None:
-        return functools.partial(endpoint, render_error=render_error)
+        return functools.partial(endpoint, render_error=render_error, while_loading=while_loading)
 
     @functools.wraps(handler)
     async def wrapped(http_request: HTTPRequest) -> Response:
@@ -70,6 +82,8 @@ def endpoint(handler=None, *, render_error=_openai_error):
         token = request_id_var.set(request_id)
         try:
             _check_api_key(state, http_request)
+            if not (while_loading or isinstance(state, ServerState)):
+                raise overloaded(LOADING_RETRY_S, "the model is still loading")
             response = await handler(state, http_request, request_id)
         except APIError as exc:
             response = render_error(exc)
@@ -110,10 +124,12 @@ async def read_body(state: ServerState, http_request: HTTPRequest) -> bytes:
     return bytes(body)
 
 
-@endpoint
-async def health(state: ServerState, http_request, request_id) -> Response:
+@endpoint(while_loading=True)
+async def health(state: ServerState | LoadingState, http_request, request_id) -> Response:
     if state.is_shutting_down:
         return JSONResponse({"status": "shutting down"}, status_code=503)
+    if not isinstance(state, ServerState):  # the model and its kernels are still loading
+        return JSONResponse({"status": "loading"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -229,8 +245,9 @@ async def response_get(state: ServerState, http_request, request_id) -> Response
     return await responses_api.retrieve(state, http_request, request_id)
 
 
-def create_app(state: ServerState, lifespan=None) -> Starlette:
-    """The ASGI app; `lifespan` starts and stops the engine loop (see api/serve.py)."""
+def create_app(state: ServerState | LoadingState, lifespan=None) -> Starlette:
+    """The ASGI app; `lifespan` starts and stops the engine loop (see api/serve.py). Given a LoadingState, it
+    answers 503 until its owner sets ``app.state.strata`` to the ready ServerState."""
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", text_completions, methods=["POST"]),

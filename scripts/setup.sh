@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sets up a fresh clone: a .venv in the repo root with strata installed (editable, with the test and cuda
-# extras: NVRTC compiles the CUDA kernels on any machine, GPU or not, so CI checks them),
-# and the default model fetched into $STRATA_HOME (default ~/.cache/strata). Safe to run again.
+# extras: NVRTC compiles the CUDA kernels on any machine, GPU or not, so CI checks them), and the default
+# model (engine/model_store.default_model_name: what `strata serve` serves without --model) fetched into
+# $STRATA_HOME (default ~/.cache/strata) with its CPU kernels compiled into numba's disk cache (strata pull's
+# warm-up), so that the first `strata serve` is ready in seconds instead of compiling. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,4 +21,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install --quiet -e '.[test,cuda]'
   touch "$stamp"
 fi
-.venv/bin/strata pull "${STRATA_DEFAULT_MODEL:-smollm2}" >/dev/null
+.venv/bin/strata pull >/dev/null

@@ -3,7 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Gemma 3 270M exercises the SentencePiece tokenizer, the fallback template and the gemma3 model path.
+# The models the tests load, each warmed (strata pull compiles its kernels into numba's disk cache, so the test
+# workers read them from there instead of each compiling them): SmolLM2, the tests' small model; Gemma 3 270M,
+# for the SentencePiece tokenizer, the fallback template and the gemma3 model path; Qwen2.5-Coder 0.5B, which
+# setup.sh pulled and warmed as the default model (named here because tests load it whatever the default is).
+.venv/bin/strata pull smollm2 >/dev/null
 .venv/bin/strata pull gemma3-270m >/dev/null
+.venv/bin/strata pull qwen2.5-coder-0.5b --no-warm >/dev/null
 # Over every core (pytest-xdist): one process ran the suite on one of CI's two cores, 19-20 minutes; two, 12.
 exec .venv/bin/python -m pytest -q -n "${STRATA_TEST_WORKERS:-auto}" "$@"
