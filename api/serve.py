@@ -110,7 +110,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
              "; ".join(f"{name} {t['budget_mib']} / {t['committed_mib']} / {t['used_mib']}"
                        for name, t in tiers.items()), pool.rule, extra={"fields": {"tiers": tiers}})
     protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
-                                    config.reasoning_format)
+                                    config.reasoning_format, config.tool_call_recovery)
     message_start = find_message_start_id(loaded.chat_template, loaded.tokenizer) \
         if loaded.model.config.is_hybrid else None
     line_ends = find_line_end_ids(loaded.tokenizer) if loaded.model.config.is_hybrid else frozenset()
