@@ -21,7 +21,7 @@ from api.chat_protocol import ChatProtocol
 from api.errors import bad_request
 from api.generic_tools import rewrite_history
 from api.tool_calls import OutputParser, create_output_parser, prompt_opens_reasoning
-from api.tool_calls.recovered_call import answered_calls, recovery_trigger
+from api.tool_calls.recovered_call import answered_calls, recovery_trigger, restatement_stops
 from api.tool_specs import ToolSpecs
 from engine.grammar import GrammarError, TokenConstraint, json_object_grammar, json_schema_grammar
 from engine.loader import encode_chat_prompt
@@ -55,6 +55,7 @@ class PreparedTurn:
     custom_tool_names: frozenset[str] = frozenset()
     recovers_calls: bool = False  # calls written as bare or fenced JSON are recovered (tool_choice auto)
     answered_calls: frozenset[tuple[str, str]] = frozenset()  # the calls whose tool results end the prompt
+    extra_stops: tuple[str, ...] = ()  # stop sequences the server adds (a call restated a second time)
 
     def create_parser(self, on_recovered: Callable[[str], None] | None = None) -> OutputParser:
         owns_reasoning = self.protocol.tool_format.owns_reasoning  # harmony: every reply is channel markup
@@ -143,7 +144,10 @@ def build_constraint(protocol: ChatProtocol, turn: ChatTurn) -> TokenConstraint 
     grammar, trigger, param = _reply_grammar(protocol, turn)
     if grammar is None:
         return None
-    triggers = (recovery_trigger(turn.specs.tools),) if trigger is not None and recovers_calls(protocol, turn) else ()
+    triggers = ()
+    if trigger is not None and recovers_calls(protocol, turn):
+        answered_names = frozenset(name for name, _ in answered_calls(turn.messages))
+        triggers = (recovery_trigger(turn.specs.tools, answered_names),)
     try:
         return protocol.grammar.constraint(grammar, lazy_trigger=trigger, triggers=triggers)
     except GrammarError as exc:
@@ -161,4 +165,5 @@ def prepare_turn(state, turn: ChatTurn) -> PreparedTurn:
     reasoning = protocol.reasoning
     starts_in_reasoning = reasoning is not None and prompt_opens_reasoning(text, reasoning)
     return PreparedTurn(text, prompt_ids, constraint, protocol, parses_tools, starts_in_reasoning, specs.tools,
-                        specs.custom_names, recovers_calls(protocol, turn), answered_calls(turn.messages))
+                        specs.custom_names, recovers_calls(protocol, turn), answered_calls(turn.messages),
+                        restatement_stops(turn.messages) if recovers_calls(protocol, turn) else ())

@@ -8,6 +8,7 @@ The dialect only translates the assembler's deltas into its own events or whole 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Mapping
@@ -74,6 +75,8 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
     if not prepared.prompt_ids:
         raise bad_request("the prompt is empty after tokenization", param="messages")
     params = make_params(fit_max_tokens(state, len(prepared.prompt_ids), requested_max_tokens))
+    if prepared.extra_stops:
+        params = dataclasses.replace(params, stop=params.stop + prepared.extra_stops)
     salt = cache_salt_for(state.config, http_request.headers.get("authorization", ""), client_salt)
     request = Request(request_id, prepared.prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
                       describe_position=position_describer(state, turn), constraint=prepared.constraint,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from api.tool_calls import create_output_parser, get_format
-from api.tool_calls.recovered_call import answered_calls, call_from_object, recovery_trigger
+from api.tool_calls.recovered_call import answered_calls, call_from_object, recovery_trigger, restatement_stops
 from engine.sampling import allowed_tokens
 
 READ = {"type": "function", "function": {"name": "read_file", "description": "Read a file",
@@ -152,9 +152,9 @@ def test_the_trigger_ignores_what_is_not_a_call_opening(text):
 def test_the_trigger_grammar_closes_what_the_opening_began():
     trigger = recovery_trigger(TOOLS)
     plain = trigger.grammar_for(trigger.pattern.search(b'{"name": "read_file", "arguments": '))
-    assert plain.startswith('start: WS? args WS? "}" TAIL?\n') and '"path"' in plain
+    assert plain.startswith('start: WS? args WS? "}"\n') and '"path"' in plain and "TAIL" not in plain
     wrapped = trigger.grammar_for(trigger.pattern.search(b'```json\n{"function": {"name": "read_file", "arguments": '))
-    assert wrapped.startswith('start: WS? args WS? "}" WS? "}" (WS? "```")? TAIL?\n')
+    assert wrapped.startswith('start: WS? args WS? "}" WS? "}" (WS? "```")?\n')
 
 
 @pytest.fixture(scope="module")
@@ -172,9 +172,21 @@ def _accept_text(constraint, tokenizer, text: str) -> None:
         constraint.accept(token)
 
 
-def test_a_recovered_call_opening_constrains_its_arguments_to_the_schema(compiler):
+def test_a_new_recovered_call_is_constrained_to_its_schema_and_ends_the_reply(compiler):
     hermes = get_format("hermes").grammar(TOOLS, required=False, forced_name=None, allow_parallel=False)
     constraint = compiler.constraint(hermes, lazy_trigger="<tool_call>", triggers=(recovery_trigger(TOOLS),))
+    _accept_text(constraint, compiler.tokenizer, '{"name": "read_file", "arguments":')
+    assert constraint.fired_trigger == "recovered JSON call"
+    _accept_text(constraint, compiler.tokenizer, ' {"path": "a.txt"}')
+    assert not constraint.is_finished
+    _accept_text(constraint, compiler.tokenizer, "}")
+    assert constraint.is_finished and not constraint.error
+
+
+def test_after_a_possible_restatement_the_reply_goes_on_but_not_into_another(compiler):
+    hermes = get_format("hermes").grammar(TOOLS, required=False, forced_name=None, allow_parallel=False)
+    trigger = recovery_trigger(TOOLS, answered_names=frozenset({"read_file"}))
+    constraint = compiler.constraint(hermes, lazy_trigger="<tool_call>", triggers=(trigger,))
     _accept_text(constraint, compiler.tokenizer, 'Let me look.\n{"name": "read_file", "parameters":')
     assert constraint.is_active and constraint.fired_trigger == "recovered JSON call"
     _accept_text(constraint, compiler.tokenizer, ' {"path": "a.txt"}')
@@ -183,9 +195,10 @@ def test_a_recovered_call_opening_constrains_its_arguments_to_the_schema(compile
     assert not allowed_tokens(constraint.mask(), tokenizer.vocab_size)[eos]  # the object's own "}" is owed
     _accept_text(constraint, tokenizer, "}")
     allowed = allowed_tokens(constraint.mask(), tokenizer.vocab_size)
-    assert allowed[eos] and allowed.sum() > 0.99 * tokenizer.vocab_size  # the call is whole: end, or go on freely
+    assert allowed[eos] and allowed.sum() > 0.99 * tokenizer.vocab_size  # the call is whole: end, or go on
     _accept_text(constraint, tokenizer, '\n{"answer": 42} and some text')
     assert not constraint.is_finished and not constraint.error
+
 
 
 def test_json_that_is_no_call_leaves_the_reply_free(compiler):
@@ -204,6 +217,7 @@ ANSWERED = [{"role": "user", "content": "Read note.txt"},
 
 def test_answered_calls_are_those_whose_results_end_the_prompt():
     assert answered_calls(ANSWERED) == {("read_file", '{"path": "note.txt"}')}
+    assert restatement_stops(ANSWERED) == ('\n{"name": "read_file", "arguments": {"path": "note.txt"}}',)
     assert answered_calls(ANSWERED + [{"role": "user", "content": "and now?"}]) == frozenset()
     assert answered_calls(ANSWERED[:2]) == frozenset()  # the call is not answered yet
 

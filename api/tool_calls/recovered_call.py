@@ -14,8 +14,11 @@ only when all of this holds, so that ordinary JSON answers stay content:
 - it is not the call the tool results at the end of the prompt just answered, name and arguments alike: small
   models (Qwen2.5-Coder-0.5B) restate that call before answering, and an agent would run it again and again.
 
-Once a call's object has closed the reply goes on unconstrained (the grammar's free tail): the model ends it
-there as a rule, but a restated call is followed by the answer.
+Once a new call's object (and its fence) has closed, the reply ends, as after a ``</tool_call>``. A call to a
+tool whose results end the prompt may be a restatement, followed by the answer: after it the reply goes on
+freely, and the restated call written again on a later line is a stop sequence (``restatement_stops``): the
+0.5B model otherwise restates it line after line to the output limit. Masking the restatement instead only
+made it write a mangled one (``{"name}: read_file", ...``), line after line.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ CALL_KEYS = frozenset({"name", "arguments", "parameters", "type", "function", "i
 _WRAPPER_KEYS = frozenset({"type", "function", "id"})
 _INNER_KEYS = frozenset({"name", "arguments", "parameters"})
 TRIGGER_NAME = "recovered JSON call"
-_FREE_TAIL = "TAIL: /(?s:.+)/"  # whatever follows a closed call: unconstrained, the end of the reply allowed
+_FREE_TAIL = "TAIL: /(?s:.+)/"  # what follows a possibly restated call: anything, the end of the reply allowed
 
 
 def call_key(name: str, arguments: Any) -> tuple[str, str]:
@@ -49,6 +52,13 @@ def call_key(name: str, arguments: Any) -> tuple[str, str]:
         except ValueError:
             pass
     return name, json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+
+
+def restatement_stops(messages: list[dict]) -> tuple[str, ...]:
+    """Stop sequences for a reply after tool results: each answered call as the template writes it (one JSON
+    line, json.dumps' spacing), on a new line, i.e. restated a second time."""
+    return tuple(sorted("\n" + json.dumps({"name": name, "arguments": json.loads(arguments)}, ensure_ascii=False)
+                        for name, arguments in answered_calls(messages)))
 
 
 def answered_calls(messages: list[dict]) -> frozenset[tuple[str, str]]:
@@ -116,9 +126,10 @@ def arguments_valid(arguments: dict, function: Mapping) -> bool:
     return validator_class(schema).is_valid(arguments)
 
 
-def recovery_trigger(tools: list[dict]) -> LazyTrigger:
+def recovery_trigger(tools: list[dict], answered_names: frozenset[str] = frozenset()) -> LazyTrigger:
     """The lazy trigger of a recovered call: a line that opens a call object naming a declared tool, up to its
-    arguments member; the grammar after it is that tool's arguments schema and the object's close."""
+    arguments member; the grammar after it is that tool's arguments schema and the object's close, then, for a
+    tool in ``answered_names`` (whose results end the prompt), the tail a restatement's answer may take."""
     functions = {spec["name"]: spec for spec in function_specs(tools)}
     names = b"|".join(re.escape(json.dumps(name, ensure_ascii=False)[1:-1].encode()) for name in functions)
     pattern = re.compile(
@@ -132,7 +143,9 @@ def recovery_trigger(tools: list[dict]) -> LazyTrigger:
         close = ' WS? "}"' * (2 if match["wrap"] else 1)
         fence = ' (WS? "```")?' if match["fence"] else ""
         rules = [f"args: %json {g.schema_json(g.arguments_schema(function))}"]
-        return g.assemble(f"start: WS? args{close}{fence} TAIL?", rules, _FREE_TAIL)
+        if function["name"] in answered_names:
+            return g.assemble(f"start: WS? args{close}{fence} TAIL?", rules, _FREE_TAIL)
+        return g.assemble(f"start: WS? args{close}{fence}", rules)
 
     return LazyTrigger(pattern, grammar_for, TRIGGER_NAME, accepts=lambda window, match: not inside_foreign_fence(
         window[:match.start()]))
