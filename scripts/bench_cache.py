@@ -53,8 +53,8 @@ class Replayer:
         self.url, self.loaded, self.state, self.seen, self.rows = url, loaded, state, [], []
 
     def turn(self, messages, tools=None, first_of_conversation=False):
-        body = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": REPLY_TOKENS, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {"model": self.state.served_name, "messages": messages, "temperature": 0, "max_tokens": REPLY_TOKENS,
+                "stream": True, "stream_options": {"include_usage": True}}
         if tools:
             body["tools"] = tools
         started, ttft, text, usage = time.perf_counter(), None, [], None

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from api.config import ServerConfig
+from api.sampling_defaults import store_entry_for
 from api.serve import build_state, create_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +43,8 @@ class Replica:
     def __init__(self, loaded, **config_fields):
         self.loaded = loaded
         self.port = free_port()
+        entry = store_entry_for(loaded.path)  # --model as a user names it: requests for "smollm2" are served
+        config_fields.setdefault("model", entry.name if entry is not None else str(loaded.path))
         self.config = replace(ServerConfig(port=self.port), **config_fields)
         self.url = f"http://127.0.0.1:{self.port}"
         self.state = self.server = self.thread = None

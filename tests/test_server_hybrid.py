@@ -12,8 +12,8 @@ from tests.tiny_qwen3next import write_tiny_qwen3next
 OUTPUT_TEXT = "0123456789ABCDEF"  # tokens whose text re-encodes to themselves (no merges, valid UTF-8)
 
 
-def _chat(url, messages):
-    body = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": 8}
+def _chat(url, model, messages):
+    body = {"model": model, "messages": messages, "temperature": 0, "max_tokens": 8}
     reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
     return reply["choices"][0]["message"]["content"], reply["usage"]
 
@@ -26,10 +26,10 @@ def test_the_next_turn_reuses_the_last_one_from_a_checkpoint(tmp_path, writer):
     loaded = open_model(str(path), max_positions=1024)
     with running_server(loaded, batch=2, ctx_size=512) as (url, state):
         messages = [{"role": "system", "content": "Answer in digits."}, {"role": "user", "content": "How many?"}]
-        reply, first = _chat(url, messages)
+        reply, first = _chat(url, state.served_name, messages)
         assert len(reply) == 8 and set(reply) <= set(OUTPUT_TEXT)
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
-        _, second = _chat(url, messages)
+        _, second = _chat(url, state.served_name, messages)
         # Everything but the reply's last token, which is sampled and never computed.
         assert second["prompt_tokens_details"]["cached_tokens"] == first["prompt_tokens"] + 8 - 1
         cache = httpx.get(url + "/cache", timeout=30).json()
