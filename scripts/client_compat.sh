@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# The real agent clients against strata, one after the other, with the same small task that needs one tool
-# call; prints a table: connected, turns, tool calls made / executed, final answer, cached tokens on turn 2.
+# The real agent clients against strata, each given two tasks: one-step (read note.txt, answer with the launch
+# code in it) and two-step (read numbers.txt, write their sum into sum.txt). Checks each outcome itself and
+# prints a table: a column per task, tool calls made / executed, turns, and the reuse of every later turn.
 #
-#   bash scripts/client_compat.sh [--clients codex,claude,opencode,llm] [--port 8190] [--model smollm2]
-#                                 [--tool-call-format generic_json]
+#   bash scripts/client_compat.sh [--clients codex,claude,opencode,llm] [--tasks note,sum] [--port 8190]
+#                                 [--model qwen2.5-coder-0.5b] [--tool-call-format FORMAT]
 #
-# Each client is installed at run time into a scratch folder (npm or pip; never committed) by its own script
-# in scripts/clients/NAME.sh PORT WORKDIR, whose last line is "RESULT tool_calls=N executed=N answer=...".
-# Turns and cached tokens come from the server's own per-request log lines (JSON log format).
+# The server starts as a user would start it: `strata serve --model M` (and the port and --log-format json);
+# only smollm2 gets the flags it needs to call tools at all (docs/CLIENTS.md, the SmolLM2 sections).
+# Each client is installed at run time (npm or pip; never committed) by scripts/clients/NAME.sh
+# PORT WORKDIR TASK into CLIENT_INSTALL_DIR (default SCRATCH/install; reused across runs), whose last line is
+# "RESULT tool_calls=N executed=N answer=...". Every run works in the same folder, SCRATCH/work, moved to
+# SCRATCH/runs/CLIENT-TASK afterwards, so the clients' prompts (which name their working folder) are the same
+# from one task to the next. The tasks and their checks: scripts/clients/compat_report.py. The clients talk to
+# the server through scripts/clients/capture_proxy.py on PORT+1, which writes down every request and response
+# (SCRATCH/runs/CLIENT-TASK/capture.jsonl: the model's replies, and how each client sent them back).
+# Environment: CLIENT_COMPAT_DIR (SCRATCH, default a new temp dir), CLIENT_TIMEOUT_S (per run, default 3600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 clients="codex,claude,opencode,llm"
+tasks="note,sum"
 port=8190
-model=smollm2
-# generic_json (llama.cpp's generic format): SmolLM2-135M never opens a call when a plain answer is allowed as
-# its first token; with every reply JSON it calls, and answers after the result (docs/CLIENTS.md).
-tool_format=generic_json
+model=qwen2.5-coder-0.5b
+tool_format=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --clients) clients="$2"; shift 2 ;;
+    --tasks) tasks="$2"; shift 2 ;;
     --port) port="$2"; shift 2 ;;
     --model) model="$2"; shift 2 ;;
     --tool-call-format) tool_format="$2"; shift 2 ;;
@@ -28,64 +36,63 @@ while [ $# -gt 0 ]; do
 done
 
 scratch="${CLIENT_COMPAT_DIR:-$(mktemp -d /tmp/strata-clients.XXXXXX)}"
-mkdir -p "$scratch"
+scratch=$(mkdir -p "$scratch" && cd "$scratch" && pwd)
+installs="${CLIENT_INSTALL_DIR:-$scratch/install}"
+export CODEX_SCRATCH="$installs/codex" CLAUDE_PREFIX="$installs/claude" OPENCODE_PREFIX="$installs/opencode" \
+  LLM_VENV="$installs/llm-venv"
+report="python3 scripts/clients/compat_report.py"
+
+serve_flags=()
+if [ "$model" = smollm2 ]; then
+  # SmolLM2-135M never opens a call when a plain answer may start the reply (generic_json makes every reply
+  # JSON); trained to 8K, so 32K for the agents' prompts; it rambles, so a reply cap; greedy, repeatable.
+  serve_flags=(--ctx-size 32768 --batch 2 --conversation-cache-mib 512 --default-max-tokens 512
+               --tool-call-format generic_json --default-temperature 0)
+fi
+[ -z "$tool_format" ] || serve_flags+=(--tool-call-format "$tool_format")
 log="$scratch/server.log"
-# Agents' system prompts and tool lists are 10K-25K tokens: a 32K context, a small host tier. Codex and
-# Claude Code send no output limit; a 135M model that rambles would write 20K+ tokens, so 512 by default.
-# Codex sends no temperature either: 0 by default here, so a run can be repeated token for token.
-.venv/bin/strata serve --model "$model" --port "$port" --ctx-size 32768 --batch 2 \
-  --conversation-cache-mib 512 --default-max-tokens "${DEFAULT_MAX_TOKENS:-512}" \
-  --tool-call-format "$tool_format" --default-temperature "${DEFAULT_TEMPERATURE:-0}" --log-format json >"$log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 120); do
+echo "strata serve --model $model --port $port --log-format json ${serve_flags[*]}" | tee "$scratch/command.txt"
+.venv/bin/strata serve --model "$model" --port "$port" --log-format json "${serve_flags[@]}" >>"$log" 2>&1 &
+server=$! proxy=""
+trap 'kill $server $proxy 2>/dev/null; wait $server $proxy 2>/dev/null || true' EXIT
+for _ in $(seq 600); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  kill -0 $server 2>/dev/null || { echo "the server exited; its log: $log" >&2; tail -20 "$log" >&2; exit 1; }
   sleep 1
 done
+capture="$scratch/capture.jsonl" client_port=$((port + 1))
+: >"$capture"
+.venv/bin/python scripts/clients/capture_proxy.py "$client_port" "$port" "$capture" >>"$scratch/proxy.log" 2>&1 &
+proxy=$!
+for _ in $(seq 30); do curl -sf "http://127.0.0.1:$client_port/health" >/dev/null && break; sleep 1; done
 
-rows="$scratch/rows.tsv"
-: >"$rows"
+runs="$scratch/runs.jsonl"
 IFS=',' read -ra names <<<"$clients"
+IFS=',' read -ra task_names <<<"$tasks"
 for name in "${names[@]}"; do
-  work="$scratch/$name"
-  mkdir -p "$work"
-  echo "hello from the scratch folder" >"$work/hello.txt"
-  start_line=$(wc -l <"$log")
-  started=$(date +%s)
-  status=0
-  timeout "${CLIENT_TIMEOUT_S:-1500}" bash "scripts/clients/$name.sh" "$port" "$work" >"$work/out.txt" 2>&1 || status=$?
-  seconds=$(( $(date +%s) - started ))
-  result=$(grep '^RESULT ' "$work/out.txt" | tail -1 || true)
-  if [ -z "$result" ] && [ -f "scripts/clients/summarize.py" ] && [ "$name" != llm ]; then
-    # Killed by the timeout before it printed its line: read the events it had written so far.
-    result=$(python3 scripts/clients/summarize.py "$name" <"$work/out.txt" | tail -1)
-  fi
-  tail -n +"$((start_line + 1))" "$log" >"$work/server.log"
-  .venv/bin/python - "$name" "$status" "$seconds" "$result" "$work/server.log" >>"$rows" <<'PY'
-import json, re, sys
-name, status, seconds, result, log_path = sys.argv[1:]
-turns = []
-for line in open(log_path, encoding="utf-8", errors="replace"):
-    try:
-        record = json.loads(line)
-    except ValueError:
-        continue
-    if record.get("logger") == "strata.requests" and "prompt_tokens" in record:
-        turns.append(record)
-fields = dict(re.findall(r"(\w+)=(\S*)", result.split(" answer=")[0])) if result else {}
-answer = result.split(" answer=", 1)[1].strip() if " answer=" in result else ""
-second = f"{turns[1]['reused_tokens']} of {turns[1]['prompt_tokens']}" if len(turns) > 1 else "-"
-errors = sum(1 for t in turns if t.get("finish_reason") == "error")
-row = [name, "yes" if turns else "no", str(len(turns)), fields.get("tool_calls", "?"), fields.get("executed", "?"),
-       (answer[:40] or "-").replace("\t", " "), second, f"exit {status}, {errors} engine errors, {seconds} s"]
-print("\t".join(row))
-PY
+  for task in "${task_names[@]}"; do
+    work="$scratch/work" keep="$scratch/runs/$name-$task"
+    rm -rf "$work" "$keep"
+    mkdir -p "$keep"
+    prompt=$($report setup "$task" "$work")
+    start_line=$(wc -l <"$log") capture_line=$(wc -l <"$capture")
+    started=$(date +%s)
+    status=0
+    echo "$(date -u +%H:%M:%S) $name $task: $prompt" >&2
+    timeout "${CLIENT_TIMEOUT_S:-3600}" bash "scripts/clients/$name.sh" "$client_port" "$work" "$prompt" \
+      >"$keep/out.txt" 2>&1 || status=$?
+    seconds=$(( $(date +%s) - started ))
+    if ! grep -q '^RESULT ' "$keep/out.txt" && [ "$name" != llm ]; then
+      # Killed by the timeout before it printed its line: read the events it had written so far.
+      python3 scripts/clients/summarize.py "$name" <"$keep/out.txt" | tail -1 >>"$keep/out.txt"
+    fi
+    tail -n +"$((start_line + 1))" "$log" >"$keep/server.log"
+    tail -n +"$((capture_line + 1))" "$capture" >"$keep/capture.jsonl"
+    $report row "$name" "$task" "$work" "$keep/out.txt" "$keep/server.log" "$status" "$seconds" | tee -a "$runs" >&2
+    mv "$work" "$keep/work"
+  done
 done
 
-printf '\n| client | connected | turns | tool calls | executed | final answer | cached on turn 2 | errors |\n'
-printf '| --- | --- | ---: | ---: | ---: | --- | --- | --- |\n'
-while IFS=$'\t' read -r c connected turns calls executed answer second errors; do
-  printf '| %s | %s | %s | %s | %s | %s | %s | %s |\n' "$c" "$connected" "$turns" "$calls" "$executed" "$answer" \
-    "$second" "$errors"
-done <"$rows"
+echo
+$report table "$runs" | tee "$scratch/table.md"
 echo "logs: $scratch"

@@ -5,12 +5,12 @@
 #
 #   scripts/clients/claude.sh PORT WORKDIR ["TASK"]
 #
-# WORKDIR gets a hello.txt when it has none (the default task reads it). Environment:
+# Without a TASK, WORKDIR gets a hello.txt when it has none (the default task reads it). Environment:
 #   CLAUDE_CODE_VERSION (default latest)   CLAUDE_PREFIX (npm prefix, default a fresh temp dir)
 #   STRATA_MODEL (default: the first id of GET /v1/models)
 #   CLAUDE_CODE_MAX_OUTPUT_TOKENS (default 256: Claude Code asks for 32000, which a small model on a CPU
 #   would spend rambling)   CLAUDE_EXTRA_ARGS (more claude flags, e.g. "--tools Read")
-#   CLAUDE_STREAM_IDLE_TIMEOUT_MS (default 30 min: Claude Code gives up on a stream after 5-10 min without an
+#   CLAUDE_STREAM_IDLE_TIMEOUT_MS and API_TIMEOUT_MS (default 2 h: Claude Code gives up on a stream after 5-10 min without an
 #   event its SDK shows it, and the SDK drops pings, so a long prefill on a CPU counts as idle)
 #   CLAUDE_CODE_EXTRA_BODY (JSON merged into every request, e.g. '{"temperature": 0}': Claude Code sends none)
 #   CLAUDE_CODE_AUTO_COMPACT_WINDOW (default the server's max_model_len: Claude Code assumes a huge window for
@@ -38,7 +38,7 @@ if ! "$CLAUDE" --version >/dev/null 2>&1; then
 fi
 echo "claude $("$CLAUDE" --version) -> $BASE, model $MODEL, workdir $WORKDIR" >&2
 
-[ -e "$WORKDIR/hello.txt" ] || echo "The secret word is pineapple." > "$WORKDIR/hello.txt"
+[ $# -ge 3 ] || [ -e "$WORKDIR/hello.txt" ] || echo "The secret word is pineapple." > "$WORKDIR/hello.txt"
 mkdir -p "$PREFIX/config"
 # Claude Code refuses --dangerously-skip-permissions as root unless told it runs in a sandbox (containers, CI).
 SANDBOX=$([ "$(id -u)" = 0 ] && echo 1 || echo "${IS_SANDBOX:-}")
@@ -52,8 +52,8 @@ env CLAUDE_CONFIG_DIR="$PREFIX/config" IS_SANDBOX="$SANDBOX" \
   ANTHROPIC_MODEL="$MODEL" ANTHROPIC_DEFAULT_HAIKU_MODEL="$MODEL" \
   CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_AUTOUPDATER=1 \
   CLAUDE_CODE_MAX_OUTPUT_TOKENS="${CLAUDE_CODE_MAX_OUTPUT_TOKENS:-256}" \
-  API_TIMEOUT_MS="${API_TIMEOUT_MS:-1800000}" \
-  CLAUDE_STREAM_IDLE_TIMEOUT_MS="${CLAUDE_STREAM_IDLE_TIMEOUT_MS:-1800000}" \
+  API_TIMEOUT_MS="${API_TIMEOUT_MS:-7200000}" \
+  CLAUDE_STREAM_IDLE_TIMEOUT_MS="${CLAUDE_STREAM_IDLE_TIMEOUT_MS:-7200000}" \
   CLAUDE_CODE_AUTO_COMPACT_WINDOW="${CLAUDE_CODE_AUTO_COMPACT_WINDOW:-$CONTEXT}" \
   "$CLAUDE" -p "$TASK" --output-format stream-json --verbose --dangerously-skip-permissions ${CLAUDE_EXTRA_ARGS:-} |
   python3 "$HERE/summarize.py" claude

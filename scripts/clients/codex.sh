@@ -5,7 +5,7 @@
 #
 # Installs @openai/codex with npm into a scratch prefix at run time (never into the repo), writes
 # $CODEX_HOME/config.toml for a provider at http://127.0.0.1:PORT/v1 speaking the Responses API, and runs
-# `codex exec` in WORKDIR (created, with a hello.txt, if missing). The default task needs one tool call.
+# `codex exec` in WORKDIR (created if missing; with a hello.txt for the default task, which needs one tool call).
 # Its JSON events are echoed, then a "RESULT tool_calls=N executed=N answer=..." line.
 # Environment: CODEX_VERSION (default latest), CODEX_SCRATCH (default a new temp dir),
 # CODEX_USE_CATALOG=1 to give Codex the server's model catalog (GET /v1/models, key "models"): the context
@@ -32,7 +32,7 @@ read -r MODEL CTX < <(curl -fsS "$BASE/models" | python3 -c \
 
 export CODEX_HOME="$SCRATCH/home"
 mkdir -p "$CODEX_HOME" "$WORKDIR"
-[ -e "$WORKDIR/hello.txt" ] || echo "hello from strata" > "$WORKDIR/hello.txt"
+[ $# -ge 3 ] || [ -e "$WORKDIR/hello.txt" ] || echo "hello from strata" > "$WORKDIR/hello.txt"
 CATALOG=""
 if [ "${CODEX_USE_CATALOG:-0}" = 1 ]; then
   curl -fsS "$BASE/models" > "$CODEX_HOME/catalog.json"
@@ -55,5 +55,6 @@ stream_max_retries = 1
 TOML
 
 cd "$WORKDIR"
-"$CODEX" exec --skip-git-repo-check --ephemeral --json -s workspace-write "$TASK" < /dev/null |
+# stderr too: the calls Codex refuses before running them are only logged there (summarize.py counts them).
+"$CODEX" exec --skip-git-repo-check --ephemeral --json -s workspace-write "$TASK" < /dev/null 2>&1 |
   python3 "$HERE/summarize.py" codex

@@ -1,33 +1,62 @@
 #!/usr/bin/env bash
-# `llm` (pip) against a running strata server, on chat completions with one Python tool.
-# Usage: scripts/clients/llm.sh PORT WORKDIR   (installs llm into WORKDIR/llm-venv at run time; never committed)
-# Prints llm's tool-debug output; the last line is "RESULT tool_calls=N executed=N answer=..." for the table.
+# `llm` (pip) against a running strata server, on chat completions, with two Python tools on WORKDIR's files.
+#
+#   scripts/clients/llm.sh PORT WORKDIR [TASK]
+#
+# Installs llm into LLM_VENV (default WORKDIR/llm-venv) at run time (never into the repo), registers the
+# served model (the first id of GET /v1/models, or STRATA_MODEL) in its extra-openai-models.yaml, and runs
+# TASK in WORKDIR with the tools read_file and write_file. Sends no temperature and no max_tokens (the
+# server's defaults apply, as for a user who sets none). Prints llm's tool-debug output; the last line is
+# "RESULT tool_calls=N executed=N answer=..." for scripts/client_compat.sh.
 set -euo pipefail
-port="$1"; work="$2"
-mkdir -p "$work"
-[ -x "$work/llm-venv/bin/llm" ] || { python3 -m venv "$work/llm-venv" && "$work/llm-venv/bin/pip" install --quiet llm; }
-export LLM_USER_PATH="$work/llm-home"
+PORT=${1:?usage: llm.sh PORT WORKDIR [TASK]}
+WORKDIR=$(mkdir -p "${2:?usage: llm.sh PORT WORKDIR [TASK]}" && cd "$2" && pwd)
+TASK=${3:-"Read hello.txt and tell me what it says."}
+[ $# -ge 3 ] || [ -e "$WORKDIR/hello.txt" ] || echo "The meeting is at 3pm." > "$WORKDIR/hello.txt"
+BASE=http://127.0.0.1:$PORT/v1
+VENV=${LLM_VENV:-$WORKDIR/llm-venv}
+[ -x "$VENV/bin/llm" ] || { python3 -m venv "$VENV" && "$VENV/bin/pip" install --quiet llm; }
+for _ in $(seq 120); do curl -fsS "$BASE/models" >/dev/null 2>&1 && break; sleep 1; done
+MODEL=${STRATA_MODEL:-$(curl -fsS "$BASE/models" | python3 -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')}
+export LLM_USER_PATH="$VENV/llm-home"
 mkdir -p "$LLM_USER_PATH"
 # supports_tools / supports_schema: llm sends tools and json_schema only to models that say they take them.
 cat > "$LLM_USER_PATH/extra-openai-models.yaml" <<YAML
 - model_id: strata
-  model_name: smollm2
-  api_base: "http://127.0.0.1:$port/v1"
+  model_name: $MODEL
+  api_base: "$BASE"
   supports_tools: true
   supports_schema: true
 YAML
+echo "llm $("$VENV/bin/llm" --version) -> $BASE, model $MODEL, workdir $WORKDIR" >&2
+# TOOL_EXECUTED goes to stderr, which is folded into the output below: a call llm ran to its end.
 functions='
-def read_note(name: str) -> str:
-    "Read the note with this name and return its text."
-    print("TOOL_EXECUTED read_note", name, flush=True)
-    return "The note says: the meeting is at 3pm."
+import pathlib, sys
+
+def read_file(path: str) -> str:
+    "Return the text of the file at this path (relative to the working folder)."
+    text = pathlib.Path(path).read_text()
+    print("TOOL_EXECUTED read_file", path, file=sys.stderr, flush=True)
+    return text
+
+def write_file(path: str, content: str) -> str:
+    "Create or replace the file at this path (relative to the working folder) with this content."
+    pathlib.Path(path).write_text(content)
+    print("TOOL_EXECUTED write_file", path, file=sys.stderr, flush=True)
+    return f"wrote {len(content)} characters to {path}"
 '
-# --cl 3: a call, the answer after it, one spare (llm 0.36 reports "Chain limit of 2 exceeded" after a
-# finished call-then-answer chain at --cl 2; a 135M model must not call again and again)
-out=$("$work/llm-venv/bin/llm" -m strata --functions "$functions" --td --cl 3 -o temperature 0 -o max_tokens 200 \
-      "Use the read_note tool to read the note named meeting, then tell me what it says." </dev/null 2>&1) || true
+cd "$WORKDIR"
+out=$("$VENV/bin/llm" -m strata --functions "$functions" --td "$TASK" </dev/null 2>&1) || true
 echo "$out"
-calls=$(grep -c "^Tool call: read_note" <<<"$out" || true)
+calls=$(grep -c "^Tool call: " <<<"$out" || true)
 executed=$(grep -c "^TOOL_EXECUTED" <<<"$out" || true)
-answer=$(grep -v -e "^Tool call" -e "^TOOL_EXECUTED" -e "^  " <<<"$out" | tr '\n' ' ' | cut -c1-80)
+# The answer: what follows the last tool call's result (its lines indented by two spaces), newlines folded.
+answer=$(grep -v "^TOOL_EXECUTED" <<<"$out" | python3 -c '
+import sys
+lines = sys.stdin.read().splitlines()
+calls = [i for i, line in enumerate(lines) if line.startswith("Tool call: ")]
+rest = lines[calls[-1] + 1:] if calls else lines
+while rest and (rest[0].startswith("  ") or not rest[0].strip()):
+    rest = rest[1:]
+print(" ".join(" ".join(rest).split())[:200])')
 echo "RESULT tool_calls=$calls executed=$executed answer=$answer"

@@ -21,13 +21,18 @@ if [ ! -x "$PREFIX/npm/node_modules/.bin/opencode" ]; then
 fi
 OPENCODE=$PREFIX/npm/node_modules/.bin/opencode
 echo "opencode $("$OPENCODE" --version) -> $BASE, model $MODEL, workdir $WORKDIR" >&2
-[ -e "$WORKDIR/hello.txt" ] || echo "The secret word is pineapple." > "$WORKDIR/hello.txt"
+[ $# -ge 3 ] || [ -e "$WORKDIR/hello.txt" ] || echo "The secret word is pineapple." > "$WORKDIR/hello.txt"
 # A private HOME / XDG tree keeps opencode's auth, sessions and caches out of the user's own.
+# Timeouts off: opencode gives a request 5 min by default (timeout, headerTimeout) and 15 min between streamed
+# chunks (chunkTimeout), and a CPU server reading its ~7K-token first prompt sends no chunk for longer than that
+# (chat completions stream nothing during prefill).
 mkdir -p "$PREFIX/home"
 CONFIG=$(python3 -c 'import json, sys; base, model = sys.argv[1:]; print(json.dumps({
     "$schema": "https://opencode.ai/config.json",
     "provider": {"strata": {"npm": "@ai-sdk/openai-compatible", "name": "strata",
-                            "options": {"baseURL": base}, "models": {model: {"name": model}}}},
+                            "options": {"baseURL": base, "timeout": False, "headerTimeout": False,
+                                        "chunkTimeout": False},
+                            "models": {model: {"name": model}}}},
     "model": f"strata/{model}", "autoupdate": False, "share": "disabled"}))' "$BASE" "$MODEL")
 cd "$WORKDIR"
 env HOME="$PREFIX/home" XDG_CONFIG_HOME="$PREFIX/home/.config" XDG_DATA_HOME="$PREFIX/home/.local/share" \

@@ -5,8 +5,9 @@
     opencode run --format json ... | python3 scripts/clients/summarize.py opencode
 
 Every input line is echoed unchanged (the log stays readable), then the last line printed is
-"RESULT tool_calls=N executed=N answer=TEXT": calls the model made, calls the client ran to completion
-(a result came back without an error), and the client's final answer, newlines folded.
+"RESULT tool_calls=N executed=N answer=TEXT": calls the model made (Codex: the ones it started plus the ones
+it refused), calls the client ran to completion (a result came back without an error), and the client's final
+answer, newlines folded.
 Lines that are not JSON (progress text) are echoed and otherwise ignored.
 """
 from __future__ import annotations
@@ -64,6 +65,9 @@ def main() -> None:
         try:
             event = json.loads(line)
         except ValueError:
+            # Codex refuses some calls before it runs them (a call asking for escalated permissions under
+            # approval policy never) and says so only on stderr, which codex.sh folds into this stream.
+            tally["calls"] += "codex_core::tools::router: error=" in line
             continue
         if isinstance(event, dict):
             reader(event, tally)
