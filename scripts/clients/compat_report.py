@@ -7,8 +7,8 @@
 A task passes on what the client left behind, not on what it says about itself: the answer names the
 launch code, or sum.txt holds the sum. Turns and reuse come from the server's per-request JSON log lines
 (logger strata.requests: prompt_tokens, reused_tokens, tools, finish_reason) of the run's own slice of the
-log. A turn is a request that carried tools and was not aborted; the rest (opencode's title request, a
-request the client gave up on and sent again) are counted apart.
+log. A turn is a request that carried tools and was not aborted; requests without tools (opencode's title
+request) are side requests, and one the client gave up on (then sent again) is counted apart, its reuse shown.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def check(task: str, workdir: pathlib.Path, answer: str) -> tuple[bool, str]:
 
 
 def server_turns(log_path: str) -> dict:
-    turns, side, aborted, errors = [], 0, 0, 0
+    requests, side, errors = [], 0, 0
     for line in open(log_path, encoding="utf-8", errors="replace"):
         try:
             record = json.loads(line)
@@ -63,13 +63,12 @@ def server_turns(log_path: str) -> dict:
         if record.get("logger") != "strata.requests" or "prompt_tokens" not in record:
             continue
         errors += record.get("finish_reason") == "error"
-        if record.get("finish_reason") == "abort":
-            aborted += 1
-        elif record.get("tools", 0) > 0:
-            turns.append([record["reused_tokens"], record["prompt_tokens"], record.get("generated_tokens", 0)])
+        if record.get("tools", 0) > 0:
+            requests.append([record["reused_tokens"], record["prompt_tokens"], record.get("generated_tokens", 0),
+                             record.get("finish_reason") == "abort"])
         else:
             side += 1
-    return {"turns": turns, "side_requests": side, "aborted": aborted, "engine_errors": errors}
+    return {"turns": requests, "side_requests": side, "engine_errors": errors}
 
 
 def client_result(out_path: str) -> dict:
@@ -93,8 +92,15 @@ def reuse_cell(turns: list) -> str:
     later = turns[1:]
     if not later:
         return "-"
-    parts = [f"{r}/{p}" + ("" if r >= REUSE_BAR * p else " (<90%)") for r, p, _ in later]
+    parts = [f"{r}/{p}" + ("" if r >= REUSE_BAR * p else " (<90%)") + (" (aborted)" if aborted else "")
+             for r, p, _, aborted in later]
     return ", ".join(parts)
+
+
+def turn_count(run: dict) -> str:
+    aborted = sum(1 for turn in run["turns"] if turn[3])
+    return (f"{len(run['turns']) - aborted}" + (f" (+{aborted} aborted)" if aborted else "") +
+            (f" (+{run['side_requests']} side)" if run["side_requests"] else ""))
 
 
 def task_cell(run: dict | None) -> str:
@@ -115,9 +121,7 @@ def table(runs_path: str) -> None:
         mine = [(name, by_key.get((client, name))) for name in TASKS]
         done = [(name, run) for name, run in mine if run is not None]
         calls = "; ".join(f"{name} {run['calls']}/{run['executed']}" for name, run in done)
-        turns = "; ".join(f"{name} {len(run['turns'])}" + (f" (+{run['side_requests']} side)"
-                          if run["side_requests"] else "") + (f" (+{run['aborted']} aborted)"
-                          if run["aborted"] else "") for name, run in done)
+        turns = "; ".join(f"{name} {turn_count(run)}" for name, run in done)
         reuse = "; ".join(f"{name} {reuse_cell(run['turns'])}" for name, run in done)
         ends = "; ".join(f"{name} exit {run['exit']}, {run['seconds']} s" + (
             f", {run['engine_errors']} engine errors" if run["engine_errors"] else "") for name, run in done)
@@ -134,7 +138,9 @@ def table(runs_path: str) -> None:
 def recomputed(turns: list) -> str:
     """What each later turn read again of the turn before it (its prompt and reply): the reply's tokens when it
     re-renders differently from how the model wrote it (a recovered call comes back as template markup)."""
-    again = [prompt + generated - reused for (_, prompt, generated), (reused, _, _) in zip(turns, turns[1:])]
+    # An aborted request's reply never reached the client, so its retry can only reuse the prompt.
+    again = [prompt + (0 if aborted else generated) - reused
+             for (_, prompt, generated, aborted), (reused, *_) in zip(turns, turns[1:])]
     return f"; recomputed of the previous prompt + reply: {', '.join(map(str, again))}" if again else ""
 
 
