@@ -47,6 +47,16 @@ class ChatProtocol:
                  self.tool_format.name, extra={"fields": {"tool_call_recovered": shape}})
 
     @property
+    def hidden_token_ids(self) -> frozenset[int]:
+        """Control tokens left out of a reply's text: all but the format's markup and the reasoning tags (the
+        parsers read those). A model that writes ``<|im_start|>`` mid-reply then shows no such text, as with
+        llama-server, whose replies keep only a format's "preserved tokens"."""
+        shown = set(self.tool_format.markers)
+        if self.reasoning is not None:
+            shown.update((self.reasoning.start, self.reasoning.end))
+        return frozenset(i for text, i in self.special_token_ids.items() if text not in shown)
+
+    @property
     def grammar(self) -> GrammarCompiler:
         with self._lock:
             if self._compiler is None:

@@ -90,12 +90,15 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
         metrics.watch_expert_cache(expert_cache)
         admission.register_budget("expert_cache", expert_cache)
     disk = _disk_tier(config, loaded, runner) if config.conversation_cache_dir else None
+    protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
+                                    config.reasoning_format, config.tool_call_recovery)
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
                         max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,
                         disk=disk, batch_groups=groups, admission=admission,
                         write_behind_mib_s=config.conversation_cache_write_behind_mib_s,
                         conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks,
-                        state_checkpoint_every=config.checkpoint_every_blocks)
+                        state_checkpoint_every=config.checkpoint_every_blocks,
+                        hidden_token_ids=protocol.hidden_token_ids)
     if expert_cache is not None:  # its slots granted by the memory admission, beside the KV pool
         connect_expert_budget(expert_cache, engine, loaded.model.config.n_experts_used)
     served = config.served_model_name or loaded.path.stem
@@ -109,8 +112,6 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     log.info("memory tiers (MiB, budget / committed / used): %s; device pool sized by %s",
              "; ".join(f"{name} {t['budget_mib']} / {t['committed_mib']} / {t['used_mib']}"
                        for name, t in tiers.items()), pool.rule, extra={"fields": {"tiers": tiers}})
-    protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
-                                    config.reasoning_format, config.tool_call_recovery)
     message_start = find_message_start_id(loaded.chat_template, loaded.tokenizer) \
         if loaded.model.config.is_hybrid else None
     line_ends = find_line_end_ids(loaded.tokenizer) if loaded.model.config.is_hybrid else frozenset()

@@ -297,14 +297,19 @@ class Tokenizer:
 
 
 class IncrementalDecoder:
-    """Turns a stream of token ids into text, holding back incomplete UTF-8 sequences."""
+    """Turns a stream of token ids into text, holding back incomplete UTF-8 sequences.
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
-        self._tok, self._skip = tokenizer, skip_special
+    ``hidden_ids``: tokens whose text is left out (the control tokens a reply shows no text for).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, hidden_ids: frozenset[int] = frozenset()):
+        self._tok, self._skip, self._hidden = tokenizer, skip_special, hidden_ids
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text (may be empty)."""
+        if token_id in self._hidden:
+            return ""
         return self._utf8.decode(self._tok._piece(token_id, not self._skip))
 
     def flush(self) -> str:

@@ -67,7 +67,8 @@ class EngineLoop:
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
                  batch_groups: int = 1, admission: MemoryAdmission | None = None,
                  conversation_active_s: float = ACTIVE_WINDOW_S, write_behind_mib_s: float = 0,
-                 device_min_blocks: int | None = None, state_checkpoint_every: int | None = 8):
+                 device_min_blocks: int | None = None, state_checkpoint_every: int | None = 8,
+                 hidden_token_ids: frozenset[int] = frozenset()):
         self.runner = runner
         self.disk = disk
         self.cache = create_cache(runner, disk, admission, enabled=prefix_cache, device_min_blocks=device_min_blocks,
@@ -83,7 +84,7 @@ class EngineLoop:
         self.prefill_chunk = prefill_chunk
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
-        self.output = OutputProcessor(tokenizer, progress_interval_s)
+        self.output = OutputProcessor(tokenizer, progress_interval_s, hidden_token_ids)
         self.conversations = ConversationLog()  # named by the clients, for /cache
         self.num_groups = max(1, min(batch_groups, num_slots))
         self.table = SlotTable(num_slots, self.num_groups)

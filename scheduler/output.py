@@ -18,8 +18,10 @@ log = logging.getLogger("strata.requests")
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, progress_interval_s: float = 5.0):
+    def __init__(self, tokenizer: Tokenizer, progress_interval_s: float = 5.0,
+                 hidden_token_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
+        self.hidden_token_ids = hidden_token_ids  # control tokens whose text a reply leaves out
         self.progress_interval_s = progress_interval_s
         self._text_state: dict[str, tuple[IncrementalDecoder, StopStringMatcher]] = {}
 
@@ -121,7 +123,7 @@ class OutputProcessor:
     def _state(self, request: Request):
         state = self._text_state.get(request.request_id)
         if state is None:
-            state = (IncrementalDecoder(self.tokenizer), StopStringMatcher(request.params.stop))
+            state = (IncrementalDecoder(self.tokenizer, hidden_ids=self.hidden_token_ids), StopStringMatcher(request.params.stop))
             self._text_state[request.request_id] = state
         return state
 

@@ -120,6 +120,9 @@ class ToolFormat:
     ``recovers_json_calls``: models of this format also write calls as bare or fenced JSON objects, outside the
     markup; with tool_choice auto such calls are recovered (api/tool_calls/recovery.py). False where JSON is
     the format itself (llama3_json, generic) or the markup is a whole protocol (harmony).
+    ``markers``: the texts of the format's markup. Where one is a control token of the vocabulary its text stays in
+    the reply for the parser; every other control token the model writes is left out of the text, as llama-server
+    does (api/chat_protocol.py).
     """
 
     name: str = ""
@@ -129,6 +132,7 @@ class ToolFormat:
     trigger_only_at_start: bool = False
     owns_reasoning: bool = False  # the parser splits reasoning itself and parses replies without tools too
     recovers_json_calls: bool = False
+    markers: tuple[str, ...] = ()
 
     def create_parser(self, tools: list[dict]) -> OutputParser:
         """A fresh streaming parser for one reply; ``tools`` are OpenAI-shape tool definitions."""

@@ -114,6 +114,7 @@ class HarmonyFormat(ToolFormat):
     """gpt-oss's channels: reasoning, content and ``to=functions.NAME`` calls (see the module docstring)."""
 
     name = "harmony"
+    markers = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
     lazy_trigger = " to=functions."
     owns_reasoning = True  # the parser splits reasoning itself and runs on replies without tools too
 

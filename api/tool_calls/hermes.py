@@ -83,6 +83,7 @@ class HermesFormat(ToolFormat):
     """``<tool_call>`` JSON blocks, as the Hermes 2 Pro and Qwen2.5/Qwen3 templates teach."""
 
     name = "hermes"
+    markers = (OPEN, CLOSE)
     lazy_trigger = OPEN
     recovers_json_calls = True
 

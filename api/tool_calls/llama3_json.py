@@ -105,6 +105,7 @@ class Llama3JsonFormat(ToolFormat):
     """Llama 3.1 / 3.2 / 3.3 custom tools: bare JSON objects with "parameters"."""
 
     name = "llama3_json"
+    markers = (PYTHON_TAG,)
     # the lazy grammar starts right after the call's opening, and only at the start of the reply
     lazy_trigger = '{"name"'
     trigger_only_at_start = True

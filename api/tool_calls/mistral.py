@@ -163,6 +163,7 @@ class MistralFormat(ToolFormat):
     """Mistral's ``[TOOL_CALLS]`` marker with either call syntax (the model picks the one it was trained on)."""
 
     name = "mistral"
+    markers = (MARKER, ARGS, CALL_ID)
     recovers_json_calls = True
     lazy_trigger = MARKER
 

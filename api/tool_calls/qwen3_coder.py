@@ -190,6 +190,7 @@ class Qwen3CoderFormat(ToolFormat):
     """Qwen3-Coder's ``<function=...>`` blocks inside ``<tool_call>``."""
 
     name = "qwen3_coder"
+    markers = (OPEN, CLOSE, FUNCTION_CLOSE, PARAMETER_CLOSE)
     recovers_json_calls = True
     lazy_trigger = OPEN
 
