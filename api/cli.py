@@ -37,8 +37,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
     pull = sub.add_parser("pull", help="fetch a model into $STRATA_HOME, compile its CPU kernels, print its path")
     pull.add_argument("name", nargs="?", default=default_model_name(),
-                      help=f"a known model (--list shows them; default {default_model_name()}) or a .gguf path")
-    pull.add_argument("--list", action="store_true", help="list the known models and which are already on disk")
+                      help=f"a known model (--list shows them; default {default_model_name()}), ollama:NAME[:TAG], "
+                      "lmstudio:PUBLISHER/REPO[/FILE], hf:OWNER/REPO[:QUANT] or a .gguf path")
+    _add_hf_flag(pull)
+    pull.add_argument("--list", action="store_true",
+                      help="list the known models and the models on disk (Ollama, LM Studio, Hugging Face cache)")
     pull.add_argument("--no-warm", action="store_true",
                       help="only fetch the file: skip loading the model and compiling its numpy-backend kernels "
                       "into numba's disk cache (the first `strata serve` of it then compiles them)")
@@ -46,10 +49,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_serve_arguments(serve)
+    _add_hf_flag(serve)
     serve.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="print the completion of one prompt")
-    gen.add_argument("--model", default=default_model_name(), help="model name or path to a .gguf")
+    gen.add_argument("--model", default=default_model_name(),
+                     help="model name, ollama:, lmstudio: or hf: source (as for strata serve), or path to a .gguf")
+    _add_hf_flag(gen)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="render the prompt as one user message")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
@@ -84,10 +90,30 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_hf_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-hf", "--hf-repo", metavar="OWNER/REPO[:QUANT]", default=None,
+                        help="llama-server's spelling of --model hf:OWNER/REPO[:QUANT]")
+
+
+def _hf_as_model(args) -> None:
+    """-hf OWNER/REPO:QUANT becomes the model hf:OWNER/REPO:QUANT; naming a model as well is ambiguous."""
+    if args.hf_repo is None:
+        return
+    named = getattr(args, "name", None) or getattr(args, "model", None)  # pull's NAME, serve/generate's --model
+    if named not in (None, default_model_name()):
+        raise ValueError("-hf names the model: give either -hf or a model, not both")
+    spec = "hf:" + args.hf_repo
+    if hasattr(args, "name"):
+        args.name = spec
+    else:
+        args.model = spec
+
+
 def _cmd_serve(args) -> int:
     from api.logging_setup import configure_logging
     from api.serve import run_server
 
+    _hf_as_model(args)
     config = config_from_args(args)
     configure_logging(config.log_format, config.log_level)
     return run_server(config)
@@ -115,6 +141,7 @@ def _cmd_pull(args) -> int:
     if args.list:
         _print_model_list()
         return 0
+    _hf_as_model(args)
     path = resolve_model(args.name)
     if not args.no_warm:
         _warm_kernels(path)
@@ -147,6 +174,17 @@ def _print_model_list() -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[-1])
+    from engine.model_list import list_local_models
+
+    local = [("on disk (--model)", "size", "path")]
+    local += [(m.spec, f"{m.size / 2**20:.0f} MiB", str(m.path)) for m in list_local_models()]
+    if len(local) == 1:
+        print("\nno models in Ollama's store, LM Studio's folder or the Hugging Face cache")
+        return
+    print()
+    widths = [max(len(row[i]) for row in local) for i in range(2)]
+    for row in local:
+        print(f"{row[0].ljust(widths[0])}  {row[1].rjust(widths[1])}  {row[2]}")
 
 
 def _cmd_generate(args) -> int:
@@ -162,6 +200,7 @@ def _cmd_generate(args) -> int:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
     )
+    _hf_as_model(args)
     with limit_threads(args.threads or os.cpu_count() or 1):
         loaded = open_model(args.model, chat_template_path=args.chat_template, max_positions=args.ctx_size,
                             cpu_weights=args.cpu_weights)

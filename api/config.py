@@ -50,7 +50,8 @@ class ServerConfig:
     pass them on explicitly (see `public_model_name`).
     """
 
-    model: str = _opt(default_model_name(), "model name (`strata pull --list` shows them) or path to a .gguf",
+    model: str = _opt(default_model_name(), "model name (`strata pull --list` shows them), ollama:NAME[:TAG], "
+                      "lmstudio:PUBLISHER/REPO, hf:OWNER/REPO[:QUANT], or path to a .gguf",
                       metavar="NAME|PATH")
     host: str = _opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)", metavar="ADDR")
     port: int = _opt(8100, "TCP port to listen on (0 picks a free one)")
@@ -105,7 +106,8 @@ class ServerConfig:
     api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' (unset: no authentication); several "
                                      "comma-separated keys are tenants whose cached KV is never shared",
                                metavar="KEY[,KEY...]")
-    served_model_name: str | None = _opt(None, "model id shown by the API (unset: the model file's stem)",
+    served_model_name: str | None = _opt(None, "model id shown by the API (unset: the name its source gives it, "
+                                                "else the model file's stem)",
                                          metavar="NAME")
     chat_template: str | None = _opt(None, "jinja file overriding the model's chat template", metavar="FILE")
     tool_call_format: str = _opt("auto", "how the model writes tool calls (auto: from the chat template; generic: "

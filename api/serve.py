@@ -101,8 +101,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                         hidden_token_ids=protocol.hidden_token_ids)
     if expert_cache is not None:  # its slots granted by the memory admission, beside the KV pool
         connect_expert_budget(expert_cache, engine, loaded.model.config.n_experts_used)
-    served = config.served_model_name or loaded.path.stem
-    aliases = {served, config.model, loaded.path.name, loaded.path.stem}
+    served = config.served_model_name or loaded.served_name
+    aliases = {served, config.model, loaded.served_name, loaded.path.name, loaded.path.stem}
     log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens; K/V %s, %d bytes per token",
              engine.cache.num_blocks, BLOCK_SIZE, engine.cache.num_blocks * bytes_per_block / 2**20, config.batch,
              ctx_size, kv_type, runner.layout.bytes_per_token,

@@ -14,7 +14,8 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from engine.gguf_header import read_gguf
+from engine.gguf_header import TensorInfo, read_gguf
+from engine.gguf_names import split_name
 
 log = logging.getLogger("strata.gguf")
 
@@ -28,7 +29,7 @@ def supported_quant_types() -> set[GGMLQuantizationType]:
 
 
 class GGUFFile:
-    """An opened GGUF file (memory-mapped, read-only).
+    """An opened GGUF file (memory-mapped, read-only), or a split model opened by its first part.
 
     `fields` maps every metadata key to a Python value (str, int, float, bool or list of them).
     `tensor(name)` returns the dequantised float32 array in numpy order ([rows, cols] = [out, in]).
@@ -37,7 +38,7 @@ class GGUFFile:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:  # engine/gguf_header.py: gguf.GGUFReader's field parts cost gemma3-270m 713 MiB of RSS
-            self.fields, self._tensors = read_gguf(self.path)
+            self.fields, self._tensors = read_split_gguf(self.path)
         except (ValueError, struct.error, UnicodeDecodeError) as exc:
             raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
         self._check_tensor_types()
@@ -97,6 +98,35 @@ class GGUFFile:
                 + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
                 + f". Supported: {', '.join(sorted(_type_name(s) for s in supported))}"
             )
+
+
+def read_split_gguf(path: Path) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """read_gguf of a whole model: for the first part of a split model (``split.count`` > 1, named
+    ``<prefix>-00001-of-0000N.gguf``) the tensors of every part, each part mapped where it lies (no copy, no
+    merged file); the metadata is the first part's. ValueError for a later part, a missing or foreign part."""
+    fields, tensors = read_gguf(path)
+    count = int(fields.get("split.count", 1))
+    if count <= 1:
+        return fields, tensors
+    name = split_name(path.name)
+    if int(fields.get("split.no", 0)) != 0 or name is None or name.count != count or name.index != 1:
+        raise ValueError(f"part {int(fields.get('split.no', 0)) + 1} of a {count}-part split model: give the "
+                         f"first part, named like <name>-00001-of-{count:05d}.gguf")
+    for index in range(2, count + 1):
+        part = path.with_name(name.part_path(index))
+        if not part.is_file():
+            raise ValueError(f"part {index} of {count} ({part.name}) is missing beside {path.name}")
+        part_fields, part_tensors = read_gguf(part)
+        if int(part_fields.get("split.no", -1)) != index - 1 or int(part_fields.get("split.count", 0)) != count:
+            raise ValueError(f"{part.name} is not part {index} of {count} (its split.no / split.count say "
+                             f"{part_fields.get('split.no')} / {part_fields.get('split.count')})")
+        if dup := set(tensors) & set(part_tensors):
+            raise ValueError(f"{part.name} repeats tensor(s) of earlier parts: {', '.join(sorted(dup)[:3])}")
+        tensors.update(part_tensors)
+    expected = int(fields.get("split.tensors.count", len(tensors)))
+    if len(tensors) != expected:
+        raise ValueError(f"the {count} parts hold {len(tensors)} tensors; split.tensors.count says {expected}")
+    return fields, tensors
 
 
 def _type_name(tensor_type: Any) -> str:

@@ -9,7 +9,7 @@ from engine.backends.base import Backend
 from engine.chat_template import ChatTemplate
 from engine.gguf_file import GGUFFile
 from engine.model import LoadInfo, Model, load_model
-from engine.model_store import resolve_model
+from engine.model_store import resolve_model_source
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.loader")
@@ -26,10 +26,16 @@ class LoadedModel:
     tokenizer: Tokenizer
     chat_template: ChatTemplate
     info: LoadInfo
+    source_name: str = ""  # the name its source gives it (ollama:qwen2.5:0.5b -> "qwen2.5:0.5b"); "": the file's
 
     @property
     def path(self) -> Path:
         return self.info.path
+
+    @property
+    def served_name(self) -> str:
+        """The model id the API shows unless --served-model-name says otherwise."""
+        return self.source_name or self.path.stem
 
 
 def choose_backend(name: str, device: int | None = None) -> tuple[str, str]:
@@ -98,7 +104,8 @@ def open_model(
 ) -> LoadedModel:
     """Resolve (fetching if needed), load and wrap a model on `backend` (default: create_backend(backend_name,
     cpu_weights=cpu_weights)). Raises ValueError on unsupported files."""
-    path = resolve_model(name_or_path, fetch=fetch)
+    resolved = resolve_model_source(name_or_path, fetch=fetch)
+    path = resolved.path
     if backend is None and backend_name in ("auto", "cuda"):
         backend_name = _backend_for_arch(GGUFFile(path).architecture, backend_name, path)
     backend = backend or create_backend(backend_name, cpu_weights=cpu_weights)
@@ -109,7 +116,7 @@ def open_model(
     model, gguf, info = load_model(path, backend, max_positions)
     tokenizer = Tokenizer.from_gguf_fields(gguf.fields)
     template = ChatTemplate.from_gguf_fields(gguf.fields, model.config.arch, chat_template_path)
-    return LoadedModel(model, tokenizer, template, info)
+    return LoadedModel(model, tokenizer, template, info, resolved.name)
 
 
 def _backend_for_arch(arch: str, backend_name: str, path) -> str:

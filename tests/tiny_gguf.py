@@ -130,7 +130,9 @@ def write_tiny_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     weights around 1),
     ``name``, ``chat_template`` (ChatML; None to omit), ``add_bos`` (False),
     ``extra_metadata`` ({key: value} added with GGUFWriter.add_key_value
-    inference: int -> uint32, float -> float32, bool, str).
+    inference: int -> uint32, float -> float32, bool, str), ``split_max_tensors``
+    (0; N writes a split model ``<stem>-00001-of-0000K.gguf`` .. of at most N tensors
+    a part, as llama-gguf-split does, instead of ``path``).
 
     Returns a dict with the config: arch, path, vocab_size, n_embd, n_layer,
     n_head, n_head_kv, head_dim, n_ff, n_ctx, rope_base, rms_eps,
@@ -162,6 +164,7 @@ def write_tiny_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     chat_template = o.pop("chat_template", CHATML_TEMPLATE)
     add_bos = bool(o.pop("add_bos", False))
     extra = o.pop("extra_metadata", {})
+    split_max_tensors = int(o.pop("split_max_tensors", 0))
     if o:
         raise TypeError(f"unknown overrides: {sorted(o)}")
     for q in (quant, embd_quant):
@@ -208,7 +211,7 @@ def write_tiny_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
     if not tied:
         tensors["output.weight"] = mat(vocab, n_embd)
 
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_type("model")
     w.add_name(name)
     # --- hparams, in the converter's order (TextModel + per-arch extras) ---
