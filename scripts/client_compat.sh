@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The real agent clients against strata, each given two tasks: one-step (read note.txt, answer with the launch
-# code in it) and two-step (read numbers.txt, write their sum into sum.txt). Checks each outcome itself and
+# The real agent clients against strata, each given up to three tasks: one-step (note: read note.txt, answer with
+# the launch code in it) and two-step (code: read note.txt, write the code into code.txt; sum: read numbers.txt,
+# write their sum into sum.txt, which also asks the model for arithmetic). Checks each outcome itself and
 # prints a table: a column per task, tool calls made / executed, turns, and the reuse of every later turn.
 #
-#   bash scripts/client_compat.sh [--clients codex,claude,opencode,llm] [--tasks note,sum] [--port 8190]
+#   bash scripts/client_compat.sh [--clients codex,claude,opencode,llm] [--tasks note,code,sum] [--port 8190]
 #                                 [--model qwen2.5-coder-0.5b] [--tool-call-format FORMAT]
 #
 # The server starts as a user would start it: `strata serve --model M` (and the port and --log-format json);
@@ -20,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 clients="codex,claude,opencode,llm"
-tasks="note,sum"
+tasks="note,code,sum"
 port=8190
 model=qwen2.5-coder-0.5b
 tool_format=""

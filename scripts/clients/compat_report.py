@@ -5,7 +5,7 @@
     python3 compat_report.py table RUNS_JSONL            # the markdown table and one line per run
 
 A task passes on what the client left behind, not on what it says about itself: the answer names the
-launch code, or sum.txt holds the sum. Turns and reuse come from the server's per-request JSON log lines
+launch code, code.txt holds the code, or sum.txt holds the sum. Turns and reuse come from the server's per-request JSON log lines
 (logger strata.requests: prompt_tokens, reused_tokens, tools, finish_reason) of the run's own slice of the
 log. A turn is a request that carried tools and was not aborted; requests without tools (opencode's title
 request) are side requests, and one the client gave up on (then sent again) is counted apart, its reuse shown.
@@ -23,6 +23,12 @@ TASKS = {
         "title": "one-step: read note.txt, answer",
         "files": {"note.txt": "The launch code is 7481-ZETA.\n"},
         "prompt": "What is the launch code in note.txt? Read the file and answer with the code.",
+    },
+    "code": {
+        "title": "two-step: read note.txt, write code.txt",
+        "files": {"note.txt": "The launch code is 7481-ZETA.\n"},
+        "prompt": "note.txt holds a launch code. Read the file, then write just the launch code into a new file "
+                  "code.txt.",
     },
     "sum": {
         "title": "two-step: read numbers.txt, write sum.txt",
@@ -46,11 +52,12 @@ def check(task: str, workdir: pathlib.Path, answer: str) -> tuple[bool, str]:
     """Whether the task was done, and what was found."""
     if task == "note":
         return "7481-ZETA" in answer, f"answer: {answer[:60]!r}"
-    written = workdir / "sum.txt"
+    name, wanted = ("code.txt", "7481-ZETA") if task == "code" else ("sum.txt", str(sum(NUMBERS)))
+    written = workdir / name
     if not written.exists():
-        return False, "no sum.txt"
+        return False, f"no {name}"
     text = written.read_text(errors="replace")
-    return text.strip() == str(sum(NUMBERS)), f"sum.txt: {text[:30]!r}"
+    return text.strip() == wanted, f"{name}: {text[:30]!r}"
 
 
 def server_turns(log_path: str) -> dict:
