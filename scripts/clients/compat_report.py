@@ -95,12 +95,27 @@ def row(client, task, workdir, out_path, log_path, status, seconds) -> None:
                       **server_turns(log_path), "exit": int(status), "seconds": int(seconds)}))
 
 
+def reuse_note(turns: list, index: int) -> str:
+    """Why a later turn reused under 90% of its prompt: it reused an earlier prompt whole (the new tokens, a tool
+    result and the reply re-rendered, are over a tenth of a short prompt), or it is the conversation's first
+    turn (after side requests of the client's own, such as Claude Code's short ones with tools; what it reused
+    came from earlier runs)."""
+    reused, prompt = turns[index][0], turns[index][1]
+    if reused >= REUSE_BAR * prompt:
+        return ""
+    if all(earlier < prompt / 2 for _, earlier, _, _ in turns[:index]):
+        return " (the conversation's first turn)"
+    whole = [earlier for _, earlier, _, _ in turns[:index] if earlier - 1 <= reused]  # the last token is re-read
+    if whole and max(whole) >= prompt / 2:
+        return f" (<90%: all {max(whole)} of the earlier prompt)"
+    return " (<90%)"
+
+
 def reuse_cell(turns: list) -> str:
-    later = turns[1:]
-    if not later:
+    if len(turns) < 2:
         return "-"
-    parts = [f"{r}/{p}" + ("" if r >= REUSE_BAR * p else " (<90%)") + (" (aborted)" if aborted else "")
-             for r, p, _, aborted in later]
+    parts = [f"{turns[i][0]}/{turns[i][1]}" + reuse_note(turns, i) + (" (aborted)" if turns[i][3] else "")
+             for i in range(1, len(turns))]
     return ", ".join(parts)
 
 
