@@ -23,6 +23,7 @@ from api.checkpoint_hints import find_line_end_ids, find_message_start_id
 from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.config_checks import AUTO_CTX_CAP, resolve_ctx_size
+from api.event_loop import uvicorn_loop
 from api.sampling_defaults import load_sampling_defaults
 from api.server import LoadingState, ServerState, create_app
 from engine.backends.cuda_device import leave_outside_arena
@@ -267,7 +268,8 @@ def create_server(state: ServerState | LoadingState, port: int | None = None,
     """The uvicorn server of a ready `state`; or, given `load` (and a LoadingState), one that listens at once
     and serves the ServerState `load` returns from when it returns (_GracefulServer)."""
     config = state.config
-    loop = "uvloop" if sys.platform != "win32" else "asyncio"
+    loop = uvicorn_loop()
+    log.debug("event loop: %s", loop)
     app = create_app(state, lifespan=_lifespan)
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port if port is None else port,

@@ -15,7 +15,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api import completions, messages_api, responses_api, worker_info
+from api import completions, dashboard, messages_api, responses_api, worker_info
 from api.chat_protocol import ChatProtocol
 from api.config import ServerConfig
 from api.errors import APIError, bad_request, internal_error, overloaded, too_large, unauthorized
@@ -29,8 +29,9 @@ from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
 
 log = logging.getLogger("strata.api")
-# answer without the API key: load balancers, scrapers, and a router's probes (api/worker_info.py)
-_OPEN_PATHS = {"/health", "/metrics", *worker_info.OPEN_PATHS}
+# answer without the API key: load balancers, scrapers, a router's probes (api/worker_info.py), and the
+# dashboard's page, which holds no data: what it shows comes from keyed routes (api/dashboard.py)
+_OPEN_PATHS = {"/health", "/metrics", *worker_info.OPEN_PATHS, *dashboard.OPEN_PATHS}
 LOADING_RETRY_S = 5  # the Retry-After of a request refused while the model loads
 
 
@@ -266,6 +267,7 @@ def create_app(state: ServerState | LoadingState, lifespan=None) -> Starlette:
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),
         *worker_info.create_routes(endpoint),  # what routers probe: /server_info, /model_info, /get_load
+        *dashboard.create_routes(endpoint),  # /dashboard and the /requests it reads
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.strata = state

@@ -24,8 +24,8 @@ _SERVICE_ROOT = Path("/usr/share/ollama/.ollama/models")  # the Linux installer'
 _NOTED_LAYERS = {
     "application/vnd.ollama.image.template": "its Go template is not used; the GGUF's own chat template is "
                                              "(--chat-template FILE overrides it)",
-    "application/vnd.ollama.image.params": "its default parameters are not applied; set sampling per request "
-                                           "or with --temperature etc.",
+    "application/vnd.ollama.image.params": "its default parameters are not applied (sampling comes from each "
+                                           "request, else the GGUF's own defaults)",
     "application/vnd.ollama.image.system": "its system prompt is not added; send one in the request",
     "application/vnd.ollama.image.projector": "its vision projector is not loaded (text only)",
     "application/vnd.ollama.image.license": "license text only",

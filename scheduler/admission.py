@@ -3,19 +3,20 @@
 It knows the engine's own allocations (weights and the device KV pool, from the engine's own figures,
 not from a RAM sample that would count them again), the configured cap of the host tier, a floor left to
 the rest of the machine, and the machine's real limit: the container's (cgroup v2 `memory.max`, v1
-`memory.limit_in_bytes`) or else what the kernel says is available. A host tier that cannot fit is
-clamped to what fits, with a warning naming the flag and the value; a machine that cannot even hold the
-engine plus the floor is refused with a ValueError that says what to change. The result is the host
-tier's budget; `create_admission` hands it to the MemoryAdmission (memory_admission.py) that commits it as
+`memory.limit_in_bytes`, read from the files: psutil does not know cgroups) or else what the OS says is
+available (psutil: MemAvailable on Linux, the same figure on Windows and macOS). A host tier that cannot fit
+is clamped to what fits, with a warning naming the flag and the value; a machine that cannot even hold the
+engine plus the floor is refused with a ValueError that says what to change. The result is the host tier's
+budget; `create_admission` hands it to the MemoryAdmission (memory_admission.py) that commits it as
 parks need it (or all at start, when the operator asks), re-reading the machine's room at each growth.
 """
 from __future__ import annotations
 
 import logging
-import os
-import resource
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from scheduler.memory_admission import SEGMENT_BYTES, MemoryAdmission
 
@@ -45,7 +46,8 @@ class MemoryPlan:
 
 
 def read_machine_memory(root: Path = Path("/")) -> MachineMemory:
-    """The limit that applies to this process: cgroup v2, then v1, then /proc/meminfo."""
+    """The limit that applies to this process: cgroup v2, then v1 (Linux), then the OS's total and available
+    memory (psutil, any OS)."""
     own = _own_rss_bytes()
     v2 = root / "sys/fs/cgroup/memory.max"
     if v2.exists() and v2.read_text().strip() not in ("", "max"):
@@ -55,11 +57,10 @@ def read_machine_memory(root: Path = Path("/")) -> MachineMemory:
     if v1.exists() and int(v1.read_text()) < _NO_LIMIT:
         usage = int((root / "sys/fs/cgroup/memory/memory.usage_in_bytes").read_text())
         return MachineMemory(int(v1.read_text()), max(0, usage - own), "cgroup v1 memory.limit_in_bytes")
-    info = _meminfo(root / "proc/meminfo")
-    total, available = info["MemTotal"], info["MemAvailable"]
-    # MemAvailable already excludes this process's own pages: add them back so they are counted once,
+    memory = psutil.virtual_memory()
+    # Available memory already excludes this process's own pages: add them back so they are counted once,
     # as the engine's figure, and not a second time as "used by others".
-    return MachineMemory(total, max(0, total - available - own), "MemAvailable")
+    return MachineMemory(memory.total, max(0, memory.total - memory.available - own), "available memory")
 
 
 def plan_memory(engine_bytes: int, host_tier_mib: int, min_free_mib: int, block_bytes: int,
@@ -99,16 +100,5 @@ def create_admission(plan: MemoryPlan, commit_at_start: bool, min_free_mib: int)
 
 
 def _own_rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: the high-water mark is the best estimate there is
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _meminfo(path: Path) -> dict[str, int]:
-    out = {}
-    for line in path.read_text().splitlines():
-        key, _, rest = line.partition(":")
-        out[key] = int(rest.split()[0]) * 1024
-    return out
+    """This process's resident bytes now (psutil: /proc/self/statm on Linux, the working set on Windows)."""
+    return psutil.Process().memory_info().rss

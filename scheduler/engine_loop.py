@@ -168,12 +168,15 @@ class EngineLoop:
             self.cache.check_integrity()
         return state
 
-    # GET /slots, /cache, /pipeline, /get_load: read-only views (scheduler/engine_views.py)
+    # GET /slots, /cache, /requests, /pipeline, /get_load: read-only views (scheduler/engine_views.py)
     def slots_snapshot(self) -> list[dict]:
         return [engine_views.slot_info(self, i, r) for i, r in enumerate(self.table.slots)]
 
     def cache_snapshot(self) -> dict:
         return engine_views.cache_snapshot(self)
+
+    def requests_snapshot(self, conversation: str | None = None, limit: int = 256) -> list[dict]:
+        return self.output.history.snapshot(conversation, limit)
 
     def pipeline_snapshot(self) -> dict:
         return engine_views.pipeline_snapshot(self)

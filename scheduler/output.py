@@ -12,6 +12,7 @@ import time
 from engine.stop import StopStringMatcher
 from engine.tokenizer import IncrementalDecoder, Tokenizer
 from scheduler.request import Delta, Request
+from scheduler.request_history import RequestHistory, miss_summary
 from scheduler.step import StepResult
 
 log = logging.getLogger("strata.requests")
@@ -24,6 +25,8 @@ class OutputProcessor:
         self.hidden_token_ids = hidden_token_ids  # control tokens whose text a reply leaves out
         self.progress_interval_s = progress_interval_s
         self._text_state: dict[str, tuple[IncrementalDecoder, StopStringMatcher]] = {}
+        self._misses: dict[str, dict] = {}  # request id -> its miss, until the request's record is written
+        self.history = RequestHistory()  # the last finished requests (GET /requests, the dashboard)
 
     def accept_token(self, request: Request, result: StepResult) -> str | None:
         """Record a sampled token and stream its text; returns a finish reason when the request is done."""
@@ -80,6 +83,7 @@ class OutputProcessor:
             return
         position = miss["position"]
         described = request.describe_position(position) if request.describe_position else ""
+        self._misses[request.request_id] = miss_summary(miss, described)
         where = f" ({described})" if described else ""
         named = f"conversation {request.conversation_key!r}: " if request.conversation_key else ""
         base = {"request_id": request.request_id, "position": position}
@@ -149,6 +153,9 @@ class OutputProcessor:
             fields["error"] = error
         if request.conversation_key:
             fields["conversation"] = request.conversation_key
+        ttft = round((request.prefill_done_s - request.arrival_s) * 1e3, 1) if request.prefill_done_s else None
+        self.history.add({**fields, "ttft_ms": ttft, "read_ms": round(read_ms, 1), "finished_at": time.time(),
+                          "miss": self._misses.pop(request.request_id, None)})
         log.info(
             "prompt %d tokens = %d reused (device %d, host %d, disk %d) + %d read in %.0f ms (%.0f tok/s), "
             "%d generated, %d tools",

@@ -1,8 +1,11 @@
 """Memory admission at start-up: the machine's limit read the right way, the host tier clamped or refused."""
 import logging
+from types import SimpleNamespace
 
+import psutil
 import pytest
 
+from scheduler import admission
 from scheduler.admission import MIB, MachineMemory, create_admission, plan_memory, read_machine_memory
 
 
@@ -15,18 +18,27 @@ def _write(root, rel, text):
 def test_cgroup_v2_limit_wins(tmp_path):
     _write(tmp_path, "sys/fs/cgroup/memory.max", str(6144 * MIB))
     _write(tmp_path, "sys/fs/cgroup/memory.current", str(5000 * MIB))
-    _write(tmp_path, "proc/meminfo", "MemTotal: 100000000 kB\nMemAvailable: 90000000 kB\n")
     machine = read_machine_memory(tmp_path)
     assert machine.source == "cgroup v2 memory.max" and machine.limit_bytes == 6144 * MIB
     assert machine.in_use_bytes <= 5000 * MIB  # this process's own pages are not counted as others'
 
 
-def test_unlimited_cgroup_v2_falls_back_to_v1_then_meminfo(tmp_path):
+def test_unlimited_cgroup_v2_falls_back_to_v1_then_available_memory(tmp_path, monkeypatch):
     _write(tmp_path, "sys/fs/cgroup/memory.max", "max")
     _write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(2**63 - 4096))
-    _write(tmp_path, "proc/meminfo", "MemTotal: 24000000 kB\nMemFree: 1 kB\nMemAvailable: 20000000 kB\n")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=24000 * MIB, available=20000 * MIB))
+    monkeypatch.setattr(admission, "_own_rss_bytes", lambda: 300 * MIB)
     machine = read_machine_memory(tmp_path)
-    assert machine.source == "MemAvailable" and machine.limit_bytes == 24000000 * 1024
+    # this process's 300 MiB are not "used by others": available already left them out
+    assert machine == MachineMemory(24000 * MIB, (24000 - 20000 - 300) * MIB, "available memory")
+
+
+def test_available_memory_without_cgroup_files_as_on_windows(tmp_path):
+    """No /sys/fs/cgroup at all (Windows, macOS): the OS's own figures, from psutil, and this process's RSS."""
+    machine = read_machine_memory(tmp_path)
+    memory = psutil.virtual_memory()
+    assert machine.source == "available memory" and machine.limit_bytes == memory.total
+    assert 0 <= machine.in_use_bytes <= memory.total - memory.available
 
 
 def test_cgroup_v1_limit(tmp_path):

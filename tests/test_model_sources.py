@@ -221,19 +221,31 @@ def test_cli_pull_hf_then_list_shows_every_store(tiny, tmp_path):
     assert any(line.startswith("hf:owner/Tiny-GGUF/Tiny-Q8_0-00001-of-00003.gguf ") for line in lines)
 
 
-def test_serve_model_from_the_ollama_store(tiny, tmp_path, monkeypatch):
-    """`strata serve --model ollama:tiny:q8`: loaded from the blob in place, served under Ollama's name."""
+@pytest.mark.parametrize("store", ["ollama", "lmstudio"])
+def test_serve_a_real_model_from_another_tools_store(store, smollm2_path, tmp_path, monkeypatch):
+    """`strata serve --model ollama:smollm2:135m` (or lmstudio:...): SmolLM2's GGUF laid out as that tool keeps
+    it, loaded from there in place, served under the store's name, and answering as SmolLM2 does."""
     import httpx
 
     from tests.server_harness import running_server
 
-    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path))
-    blob = add_ollama_model(tmp_path, "tiny", tiny["whole"].read_bytes(), tag="q8")
-    with running_server(None, model="ollama:tiny:q8", batch=1, ctx_size=128) as (url, state):
-        assert state.loaded.path == blob
-        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny:q8"]
+    data = smollm2_path.read_bytes()
+    if store == "ollama":
+        monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path))
+        where = add_ollama_model(tmp_path, "smollm2", data, tag="135m")
+        spec, served = "ollama:smollm2:135m", "smollm2:135m"
+    else:
+        monkeypatch.setenv("LMSTUDIO_MODELS", str(tmp_path))
+        where = tmp_path / "bartowski" / "SmolLM2-135M-Instruct-GGUF" / "SmolLM2-135M-Instruct-Q4_1.gguf"
+        where.parent.mkdir(parents=True)
+        where.write_bytes(data)
+        spec, served = "lmstudio:bartowski/SmolLM2-135M-Instruct-GGUF:Q4_1", \
+            "bartowski/SmolLM2-135M-Instruct-GGUF/SmolLM2-135M-Instruct-Q4_1.gguf"
+    with running_server(None, model=spec, batch=1, ctx_size=256) as (url, state):
+        assert state.loaded.path == where
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == [served]
         reply = httpx.post(f"{url}/v1/chat/completions", json={
-            "model": "tiny:q8", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-            "temperature": 0}, timeout=60)
+            "model": served, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 12, "temperature": 0}, timeout=600)
         assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] == 3
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
