@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.gguf_names import model_files_listing, pick_model_file, split_parts
+from engine.gguf_names import model_files_listing, pick_model_file, split_name, split_parts
 
 HF_PREFIXES = ("hf:", "hf.co/", "huggingface.co/", "https://huggingface.co/")
 
@@ -51,14 +51,12 @@ def fetch_hf_model(spec: str, log: Callable[[str], None], offline: bool = False)
 
     ``offline`` (or ``HF_HUB_OFFLINE``) resolves from the cache alone, without asking the hub.
     """
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.utils import disable_progress_bars
 
     repo, tag, file_name = parse_hf_spec(spec)
     if not sys.stderr.isatty():  # tqdm's bars are for a terminal; in a log they are noise
         disable_progress_bars()
-    from huggingface_hub import constants
-
     offline = offline or constants.HF_HUB_OFFLINE
     files = _cached_files(repo) if offline else _repo_files(repo, log)
     first = file_name or pick_model_file(files, tag)
@@ -75,14 +73,8 @@ def fetch_hf_model(spec: str, log: Callable[[str], None], offline: bool = False)
     paths = [Path(_download(hf_hub_download, repo, part, offline)) for part in parts]
     if len({p.parent for p in paths}) != 1:  # split parts are found beside the first: one snapshot folder
         raise HubFetchError(f"hf:{spec}: the parts landed in different snapshot folders: {paths}")
-    name = f"{repo}/{first}" if file_name else f"{repo}:{tag or _tag_of(first)}"
+    name = f"{repo}/{first}" if file_name else f"{repo}:{tag or split_name(first).tag or first}"
     return HFModel(name, paths[0], sum(p.stat().st_size for p in paths))
-
-
-def _tag_of(file_name: str) -> str:
-    from engine.gguf_names import split_name
-
-    return split_name(file_name).tag or file_name
 
 
 def _repo_files(repo: str, log: Callable[[str], None]) -> list[str]:
