@@ -3,8 +3,9 @@
 
 huggingface_hub does the fetching because it already is what every other tool here uses: its cache
 (``$HF_HOME``/``$HF_HUB_CACHE``, default ``~/.cache/huggingface/hub``) is shared with them, so a model another
-tool fetched is not fetched again; downloads resume; ``HF_TOKEN`` (or ``huggingface-cli login``) opens gated
-repositories, ``HF_ENDPOINT`` names a mirror, ``HF_HUB_OFFLINE=1`` resolves from the cache alone. The file a
+tool fetched is not fetched again; a download whose connection drops resumes with a range request;
+``HF_TOKEN`` (or ``huggingface-cli login``) opens gated repositories, ``HF_ENDPOINT`` names a mirror,
+``HF_HUB_OFFLINE=1`` resolves from the cache alone. The file a
 quant tag picks is llama-server's (engine/gguf_names.py); every part of a split model is fetched and the
 first part returned (engine/gguf_file.py opens the rest beside it).
 """

@@ -38,6 +38,7 @@ class FakeHub:
     def __init__(self, repos: dict[str, dict[str, bytes]]):
         self.repos = repos
         self.requests: list[tuple[str, str, str, str]] = []
+        self.drop_after: dict[str, int] = {}  # file -> bytes its next whole GET sends before the connection drops
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -81,6 +82,15 @@ class FakeHub:
         start = int(handler.headers["Range"].split("=")[1].split("-")[0]) if handler.headers.get("Range") else 0
         if start:
             headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        cut = self.drop_after.pop(file_name, None) if body and not start else None
+        if cut is not None:  # the whole length announced, part of it sent, then the connection is gone
+            handler.send_response(200)
+            for key, value in {**headers, "Content-Length": str(len(data))}.items():
+                handler.send_header(key, value)
+            handler.end_headers()
+            handler.wfile.write(data[:cut])
+            handler.close_connection = True
+            return
         _send(handler, 206 if start else 200, data[start:], body, headers)
 
     @contextlib.contextmanager

@@ -167,6 +167,23 @@ def test_hf_default_quant_is_fetched_into_the_hub_cache_once(hub, tmp_path):
     assert not [r for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]]
 
 
+def test_hf_download_resumes_after_a_dropped_connection(hub, monkeypatch):
+    """The connection drops 1000 bytes into the file: huggingface_hub asks for the rest from where its written
+    chunks end (an HTTP range) and the file comes out whole. Its chunks are 10 MB; 256 bytes here, so that some
+    are written before the drop. (A pull that was stopped starts the file again: huggingface_hub 1.x+ writes
+    each download to a file of its own process, so nothing is resumed across runs.)"""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 256)
+    data = hub.repos["owner/Tiny-GGUF"]["Tiny-Q4_K_M.gguf"]
+    hub.drop_after["Tiny-Q4_K_M.gguf"] = 1000
+    path = resolve_model("hf:owner/Tiny-GGUF:Q4_K_M", log=_quiet)
+    assert path.read_bytes() == data
+    ranges = [r[2] for r in hub.requests if r[0] == "GET" and r[1].endswith("/Tiny-Q4_K_M.gguf")]
+    assert len(ranges) == 2 and ranges[0] == ""
+    assert 0 < int(ranges[1].removeprefix("bytes=").removesuffix("-")) <= 1000, ranges
+
+
 def test_hf_split_quant_fetches_every_part_and_loads(hub, tiny):
     path = resolve_model("hf:owner/Tiny-GGUF:q8_0", log=_quiet)
     assert path.name == "Tiny-Q8_0-00001-of-00003.gguf"
