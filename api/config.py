@@ -61,7 +61,12 @@ class ServerConfig:
     layer_split: str = _opt("", "pipeline stages: the first layer of each stage after the first, e.g. 16,32 cuts "
                                 "a 48-layer model into layers 0-15, 16-31, 32-47 (empty: one stage)",
                             metavar="L[,L...]")
-    prefill_chunk: int = _opt(512, "prompt tokens computed per prefill step")
+    prefill_chunk: int = _opt(512, "most tokens of one prompt computed in one step (a step's cost: the running "
+                                   "decodes wait that long for their next token)")
+    # 2048: llama-server's -b, so four ~450-token agent prompts arriving together are read in one step as there.
+    prefill_step_tokens: int = _opt(2048, "most prompt tokens of all prompts in one step: prompts that arrive "
+                                          "together and fit are read together; a prompt that goes on is read "
+                                          "alone, shortest first")
     max_queue: int = _opt(64, "requests allowed to wait for a slot; more get 503")
     ctx_size: int = _opt(0, f"tokens of context per slot (>= {MIN_CTX_SIZE}; 0: the model's trained context, "
                             f"at most {AUTO_CTX_CAP}, enough for an agent's first prompt)")

@@ -45,6 +45,7 @@ def validate_config(cfg: "ServerConfig") -> None:
     need(cuts is not None and all(c > 0 for c in cuts) and list(cuts) == sorted(set(cuts)),
          f"--layer-split {cfg.layer_split!r} must be strictly increasing layer numbers > 0, e.g. 16,32")
     need(cfg.prefill_chunk >= 1, f"--prefill-chunk must be >= 1 (got {cfg.prefill_chunk})")
+    need(cfg.prefill_step_tokens >= 1, f"--prefill-step-tokens must be >= 1 (got {cfg.prefill_step_tokens})")
     need(cfg.max_queue >= 0,
          f"--max-queue must be >= 0 (got {cfg.max_queue}; 0 rejects requests when every slot is busy)")
     need(cfg.ctx_size == 0 or cfg.ctx_size >= MIN_CTX_SIZE,

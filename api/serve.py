@@ -94,7 +94,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
                                     config.reasoning_format, config.tool_call_recovery)
     engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
-                        max_queue=config.max_queue, metrics=metrics, progress_interval_s=config.progress_interval_s,
+                        prefill_step_tokens=config.prefill_step_tokens, max_queue=config.max_queue, metrics=metrics,
+                        progress_interval_s=config.progress_interval_s,
                         disk=disk, batch_groups=groups, admission=admission,
                         write_behind_mib_s=config.conversation_cache_write_behind_mib_s,
                         conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks,

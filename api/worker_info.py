@@ -41,7 +41,7 @@ def server_info(state) -> dict:
         "context_length": state.ctx_size,
         "max_running_requests": engine.num_slots,
         "max_total_tokens": engine.device_pool_tokens,
-        "max_prefill_tokens": engine.prefill_chunk,
+        "max_prefill_tokens": engine.prefill_step_tokens,
         "version": _version(),
         "engine": "strata",
         "backend": state.loaded.model.backend.name,

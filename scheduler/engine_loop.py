@@ -1,9 +1,10 @@
 """The engine loop: continuous batching over slots, on the server's one event loop.
 
 The running requests are divided into --batch-groups groups (a group is a list of slot rows, never a
-padded range, so every slot keeps its cache whatever the grouping). Each group's step packs its decoding
-requests' next tokens plus at most one prefill chunk into one batched forward, so a long prompt delays the
-others' decode by at most one chunk. Steps run through the pipeline stages of a layer split
+padded range, so every slot keeps its cache whatever the grouping). Each group's step packs all its decoding
+requests' next tokens and prompt chunks within a token budget into one batched forward (scheduler/step_plan.py):
+a long prompt delays the others' decode by at most one chunk a step, and prompts that arrive together are read
+in the same steps as far as the budget allows. Steps run through the pipeline stages of a layer split
 (scheduler/pipeline.py), each stage on a worker of its own, while the event loop keeps serving HTTP; with
 several groups the stages work on different groups at once. Everything else (admission, detokenisation,
 stop strings, grammar state, finishing) happens on the loop between a group's steps; a constrained request's
@@ -63,7 +64,8 @@ class EngineLoop:
     """Owns the slots, the wait queue, the batch groups and the pipeline of one model."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
-                 max_queue: int, metrics: Metrics | None = None, progress_interval_s: float = 5.0,
+                 max_queue: int, prefill_step_tokens: int | None = None, metrics: Metrics | None = None,
+                 progress_interval_s: float = 5.0,
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
                  batch_groups: int = 1, admission: MemoryAdmission | None = None,
                  conversation_active_s: float = ACTIVE_WINDOW_S, write_behind_mib_s: float = 0,
@@ -81,7 +83,9 @@ class EngineLoop:
         self.memory = MemoryService(self.cache, on_change=self.wake.set)
         self.integrity_checks = integrity_checks  # tests: check the cache after every admission and step
         self.num_slots = num_slots
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk  # most tokens of one prompt in one step
+        # most prompt tokens of all prompts in one step (None: one chunk's worth, a prompt per step)
+        self.prefill_step_tokens = prefill_step_tokens or prefill_chunk
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
         self.output = OutputProcessor(tokenizer, progress_interval_s, hidden_token_ids)

@@ -2,8 +2,8 @@
 back to the cache at the end, all as plans granted through the memory admission (memory_service.py).
 
     admit     waiting -> slot: its longest cached prefix (restored if parked) + blocks for one chunk
-    schedule  a group's next step: every decoding request's next token plus one prefill chunk, each with
-              its blocks reserved first
+    schedule  a group's next step (scheduler/step_plan.py): every decoding request's next token, then prompt
+              chunks within the step's budget, each with its blocks reserved first
     reserve   each step: blocks for its next n tokens; short even after parking cached blocks: preempt
               running requests, newest first (their computed blocks join the tree; they wait at the head
               of the queue and resume by restore, never by recompute)
@@ -22,6 +22,7 @@ from engine.sampling import Sampler
 from engine.sequence import Sequence
 from scheduler.cache_explain import explain_unseen
 from scheduler.request import Request
+from scheduler.step_plan import compose_step
 
 log = logging.getLogger("strata.scheduler")
 RETRY_S = 0.005  # a refused grant is asked again this soon
@@ -40,6 +41,7 @@ class RequestMemory:
         self.cache, self.memory, self.table = engine.cache, engine.memory, engine.table
         self.hybrid, self.output, self.conversations = engine.hybrid, engine.output, engine.conversations
         self.block_size, self.prefill_chunk = engine.runner.block_size, engine.prefill_chunk
+        self.prefill_step_tokens = engine.prefill_step_tokens
         self.in_flight = engine.in_flight  # group -> its step: those requests' blocks are being written
         self.wake = engine.wake
         self.num_preemptions = 0
@@ -126,13 +128,9 @@ class RequestMemory:
                               allocation.reused_by_tier.get("disk", 0)) or in_cache
 
     def schedule(self, group: int) -> list[tuple[Request, int]]:
-        """Every decoding request's next token, plus one prefill chunk of the oldest admitted prompt, of one
-        group, for those whose blocks were reserved (the others sit the step out)."""
-        running = sorted(self.table.members(group), key=lambda r: r.admitted_s)
-        work = [(r, 1) for r in running if not r.is_prefilling]
-        prefilling = next((r for r in running if r.is_prefilling), None)
-        if prefilling is not None:
-            work.append((prefilling, min(self.prefill_chunk, prefilling.seq.num_pending)))
+        """One group's step as compose_step plans it (every decode, then prompt chunks within the budget), for
+        those whose blocks were reserved (the others sit the step out)."""
+        work = compose_step(self.table.members(group), self.prefill_chunk, self.prefill_step_tokens)
         work = [(r, n) for r, n in work if self.reserve(r, n)]
         work = [(r, n) for r, n in work if r.slot_id is not None]  # a later reservation may have preempted it
         self.hybrid.before_step(work)  # hybrid models: capture the states at checkpoint positions

@@ -57,34 +57,6 @@ def test_concurrent_requests_produce_the_tokens_they_produce_alone(tiny):
     assert all(last.finish_reason == "length" and last.usage.completion_tokens == 12 for _, last in results)
 
 
-def test_each_step_carries_at_most_one_prefill_chunk_and_all_decodes(tiny, monkeypatch):
-    seen = []
-    real = step_module.sample_step
-
-    def spy(work, logits):  # runs after the step's forward: num_computed already counts its tokens
-        seen.append([(r.request_id, n, r.seq.num_computed - n < r.prompt_len) for r, n in work])
-        return real(work, logits)
-
-    monkeypatch.setattr("scheduler.engine_loop.sample_step", spy)
-
-    async def main():
-        loop = _loop(tiny, chunk=8)
-        loop.start()
-        short = loop.submit(Request("short", _prompt(4, 1), _greedy(100)))
-        await short.__anext__()  # short is decoding now
-        long = loop.submit(Request("long", _prompt(60, 2), _greedy(2)))
-        await asyncio.gather(_collect(short), _collect(long))
-        await loop.shutdown(1)
-
-    asyncio.run(main())
-    for work in seen:
-        assert sum(1 for _, n, prefilling in work if prefilling) <= 1
-        assert all(n <= 8 for _, n, _ in work)
-    long_steps = [w for w in seen if any(rid == "long" and prefilling for rid, _, prefilling in w)]
-    assert len(long_steps) == 60 // 8 + 1  # ceil(60 / 8) chunks
-    assert all(any(rid == "short" for rid, _, _ in w) for w in long_steps[:-1])  # short kept decoding
-
-
 def test_abort_frees_the_slot_and_blocks_within_one_step(tiny):
     async def main():
         loop = _loop(tiny, slots=1)
