@@ -1,7 +1,8 @@
 """One chat turn, prepared: the rendered prompt, its token ids, the grammar on the reply and the reply's parser.
 
 Every dialect (chat completions now; Responses and Messages translate into the same ``ChatTurn``) goes
-through ``prepare_turn``: one template render, one tokenizer call, one grammar choice:
+through ``prepare_turn``: one template render, one tokenizer call (the replies this server generated kept as
+their generated ids: api/prompt_ids.py), one grammar choice:
 
     tool_choice required / a named function  -> the format's tool-call grammar from the first token
     response_format json_object / json_schema -> that JSON grammar
@@ -13,13 +14,15 @@ through ``prepare_turn``: one template render, one tokenizer call, one grammar c
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from api.chat_protocol import ChatProtocol
-from api.errors import bad_request
+from api.errors import APIError, bad_request
 from api.generic_tools import rewrite_history
+from api.prompt_ids import PromptIds, encode_prompt
 from api.tool_calls import OutputParser, create_output_parser, prompt_opens_reasoning
 from api.tool_calls.recovered_call import answered_calls, recovery_trigger, restatement_stops
 from api.tool_specs import ToolSpecs
@@ -56,6 +59,7 @@ class PreparedTurn:
     recovers_calls: bool = False  # calls written as bare or fenced JSON are recovered (tool_choice auto)
     answered_calls: frozenset[tuple[str, str]] = frozenset()  # the calls whose tool results end the prompt
     extra_stops: tuple[str, ...] = ()  # stop sequences the server adds (a call restated a second time)
+    encoded: PromptIds | None = None  # the ids with the replies they keep as generated (api/prompt_ids.py)
 
     def create_parser(self, on_recovered: Callable[[str], None] | None = None) -> OutputParser:
         owns_reasoning = self.protocol.tool_format.owns_reasoning  # harmony: every reply is channel markup
@@ -154,11 +158,35 @@ def build_constraint(protocol: ChatProtocol, turn: ChatTurn) -> TokenConstraint 
         raise bad_request(f"{param}: the grammar for this request does not compile: {exc}", param=param) from exc
 
 
-def prepare_turn(state, turn: ChatTurn) -> PreparedTurn:
-    """Render, tokenize, and choose the grammar and parser of one chat turn. Raises APIError."""
+def generation_prompt(state, turn: ChatTurn, text: str) -> str:
+    """The text the template ends a prompt with to ask for a reply (``<|im_start|>assistant\n``): `text`
+    (the turn rendered) against the turn rendered with add_generation_prompt flipped. "" when the template
+    does not append it (a template that renders the two alike, or fails on one)."""
+    flipped = dataclasses.replace(turn, add_generation_prompt=not turn.add_generation_prompt)
+    try:
+        other = render_turn(state, flipped)
+    except APIError:
+        return ""
+    asking, plain = (text, other) if turn.add_generation_prompt else (other, text)
+    return asking[len(plain):] if asking.startswith(plain) else ""
+
+
+def encode_turn(state, turn: ChatTurn, text: str, salt: str) -> PromptIds:
+    """The rendered turn's ids, the replies this server generated kept as generated (api/prompt_ids.py)
+    when --keep-reply-tokens is on and it holds any for this salt."""
+    memory = state.replies
+    if memory is None or not memory.holds_salt(salt):
+        return PromptIds(encode_chat_prompt(state.loaded.tokenizer, text))
+    return encode_prompt(state.loaded.tokenizer, text, generation_prompt(state, turn, text), memory, salt)
+
+
+def prepare_turn(state, turn: ChatTurn, salt: str = "") -> PreparedTurn:
+    """Render, tokenize, and choose the grammar and parser of one chat turn (`salt`: the cache salt, whose
+    generated replies the prompt may keep). Raises APIError."""
     protocol: ChatProtocol = state.protocol
     text = render_turn(state, turn)
-    prompt_ids = encode_chat_prompt(state.loaded.tokenizer, text)
+    encoded = encode_turn(state, turn, text, salt)
+    prompt_ids = encoded.ids
     constraint = build_constraint(protocol, turn)
     specs = turn.specs
     parses_tools = specs.calls_possible
@@ -166,4 +194,4 @@ def prepare_turn(state, turn: ChatTurn) -> PreparedTurn:
     starts_in_reasoning = reasoning is not None and prompt_opens_reasoning(text, reasoning)
     return PreparedTurn(text, prompt_ids, constraint, protocol, parses_tools, starts_in_reasoning, specs.tools,
                         specs.custom_names, recovers_calls(protocol, turn), answered_calls(turn.messages),
-                        restatement_stops(turn.messages) if recovers_calls(protocol, turn) else ())
+                        restatement_stops(turn.messages) if recovers_calls(protocol, turn) else (), encoded)

@@ -122,6 +122,10 @@ class ServerConfig:
                                          "or ```json fenced JSON object naming a declared tool (Qwen2.5-Coder's "
                                          "habit), outside its format's markup (off: only the markup counts)",
                                    ("on", "off"))
+    keep_reply_tokens: str = _opt("on", "a prompt that carries a reply this server generated, after the prompt it "
+                                        "answered, takes the token ids the model generated for it instead of "
+                                        "re-encoding its text, so the cache matches through the reply (off: "
+                                        "every prompt encoded from its text)", ("on", "off"))
     reasoning_format: str = _opt("reasoning_content", "message field for a thinking model's reasoning text "
                                                       "(none: leave it in content)", REASONING_FORMATS)
     log_format: str = _opt("kv", "log line format", LOG_FORMATS)

@@ -24,6 +24,7 @@ from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.config_checks import AUTO_CTX_CAP, resolve_ctx_size
 from api.event_loop import uvicorn_loop
+from api.reply_memory import ReplyMemory
 from api.sampling_defaults import load_sampling_defaults
 from api.server import LoadingState, ServerState, create_app
 from engine.backends.cuda_device import leave_outside_arena
@@ -119,7 +120,8 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     line_ends = find_line_end_ids(loaded.tokenizer) if loaded.model.config.is_hybrid else frozenset()
     return ServerState(config, loaded, engine, metrics, ctx_size, served, aliases, protocol=protocol,
                        message_start_id=message_start, line_end_ids=line_ends,
-                       sampling_defaults=load_sampling_defaults(loaded.path, config.default_temperature))
+                       sampling_defaults=load_sampling_defaults(loaded.path, config.default_temperature),
+                       replies=ReplyMemory() if config.keep_reply_tokens == "on" else None)
 
 
 def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:

@@ -21,6 +21,7 @@ from api.config import ServerConfig
 from api.errors import APIError, bad_request, internal_error, overloaded, too_large, unauthorized
 from api.logging_setup import new_request_id, request_id_var
 from api.messages_events import anthropic_error_response
+from api.reply_memory import ReplyMemory
 from api.sampling_defaults import SamplingDefaults
 from api.tenancy import api_keys
 from api.schemas import ApplyTemplateRequest, DetokenizeRequest, DevicePoolRequest, TokenizeRequest, parse_body
@@ -61,6 +62,7 @@ class ServerState:
     message_start_id: int | None = None  # hybrid models: checkpoint before each message (api/checkpoint_hints.py)
     line_end_ids: frozenset[int] = frozenset()  # hybrid models: tokens that end a line (the same file)
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # what a request that sets none samples with
+    replies: ReplyMemory | None = None  # the replies generated, kept as their ids (--keep-reply-tokens on)
 
 
 def _openai_error(exc: APIError) -> Response:
@@ -153,7 +155,10 @@ async def pipeline(state: ServerState, http_request, request_id) -> Response:
 @endpoint
 async def cache(state: ServerState, http_request, request_id) -> Response:
     """The conversation cache per tier: blocks cached / in use / total, parks, restores, drops."""
-    return JSONResponse(state.engine.cache_snapshot())
+    snapshot = state.engine.cache_snapshot()
+    if state.replies is not None:  # prompts that kept replies as generated (api/prompt_ids.py)
+        snapshot["replies"] = state.replies.snapshot()
+    return JSONResponse(snapshot)
 
 
 @endpoint

@@ -17,10 +17,10 @@ from starlette.requests import Request as HTTPRequest
 
 from api.checkpoint_hints import line_starts, message_starts
 from api.chat_output import ReplyAssembler
-from api.chat_turn import ChatTurn, PreparedTurn, prepare_turn, render_turn
+from api.chat_turn import ChatTurn, PreparedTurn, encode_turn, prepare_turn, render_turn
 from api.errors import APIError, bad_request, context_overflow, overloaded
+from api.reply_recording import note_kept_replies, remember_reply
 from api.tenancy import cache_salt_for
-from engine.loader import encode_chat_prompt
 from engine.sampling import SamplingParams
 from scheduler.engine_loop import QueueFullError, ShuttingDownError
 from scheduler.request import Delta, Request
@@ -71,21 +71,26 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
                     num_tools: int | None = None) -> TurnRun:
     """Prepare, budget and submit one chat turn. ``make_params(max_tokens)`` builds the dialect's sampling
     settings once the budget is known. Raises APIError (400 for the prompt, 503 when the queue is full)."""
-    prepared = prepare_turn(state, turn)
+    salt = cache_salt_for(state.config, http_request.headers.get("authorization", ""), client_salt)
+    prepared = prepare_turn(state, turn, salt)
     if not prepared.prompt_ids:
         raise bad_request("the prompt is empty after tokenization", param="messages")
     params = make_params(fit_max_tokens(state, len(prepared.prompt_ids), requested_max_tokens))
     if prepared.extra_stops:
         params = dataclasses.replace(params, stop=params.stop + prepared.extra_stops)
-    salt = cache_salt_for(state.config, http_request.headers.get("authorization", ""), client_salt)
+    if state.replies is not None:
+        note_kept_replies(state.replies, request_id, prepared.encoded)
     request = Request(request_id, prepared.prompt_ids, params, top_logprobs=top_logprobs, cache_salt=salt,
-                      describe_position=position_describer(state, turn), constraint=prepared.constraint,
+                      describe_position=position_describer(state, turn, salt), constraint=prepared.constraint,
                       num_tools=len(turn.specs.tools) if num_tools is None else num_tools,
                       conversation_key=conversation_name(turn.conversation_key, http_request.headers),
                       earlier_turns=sum(m.get("role") == "assistant" for m in turn.messages),
                       checkpoint_positions=message_starts(prepared.prompt_ids, state.message_start_id),
                       line_starts=line_starts(prepared.prompt_ids, state.line_end_ids))
     stream = submit(state, request)
+    if state.replies is not None and turn.add_generation_prompt:
+        stream = remember_reply(state.replies, state.loaded.tokenizer, stream, request, salt, prepared.prompt_text,
+                                len(turn.messages))
     def on_recovered(shape: str) -> None:
         state.protocol.note_recovered(shape)
         state.metrics.tool_calls_recovered.labels(shape=shape).inc()
@@ -102,12 +107,12 @@ def conversation_name(body_key: str | None, headers: Mapping[str, str]) -> str |
     return body_key or next((headers[h] for h in CONVERSATION_HEADERS if headers.get(h)), None)
 
 
-def position_describer(state, turn: ChatTurn) -> Callable[[int], str]:
+def position_describer(state, turn: ChatTurn, salt: str = "") -> Callable[[int], str]:
     """token position -> which message it falls in, for the log line that explains a cache miss.
 
     Renders growing prefixes of the conversation only when asked (a miss), never on the hot path."""
     def describe(position: int) -> str:
-        tokenizer, messages = state.loaded.tokenizer, turn.messages
+        messages = turn.messages
         for count in range(1, len(messages) + 1):
             head = ChatTurn(messages[:count], turn.specs, template_kwargs=turn.template_kwargs,
                             add_generation_prompt=False)
@@ -115,7 +120,7 @@ def position_describer(state, turn: ChatTurn) -> Callable[[int], str]:
                 text = render_turn(state, head)
             except APIError:
                 return ""
-            if len(encode_chat_prompt(tokenizer, text)) > position:
+            if len(encode_turn(state, head, text, salt).ids) > position:
                 where = f"message {count - 1} ({messages[count - 1]['role']})"
                 return where + (", or the tool list before it" if count == 1 and turn.specs.tools else "")
         return "the generation prompt"

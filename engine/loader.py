@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from engine.backends.base import Backend
 from engine.chat_template import ChatTemplate
@@ -137,14 +138,26 @@ def _backend_for_arch(arch: str, backend_name: str, path) -> str:
     return backend_name
 
 
-def encode_chat_prompt(tokenizer: Tokenizer, rendered: str) -> list[int]:
+def encode_chat_prompt(tokenizer: Tokenizer, rendered: str | Sequence[str | list[int]]) -> list[int]:
     """Token ids of a rendered chat prompt: special tokens parsed, BOS added where the model wants one.
 
-    Many templates already start with the BOS token (Gemma, Llama 3); like llama.cpp, keep one BOS rather
-    than doubling it.
+    ``rendered`` may come in parts: text, and ids that stand for a span of it as they were generated (a
+    reply's own tokens, api/prompt_ids.py); text after such ids goes on from them (``Tokenizer.encode``'s
+    ``continues``). Many templates already start with the BOS token (Gemma, Llama 3); like llama.cpp, keep
+    one BOS rather than doubling it.
     """
-    ids = tokenizer.encode(rendered, add_special=True, parse_special=True)
+    return encode_chat_parts(tokenizer, [rendered] if isinstance(rendered, str) else rendered)[0]
+
+
+def encode_chat_parts(tokenizer: Tokenizer, parts: Sequence[str | list[int]]) -> tuple[list[int], list[int]]:
+    """encode_chat_prompt of parts, and where each part's ids start."""
+    ids, starts = [tokenizer.bos_id] if tokenizer.add_bos else [], []
+    for k, part in enumerate(parts):
+        starts.append(len(ids))
+        ids += tokenizer.encode(part, add_special=False, continues=k > 0) if isinstance(part, str) else part
+    if tokenizer.add_eos:
+        ids.append(tokenizer.eos_id)
     bos = tokenizer.bos_id
     if len(ids) >= 2 and bos is not None and ids[0] == bos and ids[1] == bos:
-        ids = ids[1:]
-    return ids
+        ids, starts = ids[1:], [max(0, s - 1) for s in starts]
+    return ids, starts

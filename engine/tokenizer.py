@@ -214,14 +214,19 @@ class Tokenizer:
             frags = out
         return frags
 
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True,
+               continues: bool = False) -> list[int]:
         """Token ids for ``text``; BOS/EOS per the GGUF flags when ``add_special``; special-token
-        texts (CONTROL/UNKNOWN) become their ids when ``parse_special`` (USER_DEFINED always do)."""
+        texts (CONTROL/UNKNOWN) become their ids when ``parse_special`` (USER_DEFINED always do).
+        ``continues``: the text goes on from ids already encoded (a reply's generated tokens), so a text
+        fragment it starts with gets no SPM space prefix (that would be a space inside the text)."""
         frags = self._partition(text, parse_special) if text else []
         texts = [f for f in frags if isinstance(f, str)]
         if self.model == "llama":  # every SPM text fragment follows BOS/start/a special token
             pre = " " if self.add_space_prefix else ""
-            texts = [(pre + f).replace(" ", "\u2581") for f in texts]
+            texts = [("" if continues and k == 0 and isinstance(frags[0], str) else pre) + f
+                     for k, f in enumerate(texts)]
+            texts = [f.replace(" ", "\u2581") for f in texts]
         try:
             encoded = iter([e.ids for e in self._hf.encode_batch_fast(texts, add_special_tokens=False)])
         except TypeError:

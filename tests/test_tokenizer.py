@@ -298,3 +298,12 @@ def test_gemma3_matches_transformers(gemma3):
     hf = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     for text in COMPARE_TEXTS:
         assert gemma3.encode(text) == hf.encode(text, add_special_tokens=True), text
+
+
+def test_text_that_continues_from_ids_gets_no_spm_space_prefix():
+    tok = Tokenizer.from_gguf_fields(spm_fields())
+    assert pieces(tok, tok.encode("hello", add_special=False)) == ["▁hello"]
+    assert pieces(tok, tok.encode("hello", add_special=False, continues=True)) == ["hello"]
+    # a fragment after a special token is not the continued text: it keeps its prefix
+    assert pieces(tok, tok.encode("hello<start_of_turn>hello", add_special=False, continues=True)) \
+        == ["hello", "<start_of_turn>", "▁hello"]
