@@ -17,16 +17,15 @@ from typing import Any, AsyncIterator, Callable, Mapping
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from api.chat_turn import ChatTurn, render_turn
+from api.chat_turn import ChatTurn, encode_turn, render_turn
 from api.errors import APIError, internal_error
 from api.messages_events import BlockWriter, message_shell, sse_event, stop_reason, usage_body
 from api.messages_schema import CountTokensRequest, MessagesRequest, chat_turn
 from api.sampling_defaults import SamplingDefaults
 from api.schemas import parse_body
-from api.tenancy import api_keys
+from api.tenancy import api_keys, cache_salt_for
 from api.tool_specs import normalise_tools
 from api.turn_runner import TurnRun, collect_or_disconnect, start_chat_turn
-from engine.loader import encode_chat_prompt
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from scheduler.request import Delta
@@ -102,8 +101,11 @@ async def count_tokens(state, http_request: HTTPRequest, request_id: str, raw: b
     """{"input_tokens": N}: the prompt the same body would render to, tokenized."""
     body = parse_body(CountTokensRequest, raw)
     _check_model(state, body.model)
-    text = render_turn(state, _turn(state, body, http_request.headers))
-    return JSONResponse({"input_tokens": len(encode_chat_prompt(state.loaded.tokenizer, text))})
+    turn = _turn(state, body, http_request.headers)
+    salt = cache_salt_for(state.config, http_request.headers.get("authorization", ""),
+                          _tenant_salt(state, http_request.headers))
+    # as the prompt would be: the replies this server generated kept as their ids (api/prompt_ids.py)
+    return JSONResponse({"input_tokens": len(encode_turn(state, turn, render_turn(state, turn), salt).ids)})
 
 
 def sampling_for(body: MessagesRequest, defaults: SamplingDefaults,

@@ -57,6 +57,8 @@ def encode_prompt(tokenizer, text: str, generation_prompt: str, memory: ReplyMem
     search = 0
     while (found := text.find(generation_prompt, search)) >= 0:
         end = found + len(generation_prompt)  # where a reply would have been generated
+        if end == len(text):  # the prompt asks for a reply here (the same prompt again: a retry)
+            break
         search = end
         hasher.update(text[hashed:end].encode("utf-8", "surrogatepass"))
         hashed = end

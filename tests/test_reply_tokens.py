@@ -3,7 +3,7 @@ make a reply's text re-encode to other ids than the ones it was generated as (``
 from engine.chat_template import CHATML_TEMPLATE, ChatTemplate
 from engine.loader import encode_chat_prompt
 from engine.tokenizer import Tokenizer
-from api.prompt_ids import KeptReply, encode_prompt
+from api.prompt_ids import KeptReply, PromptIds, encode_prompt
 from api.reply_memory import ReplyMemory, prompt_key, reply_as_generated
 from tests.test_tokenizer import gpt2_fields
 
@@ -62,6 +62,12 @@ def test_an_edited_or_cut_reply_is_encoded_from_its_text():
         assert encoded.ids == encode_chat_prompt(TOK, rendered)
         assert encoded.kept == () and encoded.not_as_generated == (1,)
     assert text == "hehe"
+
+
+def test_the_prompt_a_reply_answered_sent_again_is_a_retry_not_an_edit():
+    memory, first = ReplyMemory(), [{"role": "user", "content": "hi"}]
+    remember(memory, first, GENERATED)
+    assert encode_prompt(TOK, render(first), ASK, memory) == PromptIds(encode_chat_prompt(TOK, render(first)))
 
 
 def test_a_reply_after_another_prompt_or_under_another_salt_is_not_taken():

@@ -259,3 +259,22 @@ def test_reasoning_format_none_leaves_thinking_in_content(smollm2):
                            json={"model": "smollm2", "messages": ASK, "temperature": 0, "max_tokens": 8}).json()
         message = reply["choices"][0]["message"]
         assert message["content"] and "reasoning_content" not in message
+
+
+@pytest.mark.parametrize("which", ["server", "hermes_server"])
+def test_a_sampled_call_is_kept_as_generated_and_the_next_turn_reuses_all_of_it(which, request):
+    url, state = request.getfixturevalue(which)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    before = httpx.get(url + "/cache").json()["replies"]["replies_kept"]
+    first = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                           temperature=1.0, seed=3, max_tokens=60)
+    message = first.choices[0].message.model_dump(exclude_none=True)
+    history = ASK + [message] + [{"role": "tool", "tool_call_id": c["id"], "content": "18 degrees celsius"}
+                                 for c in message.get("tool_calls", [])]
+    second = client.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER], temperature=0,
+                                            max_tokens=1)
+    # the call as sampled (generic: the server's JSON for it; hermes: the template's <tool_call> block) is the
+    # reply's text byte for byte, so the prompt carries its generated ids and the cache matches through it
+    assert httpx.get(url + "/cache").json()["replies"]["replies_kept"] == before + 1
+    first_total = first.usage.prompt_tokens + first.usage.completion_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == first_total - 1
