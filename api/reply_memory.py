@@ -122,12 +122,13 @@ class ReplyMemory:
 MAX_TRIMMED_TOKENS = 64  # a stop string's tokens, the most a reply's text may fall short of its ids
 
 
-def reply_as_generated(tokenizer, output_ids: list[int], streamed_text: str,
-                       message_index: int) -> GeneratedReply | None:
+def reply_as_generated(tokenizer, output_ids: list[int], streamed_text: str, message_index: int,
+                       hidden_ids: frozenset[int] = frozenset()) -> GeneratedReply | None:
     """The reply a finished request streamed, as its ids and their text. A reply cut by a stop string
     streamed less text than its ids hold: it keeps the ids whose text is the start of what was streamed (the
-    rest is encoded from the text, as any text is). None when nothing of it is as generated."""
-    pieces = [tokenizer.token_piece(i) for i in output_ids]
+    rest is encoded from the text, as any text is). `hidden_ids`: control tokens the stream showed no text
+    for; they stay in the ids, as generated. None when nothing of it is as generated."""
+    pieces = [b"" if i in hidden_ids else tokenizer.token_piece(i) for i in output_ids]
     for count in range(len(pieces), max(0, len(pieces) - MAX_TRIMMED_TOKENS) - 1, -1):
         # decoded as the stream decodes (invalid UTF-8 as U+FFFD), so the text is what the client got
         text = b"".join(pieces[:count]).decode("utf-8", errors="replace")

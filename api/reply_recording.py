@@ -14,16 +14,19 @@ LISTED = 3  # replies named in the log line; the rest are counted
 
 
 async def remember_reply(memory: ReplyMemory, tokenizer, stream: AsyncIterator[Delta], request: Request,
-                         salt: str, prompt_text: str, message_index: int) -> AsyncIterator[Delta]:
+                         salt: str, prompt_text: str, message_index: int,
+                         hidden_ids: frozenset[int] = frozenset()) -> AsyncIterator[Delta]:
     """`stream`, passed through; a reply that ends ("stop", "length") is remembered as the answer to
-    `prompt_text` before its last delta goes out, so the client's next turn always finds it. Closing this
-    stream closes `stream` (a client that went away aborts the request)."""
+    `prompt_text` before its last delta goes out, so the client's next turn always finds it (`hidden_ids`:
+    the control tokens the stream shows no text for). Closing this stream closes `stream` (a client that
+    went away aborts the request)."""
     texts = []
     try:
         async for delta in stream:
             texts.append(delta.text)
             if delta.finish_reason in ("stop", "length"):
-                reply = reply_as_generated(tokenizer, request.output_ids, "".join(texts), message_index)
+                reply = reply_as_generated(tokenizer, request.output_ids, "".join(texts), message_index,
+                                           hidden_ids)
                 if reply is not None:
                     memory.remember(salt, prompt_text, reply)
             yield delta

@@ -90,7 +90,7 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
     stream = submit(state, request)
     if state.replies is not None and turn.add_generation_prompt:
         stream = remember_reply(state.replies, state.loaded.tokenizer, stream, request, salt, prepared.prompt_text,
-                                len(turn.messages))
+                                len(turn.messages), state.protocol.hidden_token_ids)
     def on_recovered(shape: str) -> None:
         state.protocol.note_recovered(shape)
         state.metrics.tool_calls_recovered.labels(shape=shape).inc()

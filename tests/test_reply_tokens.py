@@ -87,6 +87,9 @@ def test_a_reply_cut_by_a_stop_string_keeps_the_ids_of_the_text_it_streamed():
     reply = reply_as_generated(TOK, ids, "hehe", 1)  # "XY" was a stop string: not streamed
     assert list(reply.token_ids) == GENERATED and reply.text == "hehe"
     assert reply_as_generated(TOK, [TOK.token_to_id("Z")], "", 1) is None
+    # a control token the stream showed no text for stays in the ids, as generated
+    hidden = reply_as_generated(TOK, [H, 1, E], "he", 1, hidden_ids=frozenset({1}))
+    assert list(hidden.token_ids) == [H, 1, E] and hidden.text == "he"
 
 
 def test_the_memory_keeps_its_token_budget_least_recently_used_first():
