@@ -33,8 +33,8 @@ class Replayer:
                 "stream": True, "stream_options": {"include_usage": True}}
         if tools:
             body["tools"] = tools
-        if tool_choice:
-            body["tool_choice"] = tool_choice
+        if tool_choice:  # one call a turn: the loop's turns are whole calls, never a call cut by max_tokens
+            body.update(tool_choice=tool_choice, parallel_tool_calls=False)
         started, ttft, text, calls, usage = time.perf_counter(), None, [], {}, None
         with httpx.stream("POST", self.url + "/v1/chat/completions", json=body, timeout=600) as response:
             for line in response.iter_lines():
@@ -140,8 +140,8 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 
 
 def tool_loop_turns(replayer, turns):
-    """One agent loop: every turn the model must call the tool (tool_choice required: the format's grammar),
-    the call goes back as the client sends it (``tool_calls``, rendered by the template or, generic format,
+    """One agent loop: every turn the model must call the tool, once (tool_choice required, parallel_tool_calls
+    false: the format's grammar), the call goes back as the client sends it (``tool_calls``, rendered by the template or, generic format,
     by the server), with its result."""
     history = [{"role": "user", "content": "What is the weather in " + ", then in ".join(TOPIC_CITIES) + "?"}]
     for t in range(turns):

@@ -10,6 +10,8 @@ import dataclasses
 import httpx
 import pytest
 
+from api.chat_turn import ChatTurn, encode_turn, render_turn
+from api.tool_specs import normalise_tools
 from engine.chat_template import ChatTemplate
 
 from engine.loader import encode_chat_prompt
@@ -25,21 +27,28 @@ def _chat(url, messages, max_tokens=12):
     return reply["choices"][0]["message"]["content"], reply["usage"]
 
 
-def _workload(url, smollm2):
+def _ids(state, messages, add_generation_prompt=True):
+    """The prompt ids the server makes of these messages: rendered, the replies it generated kept as generated."""
+    turn = ChatTurn(messages, normalise_tools(None), add_generation_prompt=add_generation_prompt)
+    return encode_turn(state, turn, render_turn(state, turn), "").ids
+
+
+def _workload(url, state):
     """Two conversations alternating, with a short unrelated request between turns."""
     history = {"a": [{"role": "user", "content": "Tell me about the history of Rome."}],
                "b": [{"role": "user", "content": "How do plants make food from sunlight?"}]}
     seen, checks = [], []
 
     def run(messages):
-        prompt = encode_chat_prompt(smollm2.tokenizer, smollm2.chat_template.render(messages))
+        prompt = _ids(state, messages)
         text, usage = _chat(url, messages)
         assert usage["prompt_tokens"] == len(prompt)
         shared = max((common_prefix_len(prompt, s) for s in seen), default=0)
         computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
         checks.append((computed, len(prompt) - shared, len(prompt)))
-        reply_ids = smollm2.tokenizer.encode(text, add_special=False)
-        seen.append(prompt + reply_ids)
+        # the prompt and its reply as the next prompt that carries it has them (the generated ids)
+        answered = _ids(state, messages + [{"role": "assistant", "content": text}], add_generation_prompt=False)
+        seen.append(answered[:usage["prompt_tokens"] + usage["completion_tokens"]])
         return text
 
     for turn in range(3):
@@ -58,7 +67,7 @@ def _assert_ideal(checks):
 
 def test_alternating_conversations_with_short_requests_compute_only_what_is_new(smollm2):
     with running_server(smollm2, batch=2, ctx_size=1024) as (url, state):
-        checks = _workload(url, smollm2)
+        checks = _workload(url, state)
         state.engine.cache.check_integrity()
     _assert_ideal(checks)
     assert sum(c for c, _, _ in checks) < 0.5 * sum(n for _, _, n in checks)  # most of every prompt reused
@@ -66,7 +75,7 @@ def test_alternating_conversations_with_short_requests_compute_only_what_is_new(
 
 def test_a_tiny_device_pool_spills_to_host_ram_and_still_computes_only_what_is_new(smollm2):
     with running_server(smollm2, batch=1, ctx_size=256, kv_cache_mib=1) as (url, state):
-        checks = _workload(url, smollm2)
+        checks = _workload(url, state)
         usage = httpx.get(url + "/cache").json()
         metrics = httpx.get(url + "/metrics").text
         state.engine.cache.check_integrity()
