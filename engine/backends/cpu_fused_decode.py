@@ -93,7 +93,8 @@ def _int8_parts(linear: QuantLinear, half_scales: bool) -> tuple:
     return (parts + [empty])[0], (parts + [empty])[1]
 
 
-def _repack_and_adopt(layers: list[QuantLinear], head: QuantLinear) -> tuple[list[tuple], int]:
+def _repack_and_adopt(layers: list[QuantLinear], head: QuantLinear, act_qmax: float = 32767.0
+                      ) -> tuple[list[tuple], int]:
     """Every linear repacked and adopting its repacked copy (QuantLinear.adopt_repacked), one at a time so
     that each one's raw copy is freed before the next is repacked (peak RSS: one linear's two forms, not
     the model's). The layers' linears all with float16 scales when every part allows it exactly (4 bytes a
@@ -114,7 +115,7 @@ def _repack_and_adopt(layers: list[QuantLinear], head: QuantLinear) -> tuple[lis
     for linear in linears:
         if linear.repacked is None:
             part0, part1 = _int8_parts(linear, half_head if linear is head else half_layers)
-            release_mappings(linear.adopt_repacked([part0, part1][: len(linear.parts)]))
+            release_mappings(linear.adopt_repacked([part0, part1][: len(linear.parts)], act_qmax))
         pairs.append(_adopted(linear))
     return pairs, released
 
@@ -154,7 +155,7 @@ class FusedDecoder:
         self.released_bytes = 0
         if activations != "f32":
             linears = [m for lw in w.layers for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down)]
-            parts, self.released_bytes = _repack_and_adopt(linears, w.output)
+            parts, self.released_bytes = _repack_and_adopt(linears, w.output, float(self.qmax))
             self.linears = {"int": _typed([tuple(parts[4 * i : 4 * i + 4]) for i in range(len(w.layers))])}
             self.output = {"int": _typed([parts[-1]])}
         else:

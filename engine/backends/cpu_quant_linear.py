@@ -1,13 +1,16 @@
 """A linear (or embedding table) kept in its GGUF blocks on the CPU, and how a batch of rows meets it.
 
     T <= KERNEL_MAX_ROWS (decode, a few streams):   y = kernel(raw rows, x)      weights read once, quantised
-    T >  KERNEL_MAX_ROWS (prefill chunks):          for each tile of output rows:
+    T >  KERNEL_MAX_ROWS (prefill chunks), weights repacked (adopt_repacked, integer activations):
+                                                    y = cpu_int8_gemm: x quantised to int8 per block, integer
+                                                        dot products on 32-row tiles of the repacked weights
+    T >  KERNEL_MAX_ROWS, raw rows:                 for each tile of output rows:
                                                        scratch[:n] = dequantised tile   (reused float32 buffer)
-                                                       y[:, tile] = x @ scratch[:n].T   (BLAS, as before)
+                                                       y[:, tile] = x @ scratch[:n].T   (BLAS)
 
-Decode is memory-bound, so reading 4.5-8.5 bits per weight instead of 32 is the point; a prefill chunk
-does hundreds of multiply-adds per weight, where BLAS on float32 is the fastest thing numpy has, and
-dequantising a tile costs about what one more token of the chunk would.
+Decode is memory-bound, so reading 4.5-8.5 bits per weight instead of 32 is the point. A prefill chunk is
+compute-bound: vpdpbusd does 64 multiply-adds an instruction where a float32 FMA does 16, and the
+integer path ran 2.7-4x the dequantise + BLAS one on qwen2.5-coder-0.5b's shapes (docs/BENCHMARKS.md).
 The scratch buffer is per thread (pipeline stages compute concurrently) and at most SCRATCH_FLOATS long.
 """
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from engine.backends import cpu_quant_decode as decode
+from engine.backends.cpu_int8_gemm import gemm_part, quantize_act
 from engine.backends.cpu_quant_kernels import call_kernel, dequant_rows, gather_rows, matmul_rows
 from engine.backends.cpu_repacked_rows import dequant_part, gather_part, matmul_part
 from engine.backends.page_release import release_pages
@@ -52,16 +56,20 @@ class QuantLinear:
         self.out_dim = sum(p.out_dim for p in parts)
         self.names = [p.name for p in parts]
         self.repacked: list | None = None  # adopt_repacked: Int8Parts that replace the raw rows
+        self.act_qmax = 32767.0  # adopt_repacked: how prefill products quantise their activations
 
-    def adopt_repacked(self, parts: list) -> list[np.memmap]:
+    def adopt_repacked(self, parts: list, act_qmax: float = 32767.0) -> list[np.memmap]:
         """Compute on `parts` (cpu_int8_repack.Int8Part, one per raw part, the same rows) from now on and let
         the raw rows go (copies of fused or permuted rows are freed with them). Returns the file mappings the
         raw rows were views of: the caller hands their pages back once every linear adopted
         (release_mappings), since the loader's copies were read from those pages too. `parts` then serve
-        matmul, gather and dequantize (cpu_repacked_rows.py)."""
+        matmul, gather and dequantize (cpu_repacked_rows.py); products of more than KERNEL_MAX_ROWS rows
+        quantise the activations to act_qmax (127: int8, 32767: int16; cpu_int8_gemm.py), as the decode
+        products of the same backend do."""
         assert len(parts) == len(self.parts), self.names
         roots = [root for _, rows, _ in self.parts if (root := mapping_root(rows)) is not None]
         self.repacked = [(part, out_dim) for part, (_, _, out_dim) in zip(parts, self.parts)]
+        self.act_qmax = float(act_qmax)
         self.parts = [(kind, _NO_ROWS, out_dim) for kind, _, out_dim in self.parts]
         return roots
 
@@ -81,11 +89,12 @@ class QuantLinear:
         y = np.empty((x.shape[0], self.out_dim), dtype=np.float32)
         col = 0
         if self.repacked is not None:
+            act = None if x.shape[0] <= KERNEL_MAX_ROWS else quantize_act(x, self.act_qmax)  # once for all parts
             for part, out_dim in self.repacked:
-                if x.shape[0] <= KERNEL_MAX_ROWS:
+                if act is None:
                     call_kernel(matmul_part, tuple(part), x, y, col)
                 else:
-                    self._matmul_tiled(part, None, x, y[:, col : col + out_dim])
+                    call_kernel(gemm_part, tuple(part), act, y, col)
                 col += out_dim
             return y
         for kind, rows, out_dim in self.parts:
@@ -96,18 +105,15 @@ class QuantLinear:
             col += out_dim
         return y
 
-    def _matmul_tiled(self, kind, rows: np.ndarray | None, x: np.ndarray, y: np.ndarray) -> None:
-        """kind and rows: a raw part; or kind an Int8Part and rows None (adopt_repacked)."""
-        n_rows = kind[1].shape[0] if rows is None else rows.shape[0]
+    def _matmul_tiled(self, kind, rows: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+        """A raw part's product through dequantised float32 tiles and BLAS."""
+        n_rows = rows.shape[0]
         tile_rows = max(1, SCRATCH_FLOATS // self.in_dim)
         scratch = _thread_scratch(min(tile_rows, n_rows) * self.in_dim)
         for start in range(0, n_rows, tile_rows):
             n = min(tile_rows, n_rows - start)
             w = scratch[: n * self.in_dim].reshape(n, self.in_dim)
-            if rows is None:
-                dequant_part(tuple(kind), start, w)
-            else:
-                dequant_rows(kind, rows[start : start + n], w, threads=DEQUANT_THREADS)
+            dequant_rows(kind, rows[start : start + n], w, threads=DEQUANT_THREADS)
             y[:, start : start + n] = x @ w.T  # y is a column range of the fused output: not contiguous
 
     def gather(self, ids: np.ndarray) -> np.ndarray:

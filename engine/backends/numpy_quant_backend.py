@@ -1,8 +1,9 @@
 """The numpy backend with its linears and embedding table kept quantised (`--cpu-weights quantized`).
 
-Everything but the weights is the float32 numpy reference (engine/backends/numpy_backend.py): the
-activations, norms, RoPE, attention and the K/V pool are unchanged, so the only difference from
-`--cpu-weights f32` is the summation order inside a product (measured in docs/BENCHMARKS.md). Decode steps
+Everything but the weights and attention is the float32 numpy reference (engine/backends/numpy_backend.py):
+the activations, norms, RoPE and the K/V pool are unchanged; attention is the reference's computed in key
+tiles (cpu_prefill_attention.py), and prefill products quantise the activations to int8
+(cpu_int8_gemm.py) once the weights are repacked (measured against the float path in docs/BENCHMARKS.md). Decode steps
 go through the fused layers (cpu_fused_decode.py), whose products by default quantise the activations
 to int16 (cpu_int8_matvec.py; `--cpu-weights quantized-int8act`: int8 as llama.cpp does,
 `quantized-f32act`: float32).
@@ -18,6 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.backends.cpu_fused_decode import FusedDecoder, fused_refusal, int8_refusal
+from engine.backends.cpu_prefill_attention import attend_tiled
 from engine.backends.cpu_quant_linear import KERNEL_KINDS, QuantLinear
 from engine.backends.numpy_backend import NumpyBackend
 from engine.quant_weights import LinearPart
@@ -65,6 +67,16 @@ class QuantizedNumpyBackend(NumpyBackend):
         if scale != 1.0:
             rows *= _F32(scale)
         return rows
+
+    def attention(self, q, pool, layer: int, batch, scale: float, window: int, sinks: np.ndarray | None = None):
+        """NumpyBackend.attention (the reference) computed key tile by key tile (cpu_prefill_attention.py):
+        the scores of a tile, not of the whole context, and the softmax on every kernel thread."""
+        out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), dtype=_F32)
+        for seq in batch.seqs:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[rows] = attend_tiled(q[rows], pool.k[layer], pool.v[layer], seq, batch.block_size, scale, window,
+                                     sinks)
+        return out
 
     def run_forward(self, model, batch, pool) -> np.ndarray:
         """A decode step through the fused layers when it can (cpu_fused_decode.py), else model.forward."""
