@@ -13,7 +13,8 @@ Per group g and token t the kernel computes, for 16 rows a vector,
     isum = sum over the group's k / 4 of  vpdpbusd(0, weights[k / 4], broadcast(x8[t, k : k + 4]))  (exact int32)
     acc += float(isum) * (d * dx[t, g]) + m * sx[t, g]
 
-one vpdpbusd per 64 multiply-adds (u8 weights x s8 activations, 4 a lane), the broadcast folded into it;
+one vpdpbusd per 64 multiply-adds (u8 weights x s8 activations, 4 a lane; LLVM broadcasts the activations
+with a separate vpbroadcastd, checked in the asm);
 with int16 activations (the decode products' default rounding, 256x finer) the tile holds int16 weights,
 2 a lane (wt[(k / 2) * 64 + r * 2 + k % 2]), and vpdpwssd does 32 multiply-adds an instruction;
 the 4 tokens' 8 integer and 8 float accumulators stay in registers. A token's operations are the same
