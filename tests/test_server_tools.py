@@ -277,6 +277,6 @@ def test_a_sampled_call_is_kept_as_generated_and_the_next_turn_reuses_all_of_it(
     # reply's text byte for byte, so the prompt carries its generated ids and the cache matches through it
     assert httpx.get(url + "/cache").json()["replies"]["replies_kept"] == before + 1
     first_total = first.usage.prompt_tokens + first.usage.completion_tokens
-    # all of it: a reply that ended on its end-of-turn token computed every token; one the grammar or the
-    # budget ended leaves its last one, sampled and never fed back
-    assert second.usage.prompt_tokens_details.cached_tokens in (first_total - 1, first_total)
+    # all of it but, when the grammar or the budget ended it, its last token (sampled, never fed back); the
+    # module's server may hold more of this prompt from the tests before
+    assert second.usage.prompt_tokens_details.cached_tokens >= first_total - 1
