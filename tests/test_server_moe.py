@@ -9,6 +9,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
 from scheduler.cache_tree import common_prefix_len
 from tests.server_harness import running_server
+from tests.test_server_cache import _ids
 from tests.tiny_moe_gguf import MOE_ARCHS, write_tiny_moe_gguf
 
 
@@ -47,7 +48,7 @@ def test_a_second_turn_computes_only_what_is_new(tiny_moe):
         first_prompt = encode_chat_prompt(tiny_moe.tokenizer, tiny_moe.chat_template.render(history))
         text, first = _chat(url, history)
         history += [{"role": "assistant", "content": text}, {"role": "user", "content": "and the sea"}]
-        prompt = encode_chat_prompt(tiny_moe.tokenizer, tiny_moe.chat_template.render(history))
+        prompt = _ids(state, history)  # as the server makes it: the reply's span holds its generated ids
         _, second = _chat(url, history)
         state.engine.cache.check_integrity()
     # What the cache holds after turn 1: its prompt and the reply's generated ids (a random model's reply

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_a_three_stage_pipeline_with_one_slot_per_group_computes_only_what_is_new(smollm2):
     # The seeds' failing case: --batch N --batch-groups N (one slot per group) under a layer split.
     with running_server(smollm2, batch=2, batch_groups="2", layer_split="10,20", ctx_size=1024) as (url, state):
-        checks = _workload(url, smollm2)
+        checks = _workload(url, state)
         pipeline = httpx.get(url + "/pipeline").json()
         slots = _slots_while_decoding(url)
         metrics = httpx.get(url + "/metrics").text

@@ -108,7 +108,7 @@ def tile_buffer(n, like):
     raise NotImplementedError("called from jitted code only")
 
 
-@overload(tile_buffer, jit_options={"cache": True})
+@overload(tile_buffer)
 def _tile_buffer_typed(n, like):
     if like.dtype == types.int8:
         return lambda n, like: np.empty(n, np.uint8)
