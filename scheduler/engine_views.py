@@ -7,6 +7,7 @@ import time
 
 from typing import TYPE_CHECKING
 
+from engine.units import MIB
 from scheduler.request import Request
 
 if TYPE_CHECKING:
@@ -23,14 +24,14 @@ def tier_budgets(engine: "EngineLoop") -> dict[str, dict[str, int]]:
     cache, admission = engine.cache, engine.cache.admission
     block = engine.runner.layout.bytes_per_block
     usage = cache.usage()
-    mib = lambda blocks: blocks * block // 2**20  # noqa: E731
+    mib = lambda blocks: blocks * block // MIB  # noqa: E731
     device_budget = max(cache.num_blocks, admission.device_reserved_blocks)
     # owned + pinned cached (device_in_use) + unpinned cached + the state checkpoints' slots (hybrid models)
     device_used = usage["device_in_use"] + cache.index.num_unpinned_device + cache.ckpt.units_on("device")
     disk_used = cache.disk_blocks - cache.disk_free  # block files, written-behind copies, checkpoint files
     return {"device": {"budget_mib": mib(device_budget), "committed_mib": mib(cache.num_blocks),
                        "used_mib": mib(device_used), "ceiling_mib": mib(usage["device_ceiling"]),
-                       **{f"held_by_{n}_mib": b // 2**20 for n, b in admission.held_device_bytes.items()}},
+                       **{f"held_by_{n}_mib": b // MIB for n, b in admission.held_device_bytes.items()}},
             "host": {"budget_mib": usage["host_budget_mib"], "committed_mib": usage["host_committed_mib"],
                      "used_mib": usage["host_used_mib"]},
             "disk": {"budget_mib": mib(cache.disk_blocks), "committed_mib": mib(disk_used),

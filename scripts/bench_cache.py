@@ -44,6 +44,7 @@ from api.serve import build_state  # noqa: E402
 from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type  # noqa: E402
 from engine.chat_template import ChatTemplate  # noqa: E402
 from engine.loader import open_model  # noqa: E402
+from engine.units import MIB  # noqa: E402
 from scripts.bench_cache_workloads import (  # noqa: E402
     EXTRA_WORKLOADS, WORKLOADS, DryReplayer, Replayer)
 from tests.server_harness import running_server  # noqa: E402
@@ -61,7 +62,7 @@ def pressure_config(loaded, play, turns: int, ctx_tokens: int, disk_dir: str) ->
         ctx_tokens = max(PRESSURE_MIN_CTX, dry.longest + BLOCK_SIZE * turns)
     blocks = blocks_needed(ctx_tokens, BLOCK_SIZE)
     kv_type = resolve_kv_type("auto", loaded.model.backend)
-    block_mib = layout_for(loaded.model.config, 1, BLOCK_SIZE, kv_type).bytes_per_block / 2**20
+    block_mib = layout_for(loaded.model.config, 1, BLOCK_SIZE, kv_type).bytes_per_block / MIB
     # + half a block: the server floors MiB to whole blocks
     return dict(ctx_size=blocks * BLOCK_SIZE, kv_cache_mib=(blocks + 0.5) * block_mib,
                 conversation_cache_mib=(max(1, blocks // 4) + 0.5) * block_mib, conversation_cache_dir=disk_dir)

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backends.cuda_device import probe  # noqa: E402
+from engine.units import MIB  # noqa: E402
 
 BATCHES = (1, 4, 16)
 PREFILL_TOKENS = 256  # per sequence
@@ -99,7 +100,7 @@ def print_latency_table(backend, samples: int = 50) -> None:
     from engine.backends.cuda_wait import EventWaiter
 
     device, stream = backend.device, backend.stream
-    nbytes = 256 * 2**20  # a copy of ~0.1-0.2 ms stands in for a short step
+    nbytes = 256 * MIB  # a copy of ~0.1-0.2 ms stands in for a short step
     src, dst = device.alloc(nbytes, "latency benchmark"), device.alloc(nbytes, "latency benchmark")
     start, end = device.create_event(timing=True), device.create_event(timing=True)
     print("| completion | median us | p90 us | loop iterations while waiting |\n| --- | --- | --- | --- |")
@@ -148,7 +149,7 @@ def bench_model(backend, path: Path, copy_gbps: float, decode_steps: int, kv_typ
     linear_bytes = sum(v.nbytes for layer in model.weights.layers for v in vars(layer).values()
                        if isinstance(v, QuantLinear)) + model.weights.output.nbytes
     print(f"## {path.name}: {c.n_layers} layers, d {c.d_model}, loaded in {info.load_seconds:.1f} s, "
-          f"{linear_bytes / 2**20:.0f} MiB of linear weights\n")
+          f"{linear_bytes / MIB:.0f} MiB of linear weights\n")
     print("| K/V | batch | prefill tok/s | decode tok/s | decode step ms | decode GB/s | of copy bandwidth |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     per_seq_blocks = -(-(PREFILL_TOKENS + decode_steps + 1) // BLOCK)

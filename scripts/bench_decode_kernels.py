@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from engine.backends.cpu_int8_matvec import _part_rows, quantize_act  # noqa: E402
 from engine.backends.cpu_int8_repack import HALF_SCALE_TYPES, repack  # noqa: E402
 from engine.backends.cpu_simd_dot import simd_enabled  # noqa: E402
+from engine.units import MIB  # noqa: E402
 from tests.test_cpu_quant_kernels import random_rows  # noqa: E402
 
 _BASE_ROWS = 4096  # random rows made once per type, tiled to the larger shapes
@@ -61,7 +62,7 @@ def main() -> None:
             if tensor_type in _SUPER_BLOCK_TYPES:  # 256-weight super-blocks: the inputs rounded down
                 n_in = max(256, n_in // 256 * 256)
             part = make_part(tensor_type, n_out, n_in)
-            mib = sum(a.nbytes for a in part[1:]) / 2**20
+            mib = sum(a.nbytes for a in part[1:]) / MIB
             for n_tok in tokens:
                 x = np.random.default_rng(n_tok).standard_normal((n_tok, n_in)).astype(np.float32)
                 act, y = quantize_act(x, np.float32(32767.0)), np.empty((n_tok, n_out), np.float32)
@@ -80,7 +81,7 @@ def main() -> None:
         t = statistics.median(times)
         n_out, n_in = (int(v) for v in shape.split("x"))
         print(f"| {name} | {shape} | {mib:.0f} | {n_tok} | {n_out * n_in * n_tok / t / 1e9:.1f} | "
-              f"{mib * 2**20 / t / 1e9:.1f} |")
+              f"{mib * MIB / t / 1e9:.1f} |")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from engine.gguf_file import GGUFFile  # noqa: E402
 from engine.kv import BLOCK_SIZE, KV_TYPES, blocks_needed, layout_for  # noqa: E402
 from engine.loader import open_model  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
+from engine.units import MIB  # noqa: E402
 from tests.reference_helpers import compare_to_reference, forced_logits, greedy_with_logits  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
@@ -109,7 +110,7 @@ def memory_rows(name: str, pool_mib: int, context: int) -> list[dict]:
     out = []
     for kv_type in KV_TYPES:
         layout = layout_for(config, 1, BLOCK_SIZE, kv_type)
-        blocks = pool_mib * 2**20 // layout.bytes_per_block
+        blocks = pool_mib * MIB // layout.bytes_per_block
         out.append({"model": name, "kv_type": kv_type, "bytes_per_token": layout.bytes_per_token,
                     "blocks": blocks, "conversations": blocks // blocks_needed(context, BLOCK_SIZE)})
     return out

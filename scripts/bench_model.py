@@ -34,6 +34,7 @@ from threadpoolctl import threadpool_info  # noqa: E402
 from engine.cpu_threads import limit_threads  # noqa: E402
 from engine.loader import open_model  # noqa: E402
 from engine.sequence import ModelRunner, Sequence  # noqa: E402
+from engine.units import MIB  # noqa: E402
 
 
 def bench_prefill(runner: ModelRunner, n_tokens: int, chunk: int, repeats: int) -> float:
@@ -69,7 +70,7 @@ def bench_decode(runner: ModelRunner, batch: int, steps: int, repeats: int, cont
 
 def copy_bandwidth_gbs(mib: int = 512, repeats: int = 5) -> float:
     """Read + write bandwidth of one large array copy (GB/s of bytes moved), the machine's practical limit."""
-    src = np.ones(mib * 2**20 // 4, dtype=np.float32)
+    src = np.ones(mib * MIB // 4, dtype=np.float32)
     dst = np.empty_like(src)
     times = []
     for _ in range(repeats):
@@ -166,7 +167,7 @@ def measure(args) -> tuple[list[tuple[str, str]], dict, str]:
         if args.bandwidth:  # after the RSS reading: the copy's 1 GiB of buffers is not the model's
             rows.append(("copy bandwidth, np.copyto 512 MiB (GB/s)", f"{copy_bandwidth_gbs():.1f}"))
         blas = [(i.get("internal_api"), i.get("num_threads"), i.get("architecture")) for i in threadpool_info()]
-    header = (f"model {loaded.path.name}: {loaded.info.weight_bytes / 2**20:.0f} MiB of weights ({args.cpu_weights}); "
+    header = (f"model {loaded.path.name}: {loaded.info.weight_bytes / MIB:.0f} MiB of weights ({args.cpu_weights}); "
               f"BLAS {blas}")
     return rows, profiles, header
 

@@ -40,9 +40,9 @@ from engine.backends.cuda_expert_cache_layout import ROLES, SLOT_ALIGN, CacheRou
 from engine.backends.cuda_expert_cache_memory import ArenaSlotMemory
 from engine.backends.cuda_expert_cache_slots import ExpertSlots
 from engine.backends.cuda_expert_cache_stats import cache_stats, maybe_log
+from engine.units import MIB
 
 log = logging.getLogger("strata.expert_cache")
-MIB = 2**20
 AUTO_HEADROOM_BYTES = 512 * MIB  # `auto` leaves this much of the arena for activations and graphs
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 
 from engine.backends.cuda_vmm import VirtualRange
+from engine.units import MIB
 
 log = logging.getLogger("strata.expert_cache")
-MIB = 2**20
 
 
 class ArenaSlotMemory:

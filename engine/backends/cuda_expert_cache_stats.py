@@ -7,8 +7,9 @@ from __future__ import annotations
 import logging
 import time
 
+from engine.units import MIB
+
 log = logging.getLogger("strata.expert_cache")
-MIB = 2**20
 LOG_INTERVAL_S = 30.0
 
 
