@@ -166,8 +166,8 @@ class ServerConfig:
     @property
     def kv_cache_range_mib(self) -> tuple[int, int] | None:
         """--kv-cache-mib (and the older --kv-cache-max-mib) as (MIN, MAX) MiB, MAX 0 for a fixed pool;
-        None for auto (scheduler/pool_sizing.py)."""
-        from scheduler.pool_sizing import parse_kv_cache_mib
+        None for auto (scheduler/memory/sizing.py)."""
+        from scheduler.memory.sizing import parse_kv_cache_mib
 
         return parse_kv_cache_mib(self.kv_cache_mib, self.kv_cache_max_mib)
 

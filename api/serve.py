@@ -28,27 +28,21 @@ from api.reply_memory import ReplyMemory
 from api.sampling_defaults import load_sampling_defaults
 from api.server import LoadingState, ServerState, create_app
 from engine.backends.cuda_device import leave_outside_arena
-from engine.backends.cuda_expert_cache_budget import connect_expert_budget
 from engine.loader import LoadedModel, open_model
-from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type
-from engine.sequence import ModelRunner
+from engine.units import MIB
 from engine.warmup import warm_model
-from scheduler.admission import create_admission, plan_memory
-from scheduler.disk_tier import DiskTier, model_file_identity
+from scheduler.engine_build import create_engine
 from scheduler.engine_loop import EngineLoop
-from scheduler.engine_views import tier_budgets
-from scheduler.pool_sizing import size_kv_pool
-from scheduler.metrics import Metrics
 
 log = logging.getLogger("strata.serve")
 STEP_GRACE_S = 30.0  # after --shutdown-timeout-s, time for the engine step in flight to end its streams
 
 
 def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
-    """Load the model (unless given) and wire runner, engine loop and metrics for one server."""
+    """Load the model (unless given), build its engine (scheduler/engine_build.py) and the API's state."""
     elastic_max_mib = (config.kv_cache_range_mib or (0, 0))[1]
     if loaded is None and elastic_max_mib:  # cuda: the elastic pool's chunks come from outside the arena
-        leave_outside_arena(int(elastic_max_mib * 2**20))
+        leave_outside_arena(int(elastic_max_mib * MIB))
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
                                   max_positions=config.ctx_size or AUTO_CTX_CAP, backend_name=config.backend,
                                   cpu_weights=config.cpu_weights, expert_cache_mib=config.expert_cache_mib)
@@ -59,62 +53,11 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     if ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",
                     ctx_size, loaded.model.config.context_length)
-    kv_type = resolve_kv_type(config.kv_type, loaded.model.backend)
-    bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE, kv_type).bytes_per_block
-    on_host = loaded.model.backend.name == "numpy"
-    pool = size_kv_pool(config.kv_cache_range_mib, bytes_per_block=bytes_per_block,
-                        slot_blocks=blocks_needed(ctx_size, BLOCK_SIZE), batch=config.batch,
-                        backend=loaded.model.backend, weight_bytes=loaded.info.weight_bytes if on_host else 0,
-                        min_free_mib=config.conversation_cache_min_free_mib)
-    min_blocks, num_blocks = pool.min_blocks, pool.reserved_blocks
-    # What the engine itself holds in host RAM: numpy keeps weights and KV there; cuda keeps them on the GPU.
-    engine_host_bytes = loaded.info.weight_bytes + num_blocks * bytes_per_block if on_host else 0
-    expert_cache = getattr(loaded.model.backend, "expert_cache", None)  # --expert-cache-mib on cuda
-    engine_host_bytes += expert_cache.host_arena_bytes if expert_cache is not None else 0  # its pinned experts
-    plan = plan_memory(engine_host_bytes, config.conversation_cache_mib, config.conversation_cache_min_free_mib,
-                       bytes_per_block)
-    admission = create_admission(plan, config.conversation_cache_commit == "at-start",
-                                 config.conversation_cache_min_free_mib)
-    runner = ModelRunner(loaded.model, num_blocks, BLOCK_SIZE, host_blocks=admission.host_committed_blocks,
-                         layer_split=config.layer_cuts, kv_type=kv_type, device_blocks=min_blocks)
-    groups = config.groups_for(len(runner.stages))
-    if len(runner.stages) > 1 or groups > 1:
-        log.info("pipeline: %s; %d batch groups of slots move through them staggered",
-                 ", ".join(s.describe() for s in runner.stages), groups)
-    host = admission.snapshot(0)
-    log.info("memory: engine %d MiB; host tier budget %d MiB (%d blocks), committed %d MiB (%s), used %d MiB; "
-             "limit %d MiB of which %d MiB in use elsewhere (%s)", plan.engine_bytes // 2**20,
-             host["host_budget_mib"], plan.host_blocks, host["host_committed_mib"], config.conversation_cache_commit,
-             host["host_used_mib"], plan.machine.limit_bytes // 2**20, plan.machine.in_use_bytes // 2**20,
-             plan.machine.source, extra={"fields": host})
-    metrics = Metrics()
-    if expert_cache is not None:
-        metrics.watch_expert_cache(expert_cache)
-        admission.register_budget("expert_cache", expert_cache)
-    disk = _disk_tier(config, loaded, runner) if config.conversation_cache_dir else None
     protocol = create_chat_protocol(loaded.chat_template, loaded.tokenizer, config.tool_call_format,
                                     config.reasoning_format, config.tool_call_recovery)
-    engine = EngineLoop(runner, loaded.tokenizer, num_slots=config.batch, prefill_chunk=config.prefill_chunk,
-                        prefill_step_tokens=config.prefill_step_tokens, max_queue=config.max_queue, metrics=metrics,
-                        progress_interval_s=config.progress_interval_s,
-                        disk=disk, batch_groups=groups, admission=admission,
-                        write_behind_mib_s=config.conversation_cache_write_behind_mib_s,
-                        conversation_active_s=config.conversation_active_s, device_min_blocks=min_blocks,
-                        state_checkpoint_every=config.checkpoint_every_blocks,
-                        hidden_token_ids=protocol.hidden_token_ids)
-    if expert_cache is not None:  # its slots granted by the memory admission, beside the KV pool
-        connect_expert_budget(expert_cache, engine, loaded.model.config.n_experts_used)
+    engine, metrics = create_engine(config, loaded, ctx_size, hidden_token_ids=protocol.hidden_token_ids)
     served = config.served_model_name or loaded.served_name
     aliases = {served, config.model, loaded.served_name, loaded.path.name, loaded.path.stem}
-    log.info("KV pool: %d blocks of %d tokens (%.0f MiB) for %d slots of %d tokens; K/V %s, %d bytes per token",
-             engine.cache.num_blocks, BLOCK_SIZE, engine.cache.num_blocks * bytes_per_block / 2**20, config.batch,
-             ctx_size, kv_type, runner.layout.bytes_per_token,
-             extra={"fields": {"kv_type": kv_type, "kv_bytes_per_token": runner.layout.bytes_per_token,
-                               "kv_blocks": engine.cache.num_blocks}})
-    tiers = tier_budgets(engine)
-    log.info("memory tiers (MiB, budget / committed / used): %s; device pool sized by %s",
-             "; ".join(f"{name} {t['budget_mib']} / {t['committed_mib']} / {t['used_mib']}"
-                       for name, t in tiers.items()), pool.rule, extra={"fields": {"tiers": tiers}})
     message_start = find_message_start_id(loaded.chat_template, loaded.tokenizer) \
         if loaded.model.config.is_hybrid else None
     line_ends = find_line_end_ids(loaded.tokenizer) if loaded.model.config.is_hybrid else frozenset()
@@ -122,14 +65,6 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
                        message_start_id=message_start, line_end_ids=line_ends,
                        sampling_defaults=load_sampling_defaults(loaded.path, config.default_temperature),
                        replies=ReplyMemory() if config.keep_reply_tokens == "on" else None)
-
-
-def _disk_tier(config: ServerConfig, loaded: LoadedModel, runner: ModelRunner) -> DiskTier:
-    """The disk tier, keyed by the model file's identity and everything that changes the KV bytes."""
-    # The backend actually running (never "auto"): KV written by numpy and by cuda may differ in the last bits.
-    return DiskTier.for_layout(config.conversation_cache_dir, model_file_identity(loaded.path),
-                               loaded.model.backend.name, runner.layout,
-                               int(config.conversation_cache_disk_mib * 2**20))
 
 
 def load_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:

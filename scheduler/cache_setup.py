@@ -11,7 +11,7 @@ from scheduler.checkpoint_spacing import resolve_spacing
 from scheduler.device_pool import SEGMENT_BLOCKS
 from scheduler.disk_tier import DiskTier
 from scheduler.hybrid_steps import create_checkpoints, load_checkpoint_index
-from scheduler.memory_admission import MemoryAdmission
+from scheduler.memory.admission import MemoryAdmission
 from scheduler.prefix_cache import PrefixCache
 
 log = logging.getLogger("strata.cache")

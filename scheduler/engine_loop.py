@@ -9,7 +9,7 @@ in the same steps as far as the budget allows. Steps run through the pipeline st
 several groups the stages work on different groups at once. Everything else (admission, detokenisation,
 stop strings, grammar state, finishing) happens on the loop between a group's steps; a constrained request's
 next-token mask is begun when its step is scheduled, so it is computed beside the forward pass. Memory
-goes through the admission (memory_service.py): the requests' plans (request_memory.py) inline between
+goes through the admission (memory/service.py): the requests' plans (memory/requests.py) inline between
 steps, operators' and other holders' queued.
 
     submit(request) -> async iterator of Delta      abort(request_id)      shutdown(timeout_s)
@@ -33,13 +33,13 @@ from scheduler.disk_tier import DiskTier
 from scheduler.hybrid_steps import HybridSteps
 from scheduler.device_pool import resize_pool
 from scheduler.write_behind import TICK_S as WRITE_BEHIND_TICK_S, WriteBehind
-from scheduler.memory_admission import MemoryAdmission
-from scheduler.memory_service import MemoryService
+from scheduler.memory.admission import MemoryAdmission
+from scheduler.memory.service import MemoryService
 from scheduler.metrics import Metrics
 from scheduler.output import OutputProcessor
 from scheduler.pipeline import Pipeline
 from scheduler.request import Delta, Request
-from scheduler.request_memory import RequestMemory
+from scheduler.memory.requests import RequestMemory
 from scheduler.slot_table import SlotTable
 from scheduler.step import StepResult, sample_step
 
@@ -269,7 +269,7 @@ class EngineLoop:
                 self._finish(request, "abort")
 
     def _admit(self) -> None:
-        """Waiting requests into free slots (scheduler/request_memory.py), then the gauges."""
+        """Waiting requests into free slots (scheduler/memory/requests.py), then the gauges."""
         self.requests.admit(lambda request, error: self._finish(request, "error", error=error))
         self.metrics.queue_depth.set(len(self.table.waiting))
         self.metrics.slots_in_use.set(self.table.num_running)

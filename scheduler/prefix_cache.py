@@ -33,7 +33,7 @@ from scheduler.checkpoints import Checkpoints
 from scheduler.conversation_activity import ACTIVE_WINDOW_S, ConversationActivity
 from scheduler.eviction_index import EvictionIndex
 from scheduler.device_pool import apply_growth, apply_shrink, plan_shrink
-from scheduler.memory_admission import MemoryAdmission
+from scheduler.memory.admission import MemoryAdmission
 
 log = logging.getLogger("strata.cache")
 __all__ = ["Allocation", "PrefixCache"]

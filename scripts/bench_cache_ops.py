@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import scheduler.prefix_cache as prefix_cache_module  # noqa: E402
 from scheduler.block_mover import BlockMoves  # noqa: E402
-from scheduler.memory_service import MemoryService  # noqa: E402
+from scheduler.memory.service import MemoryService  # noqa: E402
 from scheduler.prefix_cache import PrefixCache  # noqa: E402
 
 BLOCK = 16

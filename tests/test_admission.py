@@ -5,8 +5,9 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from scheduler import admission
-from scheduler.admission import MIB, MachineMemory, create_admission, plan_memory, read_machine_memory
+from engine.units import MIB
+from scheduler.memory import sizing
+from scheduler.memory.sizing import MachineMemory, create_admission, plan_memory, read_machine_memory
 
 
 def _write(root, rel, text):
@@ -27,7 +28,7 @@ def test_unlimited_cgroup_v2_falls_back_to_v1_then_available_memory(tmp_path, mo
     _write(tmp_path, "sys/fs/cgroup/memory.max", "max")
     _write(tmp_path, "sys/fs/cgroup/memory/memory.limit_in_bytes", str(2**63 - 4096))
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=24000 * MIB, available=20000 * MIB))
-    monkeypatch.setattr(admission, "_own_rss_bytes", lambda: 300 * MIB)
+    monkeypatch.setattr(sizing, "_own_rss_bytes", lambda: 300 * MIB)
     machine = read_machine_memory(tmp_path)
     # this process's 300 MiB are not "used by others": available already left them out
     assert machine == MachineMemory(24000 * MIB, (24000 - 20000 - 300) * MIB, "available memory")
@@ -69,7 +70,7 @@ def test_engine_that_cannot_fit_is_refused_naming_the_flags():
 
 
 # -- the running admission: host RAM committed on demand, in segments ---------------------------------------
-from scheduler.memory_admission import MemoryAdmission  # noqa: E402
+from scheduler.memory.admission import MemoryAdmission  # noqa: E402
 from scheduler.prefix_cache import PrefixCache  # noqa: E402
 
 

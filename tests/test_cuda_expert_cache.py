@@ -212,22 +212,22 @@ def test_serve_counts_the_arena_as_engine_ram_and_wires_metrics_and_admission(ma
     from api.config import load_config
     from api.serve import build_state
     from engine.loader import open_model
-    from scheduler import admission, memory_admission
+    from scheduler.memory import sizing
 
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3, expert_quant="Q8_0")
     backend, _ = make_backend()
     loaded = open_model(str(tmp_path / "m.gguf"), backend=backend, fetch=False, expert_cache_mib="0.03")
     cache = backend.expert_cache
-    registered, planned = {}, []
-    monkeypatch.setattr(memory_admission.MemoryAdmission, "register_budget",
-                        lambda self, name, budget: registered.update({name: budget}))
-    real_plan = admission.plan_memory
-    monkeypatch.setattr("api.serve.plan_memory", lambda engine_bytes, *a, **k: planned.append(engine_bytes)
+    planned = []
+    real_plan = sizing.plan_memory
+    monkeypatch.setattr("scheduler.engine_build.plan_memory", lambda engine_bytes, *a, **k: planned.append(engine_bytes)
                         or real_plan(engine_bytes, *a, **k))
     config = load_config(["--model", str(tmp_path / "m.gguf"), "--expert-cache-mib", "0.03", "--ctx-size", "64",
                           "--batch", "1", "--backend", "cuda"], environ={})
     state = build_state(config, loaded)
-    assert registered == {"expert_cache": cache} and planned == [cache.host_arena_bytes] and planned[0] > 0
+    holders = state.engine.memory.holders  # one holder, one name: the expert cache's budget under the admission
+    assert list(holders) == ["moe_experts"] and holders["moe_experts"].user.cache is cache
+    assert planned == [cache.host_arena_bytes] and planned[0] > 0
     _greedy(loaded.model, PROMPT, steps=2)
     assert cache.num_slots == int(0.03 * 2**20) // cache.slot_bytes < cache.total_experts
     assert "strata_expert_cache_slots" in state.metrics.render().decode()

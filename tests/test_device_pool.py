@@ -14,7 +14,7 @@ from scheduler.block_mover import RecordingMover
 from scheduler.checkpoint_store import CheckpointStore
 from scheduler.checkpoints import Checkpoints
 from scheduler.engine_loop import EngineLoop
-from scheduler.memory_admission import MemoryAdmission
+from scheduler.memory.admission import MemoryAdmission
 from scheduler.prefix_cache import PrefixCache
 from scheduler.request import Request
 

@@ -15,7 +15,7 @@ from scheduler.cache_persistence import load_disk_index
 from scheduler.checkpoint_store import CheckpointStore
 from scheduler.checkpoints import Checkpoints
 from scheduler.disk_tier import DiskEntry
-from scheduler.memory_admission import MemoryAdmission
+from scheduler.memory.admission import MemoryAdmission
 from scheduler.prefix_cache import PrefixCache
 from scheduler.write_behind import WriteBehind
 

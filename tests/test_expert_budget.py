@@ -47,14 +47,15 @@ def moe(tmp_path, monkeypatch, emulator_dir):  # noqa: F811
 
 
 def _engine(model, tokenizer, connect: bool, layer_split=(), groups: int = 1):
-    from engine.backends.cuda_expert_cache_budget import connect_expert_budget
+    from engine.backends.cuda_expert_cache_budget import HOLDER_NAME, connect_expert_budget
     from engine.sequence import ModelRunner
     from scheduler.engine_loop import EngineLoop
 
     runner = ModelRunner(model, RESERVED, 16, host_blocks=64, device_blocks=MIN_BLOCKS, layer_split=layer_split)
     engine = EngineLoop(runner, tokenizer, num_slots=groups, prefill_chunk=64, max_queue=4, integrity_checks=True,
                         device_min_blocks=MIN_BLOCKS, batch_groups=groups)
-    budget = connect_expert_budget(model.backend.expert_cache, engine, top_k=2) if connect else None
+    budget = connect_expert_budget(model.backend.expert_cache, engine.memory.register_budget(HOLDER_NAME), top_k=2,
+                                   is_idle=lambda: not engine.in_flight) if connect else None
     return engine, budget
 
 

@@ -1,6 +1,7 @@
-"""The expert cache's budget as `strata serve` wires it (api/serve.build_state -> connect_expert_budget) on the
-emulated driver: with an elastic pool the slots are mapped beside it in its MAX, counted once and shown (the
-start-up line, /cache tiers, /metrics); slots that do not fit beside the pool's start fail at start."""
+"""The expert cache's budget as `strata serve` wires it (api/serve.build_state -> scheduler/engine_build.py's
+create_engine -> connect_expert_budget) on the emulated driver: with an elastic pool the slots are mapped beside
+it in its MAX, counted once and shown (the start-up line, /cache tiers, /metrics); slots that do not fit beside
+the pool's start fail at start."""
 import pytest
 
 from tests.test_cuda_backend import emulator_dir  # noqa: F401

@@ -1,5 +1,5 @@
 """The KV pool takes room back from a budget holder (the MoE expert cache) before it parks a conversation:
-scheduler/budget_holder.room_from_holders under MemoryService.grant, with a scripted holder (the expert cache's
+scheduler/memory/holders.room_from_holders under MemoryService.grant, with a scripted holder (the expert cache's
 own tier is tests/test_expert_budget.py). Block bytes 64, 4-block growth segments."""
 import asyncio
 
@@ -40,7 +40,7 @@ def _with_holder(held_blocks: int, floor_blocks: int, at_once: bool = False):
     service, cache = _service(min_blocks=4, reserved=12, host_blocks=8)
     holder = service.register_budget("moe_experts")
     assert holder.grow_now(held_blocks * BLOCK)
-    holder.tier = ScriptedTier(holder, floor_blocks * BLOCK, at_once)
+    holder.attach(ScriptedTier(holder, floor_blocks * BLOCK, at_once))
     return service, cache, holder
 
 
@@ -54,11 +54,11 @@ def test_a_request_that_would_park_waits_for_the_holder_then_grows_into_what_it_
     before = _state(cache)
     grant = _allocate(service, cache, [2] * 8)  # 2 fresh blocks: would park two of the conversation's
     assert not grant.granted and grant.plan is not None and not grant.plan.parks  # refused for now
-    assert holder.tier.asked == [2 * BLOCK]  # the fewest blocks that avoid the park, not all 6 it could give
+    assert holder.user.asked == [2 * BLOCK]  # the fewest blocks that avoid the park, not all 6 it could give
     assert _state(cache) == before and service.num_waits_for_holders == 1
     grant = _allocate(service, cache, [2] * 8)  # asked again before the bytes are back: the same 2 in all
-    assert not grant.granted and holder.tier.asked == [2 * BLOCK, 2 * BLOCK] and holder.tier.owed == 2 * BLOCK
-    holder.tier.release()
+    assert not grant.granted and holder.user.asked == [2 * BLOCK, 2 * BLOCK] and holder.user.owed == 2 * BLOCK
+    holder.user.release()
     grant = _allocate(service, cache, [2] * 8)
     assert grant.granted and grant.plan.device_grow == 2 and not grant.plan.parks
     assert cache.num_blocks == 6 and cache.stats["parks"] == 0 and cache.stats["dropped_blocks"] == 0
@@ -71,14 +71,14 @@ def test_a_holder_that_gives_back_at_once_lets_the_same_grant_through():
     _serve(service, cache, [1] * 16)
     grant = _allocate(service, cache, [2] * 8)
     assert grant.granted and not grant.plan.parks and cache.num_blocks == 6
-    assert holder.tier.asked == [2 * BLOCK] and cache.stats["parks"] == 0
+    assert holder.user.asked == [2 * BLOCK] and cache.stats["parks"] == 0
 
 
 def test_a_holder_at_its_floor_changes_nothing_the_pool_parks_as_without_it():
     service, cache, holder = _with_holder(held_blocks=8, floor_blocks=8)
     _serve(service, cache, [1] * 16)
     grant = _allocate(service, cache, [2] * 8)
-    assert grant.granted and len(grant.plan.parks) == 2 and holder.tier.asked == []
+    assert grant.granted and len(grant.plan.parks) == 2 and holder.user.asked == []
     assert cache.stats["parks"] == 2 and cache.stats["dropped_blocks"] == 0 and holder.held_bytes == 8 * BLOCK
     cache.check_integrity()
 
@@ -86,7 +86,7 @@ def test_a_holder_at_its_floor_changes_nothing_the_pool_parks_as_without_it():
 def test_a_request_larger_than_the_ceiling_is_admitted_against_what_the_holder_could_give():
     service, cache, holder = _with_holder(held_blocks=8, floor_blocks=2)
     assert cache.admission.device_ceiling_blocks == 4 and service.device_reachable_blocks == 10
-    holder.tier.floor = 8 * BLOCK
+    holder.user.floor = 8 * BLOCK
     assert service.device_reachable_blocks == 4
 
 

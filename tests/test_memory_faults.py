@@ -12,7 +12,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
 from scheduler.disk_tier import DiskTier
 from scheduler.engine_loop import EngineLoop
-from scheduler.memory_admission import MemoryAdmission
+from scheduler.memory.admission import MemoryAdmission
 from scheduler.request import Request
 from tests.test_cache_workloads import _random_turns
 

@@ -2,7 +2,7 @@
 every block where it was (exact free lists and tier maps), loses no conversation, and keeps integrity."""
 import pytest
 
-from scheduler.memory_admission import MemoryAdmission
+from scheduler.memory.admission import MemoryAdmission
 from scheduler.prefix_cache import PrefixCache
 
 B = 4

@@ -7,8 +7,8 @@ import pytest
 
 from scheduler.block_mover import RecordingMover
 from scheduler.device_pool import resize_pool
-from scheduler.memory_admission import MemoryAdmission
-from scheduler.memory_service import MemoryService
+from scheduler.memory.admission import MemoryAdmission
+from scheduler.memory.service import MemoryService
 from scheduler.prefix_cache import PrefixCache
 
 B = 4

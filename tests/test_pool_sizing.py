@@ -3,10 +3,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from scheduler.admission import MachineMemory
-from scheduler.pool_sizing import AUTO_SHARE, size_kv_pool
+from engine.units import MIB
+from scheduler.memory.sizing import AUTO_SHARE, MachineMemory, size_kv_pool
 
-MIB = 2**20
 BLOCK = MIB // 2  # half a MiB per block: 2 blocks a MiB
 NUMPY = SimpleNamespace(name="numpy")
 
@@ -24,7 +23,7 @@ def test_a_fixed_size_and_the_default():
 
 def test_a_fractional_mib_is_taken_as_it_is():
     """scripts/bench_cache.py --pressure sizes a tiny model's pool in whole blocks of a few KiB."""
-    from scheduler.pool_sizing import parse_kv_cache_mib
+    from scheduler.memory.sizing import parse_kv_cache_mib
 
     assert parse_kv_cache_mib("10.5") == (10.5, 0) and parse_kv_cache_mib("12") == (12, 0)
     assert _size(parse_kv_cache_mib("10.75")).reserved_blocks == 21  # floor(10.75 MiB / 0.5 MiB)

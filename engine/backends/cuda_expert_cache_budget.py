@@ -1,5 +1,10 @@
 """The expert cache's share of the device budget, granted by the memory admission (holder "moe_experts").
 
+The expert cache is one of the engine's memory users: it holds device bytes through a budget holder the
+memory admission registered for it (scheduler/memory/holders.py's BudgetHolder, the declared interface this
+module uses and nothing else of the admission's), and `ExpertBudget` implements that module's MemoryUser
+(reclaimable_bytes, reclaim, start, stop) so the admission can ask for room back.
+
     device budget  |=============================================|  fixed pool: its bytes + the slots';
                                                                     elastic: --kv-cache-mib MIN:MAX's MAX
     KV pool        |==================|                             blocks (grows as requests need room)
@@ -9,7 +14,7 @@
 At start (`grant_at_start`) the slots --expert-cache-mib asks for (auto: every expert that fits beside the KV
 pool's start) are granted from the spare budget, then made. Later, between steps:
 
-    KV pool short   a request's allocate / extend that would park, drop or preempt (MemoryService.grant):
+    KV pool short   a request's allocate / extend that would park, drop or preempt (the admission's grant):
                     the admission asks `reclaim(n)`; the cache is resized down (never below `floor_slots`:
                     a decode layer's top-k run in one round) at its next step start, or at once when no step
                     is in flight; once the slots are unmapped, `give_back` returns their bytes and the request,
@@ -31,21 +36,21 @@ import asyncio
 import logging
 import time
 
+from engine.units import MIB
+
 log = logging.getLogger("strata.expert_cache")
 HOLDER_NAME = "moe_experts"  # never "cache": this is MoE weights, not the prompt cache
 GROW_CHECK_S = 1.0
 GROW_MISS_RATE = 0.05
 RECLAIM_COOLDOWN_S = 10.0
-MIB = 2**20
 
 
 class ExpertBudget:
-    """Connects an ExpertCache to a MemoryService budget holder (see the module docstring)."""
+    """Connects an ExpertCache to its budget holder (see the module docstring); the holder's MemoryUser."""
 
-    def __init__(self, cache, service, memory, *, target_slots: int, floor_slots: int, is_idle=lambda: False):
-        self.cache, self.service, self.memory = cache, service, memory  # memory: the slots' SlotMemory
-        self.holder = service.register_budget(HOLDER_NAME)
-        self.holder.tier = self  # the admission asks reclaim() when the KV pool is short
+    def __init__(self, cache, holder, memory, *, target_slots: int, floor_slots: int, is_idle=lambda: False):
+        self.cache, self.holder, self.memory = cache, holder, memory  # memory: the slots' SlotMemory
+        holder.attach(self)  # the admission asks reclaim() when the KV pool is short
         self.target_slots = min(target_slots, cache.total_experts)
         self.floor_slots = max(1, min(floor_slots, self.target_slots))
         self.is_idle = is_idle  # no step in flight: a resize may be applied at once
@@ -61,13 +66,13 @@ class ExpertBudget:
     def grant_at_start(self) -> None:
         """Hold the target's bytes (before the engine runs: served at once) and make the slots."""
         nbytes = self.memory.bytes_for(self.target_slots)
-        if not self.service.admission.device_reserved_blocks:
-            self.service.admission.add_device_budget(nbytes)  # a fixed pool: its bytes plus the slots'
+        if not self.holder.shares_elastic_pool:
+            self.holder.add_fixed_budget(nbytes)  # a fixed pool: its bytes plus the slots'
         if not self.holder.grow_now(nbytes):
-            admission = self.service.admission
+            figures = self.holder.budget_figures()
             raise ValueError(f"--expert-cache-mib: {self.target_slots} expert slots ({nbytes / MIB:.1f} MiB) do not "
-                             f"fit beside the KV pool's {self.service.cache.num_blocks} blocks in the device budget "
-                             f"of {admission.device_budget_bytes / MIB:.1f} MiB; raise --kv-cache-mib MAX or lower "
+                             f"fit beside the KV pool's {figures['pool_blocks']} blocks in the device budget "
+                             f"of {figures['device_budget_bytes'] / MIB:.1f} MiB; raise --kv-cache-mib MAX or lower "
                              f"--expert-cache-mib")
         self.cache.create_slots(self.target_slots, self.memory)
         if self.cache.num_slots < self.target_slots:  # the arena stopped short: that is the size from now on
@@ -87,7 +92,7 @@ class ExpertBudget:
             self._timer = None
         self.loop = None  # a resize after the loop ends reports on its own thread
 
-    # -- the KV pool needs room (called by MemoryService.grant, on the loop) ---------------------------------
+    # -- the KV pool needs room (MemoryUser: called by the admission's grant, on the loop) -------------------
     @property
     def requested_slots(self) -> int:
         pending = self.cache.pending_slots
@@ -173,35 +178,36 @@ class ExpertBudget:
                      extra={"fields": {"expert_cache_slots": self.cache.num_slots, "given_back_bytes": excess}})
 
 
-def connect_expert_budget(cache, engine, top_k: int) -> ExpertBudget:
-    """The server's expert cache under the memory admission, its slots made now (before the first step):
+def connect_expert_budget(cache, holder, top_k: int, is_idle=lambda: False) -> ExpertBudget:
+    """The server's expert cache under the memory admission, through `holder` (registered as HOLDER_NAME),
+    its slots made now (before the first step):
 
         elastic KV pool   slots mapped outside the arena (VmmSlotMemory), in the pool's MAX: N MiB, or auto =
                           every expert that fits beside the pool's starting size (the pool takes it back as
                           requests need room)
         fixed KV pool     slots in the arena after the pool (ArenaSlotMemory): N MiB, or auto = what the
                           arena has left less AUTO_HEADROOM_BYTES; nothing moves between the two
-    The floor is top_k slots (a decode token's experts of one layer in one round)."""
+    The floor is top_k slots (a decode token's experts of one layer in one round); `is_idle()` says no step
+    is in flight (a resize may then be applied at once)."""
     from engine.backends.cuda_expert_cache import AUTO_HEADROOM_BYTES
     from engine.backends.cuda_expert_cache_memory import ArenaSlotMemory, VmmSlotMemory
 
-    admission, pool_blocks = engine.cache.admission, engine.cache.num_blocks
-    if admission.device_reserved_blocks:
+    if holder.shares_elastic_pool:
         memory = VmmSlotMemory(cache.device, cache.slot_bytes, cache.total_experts)
-        spare = admission.device_spare_bytes(pool_blocks)
+        spare = holder.spare_bytes()
         target = cache.wanted_slots(0) if cache.budget_mib != "auto" else max(1, memory.slots_within(spare))
     else:
         memory = ArenaSlotMemory(cache.device, cache.slot_bytes)
         target = cache.wanted_slots(cache.device.arena.largest_free - AUTO_HEADROOM_BYTES)
-    budget = ExpertBudget(cache, engine.memory, memory, target_slots=target, floor_slots=top_k,
-                          is_idle=lambda: not engine.in_flight)
+    budget = ExpertBudget(cache, holder, memory, target_slots=target, floor_slots=top_k, is_idle=is_idle)
     budget.grant_at_start()
+    figures = holder.budget_figures()
+    pool_bytes, block_bytes = figures["pool_blocks"] * figures["block_bytes"], figures["block_bytes"]
     log.info("device budget %.1f MiB: KV pool %.1f MiB (ceiling %.1f MiB), expert cache (MoE weights, not the prompt "
-             "cache) %.1f MiB held by %s: %d slots, floor %d, %s", admission.device_budget_bytes / MIB,
-             pool_blocks * admission.block_bytes / MIB,
-             max(pool_blocks, admission.device_ceiling_blocks) * admission.block_bytes / MIB,
-             budget.holder.held_bytes / MIB, HOLDER_NAME, cache.num_slots, budget.floor_slots,
-             "shared with the elastic KV pool" if admission.device_reserved_blocks else "beside the fixed KV pool",
-             extra={"fields": {"device_budget_bytes": admission.device_budget_bytes,
-                               "expert_cache_held_bytes": budget.holder.held_bytes}})
+             "cache) %.1f MiB held by %s: %d slots, floor %d, %s", figures["device_budget_bytes"] / MIB,
+             pool_bytes / MIB, max(figures["pool_blocks"], figures["ceiling_blocks"]) * block_bytes / MIB,
+             holder.held_bytes / MIB, holder.name, cache.num_slots, budget.floor_slots,
+             "shared with the elastic KV pool" if holder.shares_elastic_pool else "beside the fixed KV pool",
+             extra={"fields": {"device_budget_bytes": figures["device_budget_bytes"],
+                               "expert_cache_held_bytes": holder.held_bytes}})
     return budget

@@ -12,9 +12,9 @@ an extra loop tick: with nothing queued, `grant` is plan + grant + apply inline;
 those requests are served first, inline, so arrival order holds either way. A refused plan leaves every
 block where it was (nothing was touched to make it).
 
-Other budget holders (the MoE expert cache) take device memory through `register_budget`: their grows are
-queued requests like an operator's shrink; what they hold lowers the KV pool's ceiling, and an engine grant
-that would park for lack of it waits while they give some back (budget_holder.room_from_holders).
+Other budget holders (the MoE expert cache) take device memory through `register_budget` (memory/holders.py):
+their grows are queued requests like an operator's shrink; what they hold lowers the KV pool's ceiling, and an
+engine grant that would park for lack of it waits while they give some back (holders.room_from_holders).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from scheduler.budget_holder import BudgetHolder, room_from_holders
+from scheduler.memory.holders import BudgetHolder, room_from_holders
 from scheduler.cache_plan import Plan
 
 log = logging.getLogger("strata.admission")
@@ -57,16 +57,16 @@ class MemoryService:
         self._queue = asyncio.Queue()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="strata-memory-admission")
         for holder in self.holders.values():
-            if holder.tier is not None:
-                holder.tier.start()
+            if holder.user is not None:
+                holder.user.start()
 
     async def close(self) -> None:
         """Serve what is queued, then stop the task; later requests are served at once, as without a loop."""
         self.serve_queued()
         self._queue = None
         for holder in self.holders.values():
-            if holder.tier is not None:
-                holder.tier.stop()
+            if holder.user is not None:
+                holder.user.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -81,10 +81,10 @@ class MemoryService:
         """Serve what is queued ahead, then plan now, grant or refuse the plan whole, and apply it if
         granted. Mutates the cache only on a grant. Never awaits. A plan that would park, drop or find no
         room while a budget holder could give the pool that room is refused for now instead (the holder
-        shrinks, gives back, and the asker's retry grows the pool: budget_holder.room_from_holders)."""
+        shrinks, gives back, and the asker's retry grows the pool: holders.room_from_holders)."""
         if self._queue is not None and not self._queue.empty():
             self.serve_queued()
-        waiting, plan = room_from_holders(self, planner)
+        waiting, plan = room_from_holders(self.admission, self.holders.values(), planner)
         if waiting:
             self.num_waits_for_holders += 1
             return Grant(plan)
@@ -111,7 +111,7 @@ class MemoryService:
         """Queue `serve` (it plans, and grants through grant_plan, only when called) and return its result
         once the admission task (or a grant ahead of which it was queued) has run it."""
         if self._queue is None:  # no loop task (tools, tests without start): served at once
-            return self._serve_one(serve, name)
+            return self.serve_now(serve, name)
         future = asyncio.get_running_loop().create_future()
         self._queue.put_nowait((serve, name, future))
         return await future
@@ -134,7 +134,7 @@ class MemoryService:
         if future.cancelled():  # the asker went away: nothing was planned for it
             return
         try:
-            result = self._serve_one(serve, name)
+            result = self.serve_now(serve, name)
         except Exception as exc:  # a failing request fails its asker, never the admission
             log.error("memory request %s failed: %s", name, exc, extra={"fields": {"request": name}})
             future.set_exception(exc)
@@ -142,7 +142,9 @@ class MemoryService:
             future.set_result(result)
         self.on_change()
 
-    def _serve_one(self, serve: Callable[[], Any], name: str) -> Any:
+    def serve_now(self, serve: Callable[[], Any], name: str) -> Any:
+        """Serve one request at once, outside the queue: for start-up (a holder's first grow, nothing queued
+        yet) and for the queue itself. Never inside another request's serve."""
         assert not self._serving, f"memory request {name} served inside another: plans would interleave"
         self._serving = True
         try:
@@ -155,20 +157,21 @@ class MemoryService:
     def device_reachable_blocks(self) -> int:
         """Where the pool could grow to with what the holders can give back (above their floors): the
         ceiling a request waits for before it is planned at all. Changes nothing."""
-        give = {h.name: h.tier.reclaimable_bytes() for h in self.holders.values() if h.tier is not None}
+        give = {h.name: h.user.reclaimable_bytes() for h in self.holders.values() if h.user is not None}
         with self.admission.released_for_planning(give):
             return self.admission.device_ceiling_blocks
 
     # -- other budget holders ------------------------------------------------------------------------
     def register_budget(self, name: str, tier: str = "device") -> BudgetHolder:
-        """A holder of `tier` memory beside the KV pool (the MoE expert cache): it asks for bytes with
-        `await holder.grow(n)` (granted whole, by shrinking the KV pool when the budget is short: parks,
-        never drops) and gives them back with `holder.give_back(n)`. Only the device tier for now."""
+        """The one way an engine part holds memory beside the KV pool (the MoE expert cache): a holder of
+        `tier` memory, which asks for bytes with `await holder.grow(n)` (granted whole, by shrinking the KV
+        pool when the budget is short: parks, never drops), gives them back with `holder.give_back(n)`, and
+        plugs its MemoryUser in with `holder.attach(user)`. Only the device tier for now."""
         if tier != "device":
             raise ValueError(f"budget holders take device memory only for now (got tier {tier!r})")
         if name in self.holders or name == "kv":
             raise ValueError(f"a budget holder named {name!r} is registered already")
         holder = BudgetHolder(name, self)
         self.holders[name] = holder
-        self.admission.held_device_bytes[name] = 0
+        self.admission.add_holder(name)
         return holder

@@ -1,46 +1,109 @@
-"""A holder of device memory beside the KV pool (the MoE expert cache), through the memory admission.
+"""Holders of device memory beside the KV pool (the MoE expert cache), through the memory admission.
 
-    holder = engine.memory.register_budget("experts")      # once, at start
-    if await holder.grow(64 * 2**20): ...upload experts...  # granted whole, or refused changing nothing
-    holder.give_back(64 * 2**20)                            # after freeing them; the KV pool may grow again
+The engine's memory users plug in here, through two declared interfaces: the user implements `MemoryUser`
+(how much it could give back, and giving it back), and gets a `BudgetHolder` from the service:
 
-A grow is a queued request of the memory admission (scheduler/memory_service.py), served in arrival order
-against the state at its turn. It is granted from the device budget's spare bytes when there are enough;
-else the KV pool is shrunk to make the room, by the same plan as an operator's shrink (cached blocks moved
-down or parked to host RAM, never dropped); a shrink that cannot reach the size needed (a running
-request's block, no host room) is refused whole, so the pool and every block stay where they were. What a
-holder holds lowers the pool's ceiling (MemoryAdmission.device_ceiling_blocks) until given back. The
-holder allocates its own memory after a grant and frees it before give_back; the admission only counts.
+    holder = engine.memory.register_budget("moe_experts")  # once, at start (memory/service.py)
+    holder.attach(user)                                     # the MemoryUser the admission may ask for room
+    if await holder.grow(64 * MIB): ...upload experts...    # granted whole, or refused changing nothing
+    holder.give_back(64 * MIB)                              # after freeing them; the KV pool may grow again
+
+A grow is a queued request of the memory admission (memory/service.py), served in arrival order against the
+state at its turn. It is granted from the device budget's spare bytes when there are enough; else the KV
+pool is shrunk to make the room, by the same plan as an operator's shrink (cached blocks moved down or
+parked to host RAM, never dropped); a shrink that cannot reach the size needed (a running request's block,
+no host room) is refused whole, so the pool and every block stay where they were. What a holder holds
+lowers the pool's ceiling (MemoryAdmission.device_ceiling_blocks) until given back. The user allocates its
+own memory after a grant and frees it before give_back; the admission only counts.
 
 The other way (`room_from_holders`): when the KV pool would park a conversation for lack of the bytes a holder
-holds, the engine's grant waits while the holder's `tier` gives the fewest blocks' worth back.
+holds, the engine's grant waits while the holder's user gives the fewest blocks' worth back.
 """
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Callable, Protocol
 
-if TYPE_CHECKING:
-    from scheduler.memory_service import MemoryService
+from engine.units import MIB
+from scheduler.memory.admission import MemoryAdmission
 
 log = logging.getLogger("strata.admission")
-MIB = 2**20
+
+
+class MemoryUser(Protocol):
+    """What an engine part holding device memory through a BudgetHolder implements (the expert cache's:
+    engine/backends/cuda_expert_cache_budget.ExpertBudget). Called on the event loop."""
+
+    def reclaimable_bytes(self) -> int:
+        """Bytes it could give back now (held above its floor, counting those on their way). Changes nothing."""
+
+    def reclaim(self, nbytes: int) -> None:
+        """Give nbytes back in all (counting those already coming), now or after the step in flight, each
+        through BudgetHolder.give_back once the memory behind them is freed."""
+
+    def start(self) -> None:
+        """The admission task started on the running loop (timers may begin)."""
+
+    def stop(self) -> None:
+        """The admission task stops: nothing more will be asked."""
+
+
+class HolderService(Protocol):
+    """What a holder asks of the MemoryService that registered it (memory/service.py imports this module,
+    so the service is declared here by what it offers rather than imported)."""
+
+    admission: MemoryAdmission
+    cache: Any  # the PrefixCache whose device pool shrinks to make a holder's room
+    num_queued: int
+
+    def on_change(self) -> None: ...
+
+    async def request(self, serve: Callable[[], Any], name: str) -> Any: ...
+
+    def serve_now(self, serve: Callable[[], Any], name: str) -> Any: ...
+
+    def grant_plan(self, planner: Callable[[], Any]) -> Any: ...
 
 
 class BudgetHolder:
     """One registered holder's device bytes (`held_bytes`); grow and give_back are its only mutations."""
 
-    def __init__(self, name: str, service: "MemoryService"):
+    def __init__(self, name: str, service: HolderService):
         self.name = name
         self._service = service
-        # What the holder sizes (the expert cache's engine/backends/cuda_expert_cache_budget.ExpertBudget):
-        # reclaimable_bytes() and reclaim(nbytes), asked by MemoryService.grant when the KV pool is short;
-        # start() / stop() with the admission task. None: the holder never gives memory back unasked.
-        self.tier = None
+        # Asked for room back by MemoryService.grant when the KV pool is short, started and stopped with the
+        # admission task (attach). None: the holder never gives memory back unasked.
+        self.user: MemoryUser | None = None
+
+    def attach(self, user: MemoryUser) -> None:
+        """The memory user behind this holder, from now on asked for room when the KV pool is short."""
+        self.user = user
 
     @property
     def held_bytes(self) -> int:
         return self._service.admission.held_device_bytes[self.name]
+
+    # -- the device budget as a user sizes itself against it (reads; change nothing) ---------------------
+    @property
+    def shares_elastic_pool(self) -> bool:
+        """Whether the KV pool is elastic, its reserve the device budget this holder shares (else a fixed
+        pool: the holder's bytes come beside it, through add_fixed_budget)."""
+        return bool(self._service.admission.device_reserved_blocks)
+
+    def spare_bytes(self) -> int:
+        """Device budget neither the KV pool (as it is now) nor any holder holds."""
+        return self._service.admission.device_spare_bytes(self._service.cache.num_blocks)
+
+    def budget_figures(self) -> dict[str, int]:
+        """The device budget, the KV pool's blocks, block bytes and ceiling, for a user's log lines."""
+        admission = self._service.admission
+        return {"device_budget_bytes": admission.device_budget_bytes, "pool_blocks": self._service.cache.num_blocks,
+                "block_bytes": admission.block_bytes, "ceiling_blocks": admission.device_ceiling_blocks}
+
+    def add_fixed_budget(self, nbytes: int) -> None:
+        """Beside a fixed KV pool, the holder's bytes join the device budget (counted once: the pool never
+        grows into them). Mutates the budget; before the first grow."""
+        self._service.admission.add_device_budget(nbytes)
 
     async def grow(self, nbytes: int, *, park: bool = True, on_grant=None) -> bool:
         """Hold nbytes more device memory: True once granted (the bytes are the holder's to allocate),
@@ -59,13 +122,11 @@ class BudgetHolder:
     def grow_now(self, nbytes: int) -> bool:
         """`grow` at start-up, before the admission task runs: served at once, from spare budget only."""
         assert self._service.num_queued == 0, "grow_now is for start-up, with nothing queued"
-        return self._service._serve_one(lambda: self._grant_grow(nbytes, park=False), f"{self.name} grow")
+        return self._service.serve_now(lambda: self._grant_grow(nbytes, park=False), f"{self.name} grow")
 
     def give_back(self, nbytes: int) -> None:
         """The holder freed nbytes: they return to the device budget (the KV pool may grow into them)."""
-        held = self._service.admission.held_device_bytes
-        assert 0 < nbytes <= held[self.name], f"{self.name} gives back {nbytes} bytes of {held[self.name]} held"
-        held[self.name] -= nbytes
+        self._service.admission.release_held(self.name, nbytes)
         self._service.on_change()
 
     def _grant_grow(self, nbytes: int, park: bool = True) -> bool:
@@ -80,7 +141,7 @@ class BudgetHolder:
             if not grant.granted:
                 return self._refuse(nbytes, "the KV pool could not shrink without dropping cached blocks"
                                     if park else "the KV pool has no spare room (its free ids hold cached blocks)")
-        admission.held_device_bytes[self.name] += nbytes
+        admission.hold(self.name, nbytes)
         log.info("%s holds %d MiB of device memory more (%d MiB in all); KV pool %d blocks, ceiling %d",
                  self.name, nbytes // MIB, self.held_bytes // MIB, cache.num_blocks, admission.device_ceiling_blocks,
                  extra={"fields": {"holder": self.name, "held_bytes": self.held_bytes}})
@@ -93,28 +154,27 @@ class BudgetHolder:
         return plan if plan.shrink_to <= target and (park or not plan.parks) else None
 
     def _refuse(self, nbytes: int, why: str) -> bool:
-        self._service.admission.refusals += 1
+        self._service.admission.count_refusal()
         log.warning("%s refused %d MiB of device memory: %s", self.name, nbytes // MIB, why,
                     extra={"fields": {"holder": self.name, "bytes": nbytes, "reason": why}})
         return False
 
 
-def room_from_holders(service: "MemoryService", planner) -> tuple[bool, object]:
+def room_from_holders(admission: MemoryAdmission, holders, planner) -> tuple[bool, object]:
     """For an engine grant (allocate / extend): (wait, plan). When the plan would park, drop or find no room,
     but would not with bytes the holders could give back, ask them for the fewest blocks' worth that does
     and return (True, that plan), to be refused for now: the asker retries once the bytes are back. The
     fewest is found by planning with b blocks released (a what-if that changes nothing), bisected: the pool
     grows in whole segments while it has room, so planning with all the holders' bytes released would take
     them all. Else (False, the plan to grant as usual), planned once more after any what-if (a planner may
-    record what it matched, e.g. request_memory's admission)."""
-    admission = service.admission
-    tiers = [h for h in service.holders.values() if h.tier is not None and h.tier.reclaimable_bytes() > 0]
+    record what it matched, e.g. memory/requests.py's admission)."""
+    users = [h for h in holders if h.user is not None and h.user.reclaimable_bytes() > 0]
     plan = planner()
-    if not tiers or not admission.device_reserved_blocks or plan is not None and (
+    if not users or not admission.device_reserved_blocks or plan is not None and (
             plan.kind not in ("allocate", "extend") or not (plan.parks or plan.device_drops)):
         return False, plan
     block_bytes = max(1, admission.block_bytes)
-    reclaimable = {h.name: h.tier.reclaimable_bytes() for h in tiers}
+    reclaimable = {h.name: h.user.reclaimable_bytes() for h in users}
 
     def plan_with(blocks: int):
         with admission.released_for_planning(_take(reclaimable, blocks * block_bytes)):
@@ -128,10 +188,10 @@ def room_from_holders(service: "MemoryService", planner) -> tuple[bool, object]:
         mid = (low + high) // 2
         low, high = (low, mid) if plan_with(mid) is not None else (mid, high)
     ceiling = admission.device_ceiling_blocks
-    for holder in tiers:
+    for holder in users:
         take = _take(reclaimable, high * block_bytes).get(holder.name, 0)
         if take:
-            holder.tier.reclaim(take)
+            holder.user.reclaim(take)
     if admission.device_ceiling_blocks > ceiling:
         return False, planner()  # given back at once (no step in flight, no loop): plan and grant now
     return True, plan_with(high)

@@ -1,5 +1,5 @@
 """The requests' side of the memory admission: blocks for a request's first step, for each next step, and
-back to the cache at the end, all as plans granted through the memory admission (memory_service.py).
+back to the cache at the end, all as plans granted through the memory admission (memory/service.py).
 
     admit     waiting -> slot: its longest cached prefix (restored if parked) + blocks for one chunk
     schedule  a group's next step (scheduler/step_plan.py): every decoding request's next token, then prompt
@@ -56,7 +56,7 @@ class RequestMemory:
             request = table.waiting[0]
             total = request.prompt_len + request.params.max_tokens
             needed = blocks_needed(total, self.block_size)
-            if needed > max(cache.num_blocks, cache.admission.device_reserved_blocks):
+            if needed > max(cache.num_blocks, self.memory.admission.device_reserved_blocks):
                 table.waiting.popleft()  # can never fit: the API checks this, so this is a bug guard
                 fail(request, f"{total} tokens do not fit the KV pool")
                 continue

@@ -1,6 +1,6 @@
 """Memory admission: the one owner of the memory budgets while the server runs, on the event loop.
 
-Start-up sizing (scheduler/admission.py) fixes the host tier's *budget*; this object then decides, each
+Start-up sizing (memory/sizing.py) fixes the host tier's *budget*; this object then decides, each
 time the cache wants host RAM it has not used yet, whether to *commit* another segment of it: only while
 the budget allows and the machine still has the room (the container limit or MemAvailable, re-read at
 that moment, minus the engine's own bytes counted once from its own figures and the floor left to the
@@ -12,14 +12,14 @@ asks for commit-at-start (`--conversation-cache-commit at-start`).
     used       |===========|                                    slots holding parked blocks
 
 The device tier has a budget too: the KV pool's ids (`device_budget_bytes`, the reserve of an elastic
-pool) shared with the other budget holders (the MoE expert cache: scheduler/memory_service.py's
-`register_budget`, engine/backends/cuda_expert_cache_budget.py). What they hold lowers the pool's ceiling:
+pool) shared with the other budget holders (the MoE expert cache: memory/service.py's `register_budget`,
+memory/holders.py). What they hold lowers the pool's ceiling:
 
     device budget |=============================================|
     KV pool       |==================|          |===============|  held by other budget holders
     ceiling       |==============================|                 min(operator's ceiling, budget - held)
 
-This object decides (grant, room, ceilings); scheduler/memory_service.py serves the requests for memory
+This object decides (grant, room, ceilings); memory/service.py serves the requests for memory
 one at a time, in arrival order, and applies what is granted. Mutated only on the event loop; a refusal
 leaves everything as it was and the cache then treats the host tier as full (spill to disk, else drop,
 logged).
@@ -30,8 +30,9 @@ import contextlib
 import logging
 from typing import Callable
 
+from engine.units import MIB
+
 log = logging.getLogger("strata.admission")
-MIB = 2**20
 SEGMENT_BYTES = 64 * MIB  # host RAM committed per growth of the host tier
 
 
@@ -56,14 +57,26 @@ class MemoryAdmission:
         self.device_segment_blocks = 1
         self._operator_ceiling_blocks = 0  # set_device_ceiling (POST /cache/device-pool, the signals)
         self.device_budget_bytes = 0  # the KV pool's ids and the other holders' bytes share this
-        self.held_device_bytes: dict[str, int] = {}  # other budget holders (memory_service.BudgetHolder)
-        self.budgets: dict[str, object] = {}  # other tiers sized between steps (register_budget)
+        self.held_device_bytes: dict[str, int] = {}  # other budget holders (memory/holders.BudgetHolder)
 
-    def register_budget(self, name: str, budget) -> None:
-        """A tier the admission may resize between steps, for the views (the expert cache). Its device bytes
-        are granted through memory_service.MemoryService.register_budget's holder (for the expert cache:
-        engine/backends/cuda_expert_cache_budget.py), counted in held_device_bytes."""
-        self.budgets[name] = budget
+    def add_holder(self, name: str) -> None:
+        """A holder of device bytes beside the KV pool (memory/holders.py), holding nothing yet."""
+        assert name not in self.held_device_bytes, f"holder {name!r} added twice"
+        self.held_device_bytes[name] = 0
+
+    def hold(self, name: str, nbytes: int) -> None:
+        """A granted grow: the holder holds nbytes more of the device budget (the pool's ceiling drops)."""
+        self.held_device_bytes[name] += nbytes
+
+    def release_held(self, name: str, nbytes: int) -> None:
+        """The holder freed nbytes: they return to the device budget (the pool's ceiling rises)."""
+        held = self.held_device_bytes[name]
+        assert 0 < nbytes <= held, f"{name} gives back {nbytes} bytes of {held} held"
+        self.held_device_bytes[name] = held - nbytes
+
+    def count_refusal(self) -> None:
+        """A request for memory refused outside grant (a holder's grow): counted with the others."""
+        self.refusals += 1
 
     def add_device_budget(self, nbytes: int) -> None:
         """A fixed pool's device budget is its own bytes; a holder beside it brings its bytes along
