@@ -25,9 +25,11 @@ def _pool(kv_type, rng, tables, lens, num_blocks=64):
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "int8"])
 @pytest.mark.parametrize("window", [0, 7])
-def test_tiles_of_few_keys_give_the_reference_attention(kv_type, window, monkeypatch):
+@pytest.mark.parametrize("query_rows", [1024, 10])
+def test_tiles_of_few_keys_give_the_reference_attention(kv_type, window, query_rows, monkeypatch):
     monkeypatch.setattr(cpu_prefill_attention, "MIN_KEY_TILE", 5)  # many tiles, some across block borders
     monkeypatch.setattr(cpu_prefill_attention, "SCORE_BYTES", 1)
+    monkeypatch.setattr(cpu_prefill_attention, "QUERY_ROWS", query_rows)  # 10: query blocks of 3 tokens
     rng = np.random.default_rng(4)
     tables = [np.array([9, 2, 3, 30, 31, 32, 4, 5, 6], np.int32), np.array([12, 13, 14, 15, 20, 21], np.int32)]
     pool = _pool(kv_type, rng, tables, [33, 23])
@@ -39,7 +41,9 @@ def test_tiles_of_few_keys_give_the_reference_attention(kv_type, window, monkeyp
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-def test_sinks_join_every_rows_softmax_as_in_the_reference():
+@pytest.mark.parametrize("query_rows", [1024, 13])
+def test_sinks_join_every_rows_softmax_as_in_the_reference(query_rows, monkeypatch):
+    monkeypatch.setattr(cpu_prefill_attention, "QUERY_ROWS", query_rows)
     rng = np.random.default_rng(5)
     table = np.arange(10, dtype=np.int32)
     pool = _pool("f32", rng, [table], [37])
@@ -52,7 +56,7 @@ def test_sinks_join_every_rows_softmax_as_in_the_reference():
 
 
 def test_one_tile_holds_a_bounded_number_of_scores():
-    rows = 7 * 512  # a 512-token chunk of a 7-query-head group
+    rows = cpu_prefill_attention.QUERY_ROWS  # a query block's rows
     assert 2 * rows * cpu_prefill_attention.key_tile(rows) * 4 <= max(
         cpu_prefill_attention.SCORE_BYTES, 2 * rows * cpu_prefill_attention.MIN_KEY_TILE * 4)
 

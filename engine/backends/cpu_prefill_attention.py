@@ -1,19 +1,24 @@
-"""Attention of a prefill chunk over the paged K/V in key tiles, with an online softmax (flash attention's
-recurrence) whose elementwise part runs on every kernel thread.
+"""Attention of a prefill chunk over the paged K/V in query blocks and key tiles, with an online softmax
+(flash attention's recurrence) whose elementwise part runs on every kernel thread.
 
-    qh [KVH, M = group * n, hd]   the chunk's queries, the `group` heads that read one K/V head stacked
-    for each tile of up to key_tile(M) keys (a contiguous run of the pool, split; engine/batch.key_runs):
-        S   = qh @ K_tile^T                     BLAS, [KVH, M, L] (a few MiB: never the whole context)
-        softmax_tile: per row, under the causal / window mask
-            m' = max(m, max S),  P = exp(S - m'),  c = exp(m - m'),  l = c l + sum P,  acc *= c
-        acc += P @ V_tile                       BLAS
-    out = acc / l
+    qh [KVH, n * group, hd]   the chunk's queries, token-major: row t * group + g is token t's head g of the
+                              `group` heads that read one K/V head
+    for each block of QUERY_ROWS rows (tokens t0 .. t1 - 1):      m, l, acc: the block's running state (in L2)
+        for each tile of up to key_tile(rows) keys the block can see (none after its last token, none before
+        its first token's window: causal and sliding-window tiles are skipped, not masked):
+            S   = qh_block @ K_tile^T               BLAS, [KVH, rows, L] (SCORE_BYTES: in L2 / L3)
+            softmax_tile: per row, under the causal / window mask
+                m' = max(m, max S),  P = exp(S - m'),  c = exp(m - m'),  l = c l + sum P,  acc *= c
+            acc += P @ V_tile                       BLAS
+        out[block] = acc / l
 
 The whole-context version (numpy_backend._attend_one, the reference) built S for every key at once: at 16K
 tokens of context a 512-token chunk's scores were [2, 3584, 16384] float32, 470 MB, written and read by
-single-threaded numpy passes (max, subtract, exp, sum, mask), so prefill fell off with depth and the peak
-RSS grew with the context. Here the scores of one tile stay within SCORE_BYTES and the softmax is one
-parallel pass (`fast_exp`, a polynomial LLVM vectorises: numba's exp is a scalar libm call without SVML).
+single-threaded numpy passes. Key tiles over the whole chunk (the first version of this file) bounded that,
+but a 2K-token chunk's 14K rows still made every tile's scores 7 MB and more (out of L2, each pass to memory)
+and computed the half of the scores the causal mask then zeroed. Query blocks keep a tile's scores and the
+block's accumulators in cache and leave out the tiles a block cannot see. The softmax is one parallel pass
+(`fast_exp`, a polynomial LLVM vectorises: numba's exp is a scalar libm call without SVML).
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from engine.kv_quant import split_rows
 _F32, _U64 = np.float32, np.uint64
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # no nnan / ninf: -inf marks masked keys
 SCORE_BYTES = 4 * 2**20  # one tile's scores (both K/V heads): about L2's size, and nothing near the context's
+QUERY_ROWS = 1024  # rows of a query block: 2 K/V heads' accumulators of hd 64 are 512 KiB
 MIN_KEY_TILE = 128  # below this BLAS's calls get short and the Python loop long
 _NEG_INF = _F32(-np.inf)
 _LOG2E, _LN2_HI, _LN2_LO = _F32(1.4426950408889634), _F32(0.693145751953125), _F32(1.428606765330187e-06)
@@ -68,15 +74,15 @@ def fast_exp(x):
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def softmax_tile(s, m, l, acc, n, q_start, key_start, window):
+def softmax_tile(s, m, l, acc, group, pos0, key_start, window):
     """One key tile's online-softmax step, in place. s [KVH, M, L] scores -> probabilities (0 where masked);
     m, l [KVH, M] the running max and sum; acc [KVH, M, hd] scaled by exp(m_old - m_new). Row r of a head
-    is token r % n of the chunk (position q_start + r % n); key c is at position key_start + c; masked:
-    keys after the query, or window > 0 and at or before query - window."""
+    is the block's token r // group (position pos0 + r // group); key c is at position key_start + c;
+    masked: keys after the query, or window > 0 and at or before query - window."""
     kvh, rows, keys = s.shape
     for task in prange(kvh * rows):
         h, r = task // rows, task % rows
-        pos = q_start + r % n
+        pos = pos0 + r // group
         first = min(keys, max(0, pos - window + 1 - key_start)) if window > 0 else 0
         last = max(first, min(keys, pos + 1 - key_start))  # keys first .. last - 1 are visible
         # unsigned indices: numba wraps a negative signed index around, and that select made LLVM gather and
@@ -116,33 +122,46 @@ def key_tile(rows: int) -> int:
 
 def attend_tiled(q, k_layer, v_layer, seq: SeqSlice, block_size: int, scale, window: int, sinks=None):
     """Attention for one sequence's new tokens q [n, H, hd] -> [n, H * hd], as numpy_backend._attend_one
-    computes it (the same masks, sinks and int8 scales), key tile by key tile."""
+    computes it (the same masks, sinks and int8 scales), query block by query block, key tile by key tile."""
     n, n_heads, head_dim = q.shape
     n_kv = k_layer.shape[0]
     group = n_heads // n_kv
-    rows = group * n
-    qh = (q * _F32(scale)).reshape(n, n_kv, group, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, rows, head_dim)
+    qh = (q * _F32(scale)).reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(n_kv, n * group, head_dim)
+    out = np.empty((n_kv, n * group, head_dim), _F32)
+    block_tokens = max(1, QUERY_ROWS // group)
+    for t0 in range(0, n, block_tokens):
+        t1 = min(n, t0 + block_tokens)
+        rows = slice(t0 * group, t1 * group)
+        out[:, rows] = _attend_block(np.ascontiguousarray(qh[:, rows]), k_layer, v_layer, seq, block_size, window,
+                                     group, seq.start_pos + t0, seq.start_pos + t1, sinks)
+    return out.reshape(n_kv, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads * head_dim)
+
+
+def _attend_block(qb, k_layer, v_layer, seq: SeqSlice, block_size: int, window: int, group: int, pos0: int,
+                  pos_end: int, sinks):
+    """Rows of tokens at positions pos0 .. pos_end - 1 (qb [KVH, rows, hd], scaled) -> [KVH, rows, hd]."""
+    n_kv, rows, head_dim = qb.shape
     m = np.full((n_kv, rows), -np.inf, _F32)
     l = np.zeros((n_kv, rows), _F32)
     acc = np.zeros((n_kv, rows, head_dim), _F32)
-    first_key = max(0, seq.start_pos - window + 1) if window else 0
+    first_key = max(0, pos0 - window + 1) if window else 0  # the block's first token sees nothing earlier
     tile = key_tile(rows)
     for run_start, run_len, run_slot in seq.key_runs(block_size, first_key):
+        run_len = min(run_len, pos_end - run_start)  # keys after the block's last token: nobody sees them
         for offset in range(0, run_len, tile):
             key_start, key_len, slot = run_start + offset, min(tile, run_len - offset), run_slot + offset
             keys, k_scale = split_rows(k_layer[:, slot : slot + key_len, :], head_dim)  # [KVH, L, hd], [KVH, L]
             values, v_scale = split_rows(v_layer[:, slot : slot + key_len, :], head_dim)
-            s = np.matmul(qh, keys.astype(_F32).transpose(0, 2, 1))  # [KVH, rows, L]
+            s = np.matmul(qb, keys.astype(_F32).transpose(0, 2, 1))  # [KVH, rows, L]
             if k_scale is not None:  # int8: q . (k * s) = (q . k) * s
                 s *= k_scale[:, None, :]
-            call_kernel(softmax_tile, s, m, l, acc, n, seq.start_pos, key_start, window)
+            call_kernel(softmax_tile, s, m, l, acc, group, pos0, key_start, window)
             if v_scale is not None:  # int8: p . (v * s) = (p * s) . v
                 s *= v_scale[:, None, :]
             acc += np.matmul(s, values.astype(_F32))
-    if sinks is not None:  # one more logit per head, with no value (gpt-oss)
-        sink = np.repeat(np.asarray(sinks, _F32).reshape(n_kv, group, 1), n, axis=1).reshape(n_kv, rows)
+    if sinks is not None:  # one more logit per head, with no value (gpt-oss); row r is head r % group
+        sink = np.tile(np.asarray(sinks, _F32).reshape(n_kv, 1, group), (1, rows // group, 1)).reshape(n_kv, rows)
         m_new = np.maximum(m, sink)
         correction = np.exp(m - m_new)
         l, acc = l * correction + np.exp(sink - m_new), acc * correction[..., None]
-    out = acc / l[..., None]  # [KVH, group * n, hd]
-    return out.reshape(n_kv, group, n, head_dim).transpose(2, 0, 1, 3).reshape(n, n_heads * head_dim)
+    return acc / l[..., None]

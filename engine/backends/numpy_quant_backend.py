@@ -18,6 +18,7 @@ import weakref
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from engine.backends import cpu_activation
 from engine.backends.cpu_fused_decode import FusedDecoder, fused_refusal, int8_refusal
 from engine.backends.cpu_prefill_attention import attend_tiled
 from engine.backends.cpu_quant_linear import KERNEL_KINDS, QuantLinear
@@ -67,6 +68,12 @@ class QuantizedNumpyBackend(NumpyBackend):
         if scale != 1.0:
             rows *= _F32(scale)
         return rows
+
+    def gated_activation(self, gate_up: np.ndarray, kind: str) -> np.ndarray:
+        """NumpyBackend.gated_activation as one parallel pass (cpu_activation.py) for silu and gelu_tanh."""
+        if kind in cpu_activation.KERNEL_ACTIVATIONS and gate_up.dtype == _F32 and gate_up.flags.c_contiguous:
+            return cpu_activation.gated_activation(gate_up, kind)
+        return super().gated_activation(gate_up, kind)
 
     def attention(self, q, pool, layer: int, batch, scale: float, window: int, sinks: np.ndarray | None = None):
         """NumpyBackend.attention (the reference) computed key tile by key tile (cpu_prefill_attention.py):
