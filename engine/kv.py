@@ -118,6 +118,13 @@ class BlockAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_ids(self) -> list[int]:
+        """The free ids in the order `allocate` hands them out."""
+        return list(self._free)
+
+    def is_free(self, block_id: int) -> bool:
+        return bool(self._is_free[block_id])
+
     def allocate(self, count: int) -> list[int] | None:
         if count > len(self._free):
             return None

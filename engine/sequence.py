@@ -117,7 +117,7 @@ class ModelRunner:
         self.host_layout = replace(self.host_layout, num_blocks=num_blocks)
 
     def resize_device(self, num_blocks: int) -> None:
-        """The elastic pool's size changed (scheduler/device_pool.py): ids num_blocks and up are unused now,
+        """The elastic pool's size changed (scheduler/cache/device_pool.py): ids num_blocks and up are unused now,
         so every stage's pool may give their memory back (a backend that commits memory as it is touched
         needs nothing to grow). The pools keep addressing every reserved id, so no block id changes."""
         assert 0 < num_blocks <= self.layout.num_blocks, f"pool size {num_blocks} beyond the reserved ids"

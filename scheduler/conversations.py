@@ -1,5 +1,5 @@
 """The conversations clients name (``prompt_cache_key``, Claude Code's session id), as /cache shows them
-beside what the cache holds of every conversation (scheduler/conversation_activity.py).
+beside what the cache holds of every conversation (scheduler/cache/conversation_activity.py).
 
 A named conversation's turns are tracked so an operator can read, per conversation, how much of each turn
 was reused: one entry per key (most recently used last), bounded, updated when a request finishes.

@@ -21,7 +21,7 @@ from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type
 from engine.loader import LoadedModel
 from engine.sequence import ModelRunner
 from engine.units import MIB
-from scheduler.disk_tier import DiskTier, model_file_identity
+from scheduler.cache.disk_tier import DiskTier, model_file_identity
 from scheduler.engine_loop import EngineLoop
 from scheduler.engine_views import tier_budgets
 from scheduler.memory.sizing import PoolSize, create_admission, plan_memory, size_kv_pool

@@ -25,14 +25,14 @@ from typing import AsyncIterator
 from engine.sequence import ModelRunner
 from engine.tokenizer import Tokenizer
 from scheduler import engine_views
-from scheduler.cache_persistence import flush_to_disk
-from scheduler.cache_setup import create_cache
-from scheduler.conversation_activity import ACTIVE_WINDOW_S
+from scheduler.cache.persistence import flush_to_disk
+from scheduler.cache.setup import create_cache
+from scheduler.cache.conversation_activity import ACTIVE_WINDOW_S
 from scheduler.conversations import ConversationLog
-from scheduler.disk_tier import DiskTier
-from scheduler.hybrid_steps import HybridSteps
-from scheduler.device_pool import resize_pool
-from scheduler.write_behind import TICK_S as WRITE_BEHIND_TICK_S, WriteBehind
+from scheduler.cache.disk_tier import DiskTier
+from scheduler.cache.hybrid_steps import HybridSteps
+from scheduler.cache.device_pool import resize_pool
+from scheduler.cache.write_behind import TICK_S as WRITE_BEHIND_TICK_S, WriteBehind
 from scheduler.memory.admission import MemoryAdmission
 from scheduler.memory.service import MemoryService
 from scheduler.metrics import Metrics

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import Sequence
-from scheduler.cache_allocation import Allocation
+from scheduler.cache.plans import Allocation
 
 if TYPE_CHECKING:
     from engine.grammar import TokenConstraint

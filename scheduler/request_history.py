@@ -12,7 +12,7 @@ MAX_REQUESTS = 256
 
 
 def miss_summary(miss: dict, described: str) -> dict:
-    """The JSON shape of a miss explanation (scheduler/cache_explain.py): its cause and token position, the
+    """The JSON shape of a miss explanation (scheduler/cache/explain.py): its cause and token position, the
     message there (``where``: "message 3 (user)"), and the cause's own facts (which tier an eviction took and
     when, which cached conversation a divergence left, how many earlier turns an unseen one carried)."""
     keep = ("cause", "position", "evicted_at", "tier", "reason", "conversation", "earlier_turns", "disk_tokens",

@@ -27,10 +27,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import scheduler.prefix_cache as prefix_cache_module  # noqa: E402
-from scheduler.block_mover import BlockMoves  # noqa: E402
+import scheduler.cache.planner as planner_module  # noqa: E402
+from scheduler.cache.block_mover import BlockMoves  # noqa: E402
 from scheduler.memory.service import MemoryService  # noqa: E402
-from scheduler.prefix_cache import PrefixCache  # noqa: E402
+from scheduler.cache.prefix_cache import PrefixCache  # noqa: E402
 
 BLOCK = 16
 CONVERSATION_BLOCKS = 32
@@ -61,7 +61,7 @@ def build(size: int, seed: int) -> tuple[PrefixCache, list[list[int]]]:
     cache = PrefixCache(num_blocks=size, block_size=BLOCK, host_blocks=size // HOST_SHARE, mover=NullMover())
     system = [rng.randrange(1, 50000) for _ in range(2 * BLOCK)]
     conversations = []
-    while cache._dev_free.num_free >= CONVERSATION_BLOCKS:
+    while cache.tiers.num_free_ids("device") >= CONVERSATION_BLOCKS:
         tokens = system + [rng.randrange(1, 50000) for _ in range((CONVERSATION_BLOCKS - 2) * BLOCK)]
         alloc = cache.allocate(cache.match(tokens, len(tokens) - 1), len(tokens))
         cache.release(tokens, len(tokens), alloc)
@@ -103,12 +103,12 @@ def bench(size: int, requests: int, seed: int = 1, max_warmup: int | None = None
     service = through_service(cache) if callable(through_service) else None
     rng = random.Random(seed + 1)
     warmup = 0
-    while len(cache._on_host) < cache.host_blocks and warmup != max_warmup:  # host RAM fills, parked blocks hit
+    while len(cache.tiers.blocks("host")) < cache.host_blocks and warmup != max_warmup:  # host RAM fills, parked blocks hit
         one_request(cache, rng.choice(conversations), rng)
         warmup += 1
     rows = [one_request(cache, rng.choice(conversations), rng, service) for _ in range(requests)]
     totals = sorted(r["total"] for r in rows)
-    out = {"cached_blocks": cache.num_cached, "device": len(cache._on_device), "host": len(cache._on_host),
+    out = {"cached_blocks": cache.num_cached, "device": len(cache.tiers.blocks("device")), "host": len(cache.tiers.blocks("host")),
            "median_ms": 1e3 * statistics.median(totals), "p99_ms": 1e3 * totals[int(0.99 * (len(rows) - 1))]}
     for part in ("match", "plan", "apply", "release"):
         out[part + "_ms"] = 1e3 * statistics.median(r[part] for r in rows)
@@ -135,8 +135,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.reference:
         import tests.eviction_reference as reference
-        prefix_cache_module.plan_device_room = \
-            lambda cache, plan, count, exclude: reference.plan_device_room(cache, plan, count, {id(b) for b in exclude})
+        planner_module.plan_device_room = \
+            lambda view, plan, count, exclude: reference.plan_device_room(view, plan, count, {id(b) for b in exclude})
     print("| cached blocks | device / host | per request median (ms) | p99 (ms) | match | plan | apply | release |"
           " parks / restores / drops |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

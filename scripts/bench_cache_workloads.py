@@ -12,7 +12,7 @@ from api.completions import chat_turn_from_body
 from api.schemas import ChatCompletionRequest
 from api.tool_specs import normalise_tools
 from engine.loader import encode_chat_prompt
-from scheduler.cache_tree import common_prefix_len
+from scheduler.cache.tree import common_prefix_len
 
 TOOLS = [[{"type": "function", "function": {"name": f"tool_{i}", "description": "does a thing", "parameters": {}}}
           for i in range(n)] for n in (3, 6)]

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler.memory.service import MemoryService  # noqa: E402
-from scheduler.prefix_cache import PrefixCache  # noqa: E402
+from scheduler.cache.prefix_cache import PrefixCache  # noqa: E402
 from scheduler.memory.requests import step_needs_plan  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The eviction choice as it was before the index (scheduler/cache_plan.py with write-behind, issue 12 item 7):
+"""The eviction choice as it was before the index (scheduler/cache/room.py, now scheduler/cache/room.py, with write-behind, issue 12 item 7):
 rank every candidate on every plan. Kept verbatim as the reference the index must agree with, choice for
 choice; the changes are the conversation class (issue 12 item 6) in both ranks, after the superseded
 flag, so the same rule is compared with conversations active too (constant False without them), and the
@@ -10,16 +10,16 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING, Callable
 
-from scheduler.cache_plan import Plan
-from scheduler.cache_tree import CachedBlock, is_superseded
+from scheduler.cache.plans import RoomPlan as Plan
+from scheduler.cache.tree import CachedBlock, is_superseded
 
 if TYPE_CHECKING:
-    from scheduler.prefix_cache import PrefixCache
+    from scheduler.cache.view import CacheView as PrefixCache  # the planner's view of the cache
 
 
 def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[int]) -> bool:
     """Add to `plan` what frees `count` device blocks (beyond the free ones); False when it cannot."""
-    short = count - (cache._dev_free.num_free - cache.ckpt.units_on("device"))
+    short = count - (cache.tiers.num_free_ids("device") - cache.ckpt.units_on("device"))
     if short <= 0:
         return True
     weight = cache.ckpt.weight
@@ -63,10 +63,11 @@ def _drop_pinned_checkpoints(cache: "PrefixCache", plan: Plan, missing: int, exc
     units = cache.ckpt.units
     if missing <= 0 or not units or plan.kind == "extend" and plan.reserve_checkpoints:  # the states a step
         return 0  # takes inside a prompt never cost held ones (it goes on without them); its reply's end may
-    taken_over = plan.match.cow_source if plan.takeover else None  # its checkpoints go anyway: counted once
-    matched = plan.match.checkpoint if plan.match is not None else None  # goes last: later prompts
+    match, restores = getattr(plan, "match", None), getattr(plan, "restores", [])  # AllocatePlan's only
+    taken_over = match.cow_source if getattr(plan, "takeover", False) else None  # its checkpoints go anyway: counted once
+    matched = match.checkpoint if match is not None else None  # goes last: later prompts
     # that branch where this one did (fan-out questions over one context) need it
-    restored = set(plan.restores)  # coming back to the device with all their checkpoints: those may stay behind
+    restored = set(restores)  # coming back to the device with all their checkpoints: those may stay behind
     held = sorted(((n.last_used, k, n) for n in cache.ckpt.nodes.values()
                    if (n.on_device and (n.ref_count or id(n) in exclude) or n in restored) and n is not taken_over
                    for k in n.checkpoints),
@@ -86,9 +87,9 @@ class _HostRoom:
         # Slots the plan's own restores give back count as free: a restore and a park may swap a slot
         # (the runner reads such a restore's bytes before the park overwrites them).
         self.trimmed: dict[int, set[int]] = {}  # id(parked victim) -> its checkpoints this plan drops
-        self.free = cache._host_free.num_free - cache.ckpt.units_on("host") \
-            + sum(self.weight(b) for b in plan.restores if b.on_host)
-        self.disk_room = cache.disk_free
+        self.free = cache.tiers.num_free_ids("host") - cache.ckpt.units_on("host") \
+            + sum(self.weight(b) for b in getattr(plan, "restores", []) if b.on_host)
+        self.disk_room = cache.tiers.free_slots("disk")
         self.evicted: list[CachedBlock] | None = None
 
     def weight(self, block: CachedBlock) -> int:
@@ -99,12 +100,12 @@ class _HostRoom:
 
     def take_slot(self) -> bool:
         cache, plan = self.cache, self.plan
-        if cache.host_blocks == 0:
+        if cache.tiers.host_blocks == 0:
             return False
         if self.free == 0:
             admission = cache.admission
             committed = admission.host_committed_blocks + plan.host_grow
-            segment = min(admission.segment_blocks, cache.host_blocks - committed)
+            segment = min(admission.segment_blocks, cache.tiers.host_blocks - committed)
             if segment > 0 and admission.host_room_for(committed + segment):
                 plan.host_grow += segment
                 self.free += segment
@@ -120,7 +121,7 @@ class _HostRoom:
         cache, plan = self.cache, self.plan
         where = _virtual_tiers(plan)
         tier = lambda b: where.get(id(b), b.tier)  # noqa: E731
-        leaves = [b for b in list(cache._on_host.values()) + plan.parks if tier(b) == "host" and b.ref_count == 0
+        leaves = [b for b in list(cache.tiers.blocks("host").values()) + plan.parks if tier(b) == "host" and b.ref_count == 0
                   and id(b) not in self.exclude and not any(tier(c) in ("device", "host") for c in b.children.values())]
         if not leaves:
             return False
@@ -128,7 +129,7 @@ class _HostRoom:
         has_file = victim.disk_copy and victim not in plan.copy_drops  # a copy this plan deleted needs room again
         need = self.weight(victim) - (self._files(victim) if has_file else 0)  # written behind: only the
         # checkpoints without a file need room
-        while self.disk_room < need and cache.disk_blocks and self._make_disk_room(tier, victim):
+        while self.disk_room < need and cache.tiers.disk_blocks and self._make_disk_room(tier, victim):
             pass
         was_parked = victim in plan.parks
         if was_parked:
@@ -151,14 +152,14 @@ class _HostRoom:
     def _make_disk_room(self, tier, victim) -> bool:
         """One file's room: a written-behind copy goes first (its block stays resident), else a disk leaf."""
         cache, plan = self.cache, self.plan
-        copies = [b for b in cache._disk_copies.values() if b not in plan.copy_drops and tier(b) in ("device", "host")
+        copies = [b for b in cache.tiers.blocks("copies").values() if b not in plan.copy_drops and tier(b) in ("device", "host")
                   and b is not victim]
         if copies:
             copy = min(copies, key=_host_rank)
             plan.copy_drops.append(copy)
             self.disk_room += self._files(copy)  # its checkpoints' copies go with it
             return True
-        disk_leaves = [b for b in cache._on_disk.values() if not b.children and tier(b) == "disk"
+        disk_leaves = [b for b in cache.tiers.blocks("disk").values() if not b.children and tier(b) == "disk"
                        and id(b) not in self.exclude and b not in plan.disk_drops]
         if disk_leaves:
             dropped = min(disk_leaves, key=_host_rank)
@@ -177,7 +178,7 @@ def _virtual_tiers(plan: Plan) -> dict[int, str]:
 
 
 def _device_candidates(cache: "PrefixCache", exclude: set[int]) -> list[CachedBlock]:
-    return [b for b in cache._on_device.values() if b.ref_count == 0 and id(b) not in exclude]
+    return [b for b in cache.tiers.blocks("device").values() if b.ref_count == 0 and id(b) not in exclude]
 
 
 def _device_parent(cache: "PrefixCache", exclude: set[int]) -> Callable[[CachedBlock], CachedBlock | None]:

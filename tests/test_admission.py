@@ -71,7 +71,7 @@ def test_engine_that_cannot_fit_is_refused_naming_the_flags():
 
 # -- the running admission: host RAM committed on demand, in segments ---------------------------------------
 from scheduler.memory.admission import MemoryAdmission  # noqa: E402
-from scheduler.prefix_cache import PrefixCache  # noqa: E402
+from scheduler.cache.prefix_cache import PrefixCache  # noqa: E402
 
 
 def _park_two_conversations(admission):
@@ -100,8 +100,8 @@ def test_refused_host_growth_treats_the_tier_as_full_and_loses_nothing_else():
     snap = cache.usage()
     assert (snap["host_budget_blocks"], snap["host_committed_blocks"], snap["host_used_blocks"]) == (4, 2, 2)
     assert admission.refusals == 2 and cache.stats["dropped_blocks"] == 2  # conversation 1 made room
-    assert {b.tokens[0] for b in cache._on_host.values()} == {2}
-    assert {b.tokens[0] for b in cache._on_device.values()} == {3}
+    assert {b.tokens[0] for b in cache.tiers.blocks("host").values()} == {2}
+    assert {b.tokens[0] for b in cache.tiers.blocks("device").values()} == {3}
 
 
 def test_start_up_plan_becomes_an_on_demand_or_committed_admission():

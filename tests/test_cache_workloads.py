@@ -7,7 +7,7 @@ import pytest
 
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from scheduler.cache_tree import common_prefix_len
+from scheduler.cache.tree import common_prefix_len
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
 

@@ -5,10 +5,10 @@ drops held checkpoints to make room for those it takes inside its prompt (it goe
 request short of room gives up its own checkpoint slots one at a time, branch points last."""
 import numpy as np
 
-from scheduler.cache_tree import CachedBlock
-from scheduler.checkpoint_store import CheckpointStore
-from scheduler.checkpoints import Checkpoints
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.tree import CachedBlock
+from scheduler.cache.checkpoint_store import CheckpointStore
+from scheduler.cache.checkpoints import Checkpoints
+from scheduler.cache.prefix_cache import PrefixCache
 
 SHAPE = (1, 1, 2)
 
@@ -124,7 +124,7 @@ def test_a_parked_node_replaced_by_a_released_device_copy_brings_its_state_along
     match = cache.match(tokens, 7)
     assert match.num_tokens == 6 and match.checkpoint == (second, 2) and match.cow_source is second
     alloc = cache.apply(cache.plan_allocate(match, 8))
-    assert float(alloc.checkpoint_state[0, 0, 0]) == 6 and cache._dev_free.num_free - cache.ckpt.units_on("device") == 2
+    assert float(alloc.checkpoint_state[0, 0, 0]) == 6 and cache.tiers.free_slots("device") == 2
     cache.apply(cache.plan_release(tokens, 8, alloc))
     cache.check_integrity()
     assert first.children[(2,) * 4] is second and second.on_device and second.checkpoints == {2}

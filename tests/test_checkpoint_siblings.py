@@ -1,4 +1,4 @@
-"""A checkpoint on a sibling of a shared block serves the match (scheduler/checkpoint_match.py): a request
+"""A checkpoint on a sibling of a shared block serves the match (scheduler/cache/checkpoint_match.py): a request
 that copied a partial block and extended it leaves the partial one, with the earlier reply's end state,
 beside the full one it made; a later prompt that shares the full one reuses that state. Both tiny hybrid
 models, through the engine loop with the integrity check after every step (tests/test_hybrid_cache.py)."""
@@ -20,7 +20,7 @@ def test_a_siblings_checkpoint_is_a_match_end(hybrid):  # noqa: F811
 
 
 def _nodes(cache):
-    stack, out = list(cache._roots.values()), []
+    stack, out = list(cache.tree.roots()), []
     while stack:
         node = stack.pop()
         out.append(node)
@@ -32,7 +32,7 @@ def test_the_most_useful_states_are_kept_when_room_is_short():
     """A trimmed history's first prompt (tiny qwen3next, a one-context pool) passes 90 (where the user
     message begins), 95 (periodic, moved to the line start after its role), 125 (the generation prompt)
     and 134 (its end) with room for two: the system message's boundary and the prompt's last message."""
-    from scheduler.checkpoint_spacing import most_useful
+    from scheduler.cache.checkpoint_spacing import most_useful
 
     assert most_useful([134, 90, 125, 95], 0, {90, 125, 134}) == [90, 125, 134, 95]
     assert most_useful([16, 20, 36], 0, {20}) == [20, 36, 16]  # equal gaps: the earlier goes first

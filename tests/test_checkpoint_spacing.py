@@ -1,4 +1,4 @@
-"""--state-checkpoint-every auto: the spacing from the model's bytes (scheduler/checkpoint_spacing.py), the
+"""--state-checkpoint-every auto: the spacing from the model's bytes (scheduler/cache/checkpoint_spacing.py), the
 flag's parsing and validation, and the spacing the cache takes for both tiny hybrid models."""
 import logging
 import math
@@ -13,8 +13,8 @@ from engine.kv import KVLayout
 from engine.model import load_model
 from engine.qwen3next_config import DeltaNetShape
 from engine.sequence import ModelRunner
-from scheduler.cache_setup import create_cache
-from scheduler.checkpoint_spacing import auto_every_blocks, resolve_spacing
+from scheduler.cache.setup import create_cache
+from scheduler.cache.checkpoint_spacing import auto_every_blocks, resolve_spacing
 from tests.tiny_lfm2 import write_tiny_lfm2
 from tests.tiny_qwen3next import write_tiny_qwen3next
 
@@ -119,7 +119,7 @@ def test_direct_construction_env_and_file(tmp_path):
 
 
 def test_periodic_checkpoints_move_to_the_nearest_line_start_within_half_a_period():
-    from scheduler.checkpoints import Checkpoints
+    from scheduler.cache.checkpoints import Checkpoints
 
     ckpt = Checkpoints(units=3, every_blocks=2)  # every 32 tokens of 16-token blocks
     assert ckpt.positions(100, 16) == [32, 64, 96, 99]

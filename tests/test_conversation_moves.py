@@ -9,8 +9,8 @@ import pytest
 
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from scheduler.cache_explain import explain_unseen
-from scheduler.cache_tree import PrefixMatch
+from scheduler.cache.explain import explain_unseen
+from scheduler.cache.tree import PrefixMatch
 from scheduler.conversations import ConversationLog
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request

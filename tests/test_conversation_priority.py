@@ -3,8 +3,8 @@ one-off prompts' blocks, on the device and in host RAM; once inactive, plain LRU
 size 4, 8 blocks), exact block ids and victims; /cache's per-conversation tokens per tier."""
 import pytest
 
-from scheduler.conversation_activity import ACTIVE_WINDOW_S, first_block_name
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.conversation_activity import ACTIVE_WINDOW_S, first_block_name
+from scheduler.cache.prefix_cache import PrefixCache
 
 B = 4
 
@@ -17,8 +17,9 @@ class _Clock:
         return self.now
 
 
-def _cache(num_blocks=8, host_blocks=0, window_s=ACTIVE_WINDOW_S):
-    cache = PrefixCache(num_blocks=num_blocks, block_size=B, host_blocks=host_blocks, active_window_s=window_s)
+def _cache(num_blocks=8, host_blocks=0, window_s=ACTIVE_WINDOW_S, disk_blocks=0):
+    cache = PrefixCache(num_blocks=num_blocks, block_size=B, host_blocks=host_blocks, active_window_s=window_s,
+                        disk_blocks=disk_blocks)
     cache.activity.clock = _Clock()
     return cache
 
@@ -129,10 +130,10 @@ def test_cache_lists_each_conversation_with_tokens_per_tier_and_last_use():
 
 
 def test_unnamed_conversations_are_named_like_the_drop_log_names_them():
-    from scheduler.cache_tree import conversation_id
+    from scheduler.cache.tree import conversation_id
     cache = _cache()
     _turn(cache, [7, 8, 9, 10, 11, 12])
-    block = next(iter(cache._on_device.values()))
+    block = next(iter(cache.tiers.blocks("device").values()))
     assert first_block_name([7, 8, 9, 10, 11, 12], B) == conversation_id(block)
 
 
@@ -166,13 +167,12 @@ def test_cache_endpoint_joins_named_turn_stats_with_the_tokens_each_conversation
 @pytest.mark.parametrize("idle_s, spilled, dropped", [(0, [3, 4], [2, 3]),  # active: one-off leaves leave disk
                                                       (ACTIVE_WINDOW_S, [1, 3], [1, 2])])  # inactive: LRU
 def test_on_disk_too_an_active_conversation_outlives_one_off_prompts(idle_s, spilled, dropped):
-    cache = _cache(num_blocks=2, host_blocks=2)
-    cache.disk_blocks = 4
+    cache = _cache(num_blocks=2, host_blocks=2, disk_blocks=4)
     _turn(cache, [1] * 8, key="session-A")
     for first in (2, 3, 4):  # each turn moves the one before down a tier
         _turn(cache, [first] * 8)
     tiers = {t: sorted(b.tokens[0] for b in d.values())
-             for t, d in (("device", cache._on_device), ("host", cache._on_host), ("disk", cache._on_disk))}
+             for t, d in (("device", cache.tiers.blocks("device")), ("host", cache.tiers.blocks("host")), ("disk", cache.tiers.blocks("disk")))}
     assert tiers == {"device": [4, 4], "host": [1, 3], "disk": [1, 2, 2, 3]}
     cache.activity.clock.now += idle_s
     plan = cache.plan_allocate(cache.match([5] * 8, 7), 8)  # the disk is full: two disk leaves must go

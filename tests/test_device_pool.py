@@ -10,12 +10,12 @@ from engine.backends.numpy_backend import NumpyKVPool
 from engine.kv import KVLayout
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from scheduler.block_mover import RecordingMover
-from scheduler.checkpoint_store import CheckpointStore
-from scheduler.checkpoints import Checkpoints
+from scheduler.cache.block_mover import RecordingMover
+from scheduler.cache.checkpoint_store import CheckpointStore
+from scheduler.cache.checkpoints import Checkpoints
 from scheduler.engine_loop import EngineLoop
 from scheduler.memory.admission import MemoryAdmission
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.prefix_cache import PrefixCache
 from scheduler.request import Request
 
 
@@ -67,8 +67,8 @@ def test_a_shrink_moves_cached_blocks_down_into_free_ids():
     _serve(cache, [2] * 16)  # needs 4 more than the 2 free: grows, takes 2, 3, 4, 5
     cache.release([9] * 4, 4, cache.allocate(cache.match([9] * 4, 3), 4))  # a one-block prompt on 6
     cache.check_integrity()
-    tail = [b for b in cache._on_device.values() if b.device_id >= 4]
-    head_free = [b for b in range(4) if cache._dev_free._is_free[b]]
+    tail = [b for b in cache.tiers.blocks("device").values() if b.device_id >= 4]
+    head_free = [b for b in range(4) if cache.tiers.is_free(b)]
     plan = cache.plan_shrink(4)
     assert plan.shrink_to == 4 and not plan.stopped_by
     assert cache.admission.grant(plan)
@@ -109,8 +109,8 @@ def test_a_shrink_keeps_free_ids_for_the_device_checkpoints_and_relocated_blocks
     held = cache.allocate(cache.match([5] * 8, 7), 8)  # ids 0, 1, held
     _serve_with_checkpoint(cache, [2] * 8)  # 2 blocks + 1 checkpoint slot > 2 free: grows to 8; ids 2, 3
     cache.release([5] * 8, 0, held)  # computed nothing: ids 0, 1 free again
-    tail = cache._on_device[3]
-    assert cache.num_blocks == 8 and tail.checkpoints == {4} and cache._dev_free.num_free == 6
+    tail = cache.tiers.blocks("device")[3]
+    assert cache.num_blocks == 8 and tail.checkpoints == {4} and cache.tiers.num_free_ids("device") == 6
     plan = cache.plan_shrink(2)
     # 7..4 free, 3 moves to 0; moving 2 to 1 as well would leave no free id for the checkpoint's slot
     assert plan.shrink_to == 3 and plan.relocations == [(tail, 0)] and not plan.parks
@@ -127,7 +127,7 @@ def test_a_shrink_parks_a_checkpointed_block_with_its_checkpoints():
     cache, mover = _elastic(reserved=8, checkpoint_units=1)
     _serve(cache, [1] * 8)  # ids 0, 1
     _serve_with_checkpoint(cache, [2] * 8)  # grows to 8: ids 2, 3, the checkpoint on 3
-    tail, head = cache._on_device[3], cache._on_device[2]
+    tail, head = cache.tiers.blocks("device")[3], cache.tiers.blocks("device")[2]
     plan = cache.plan_shrink(2)
     assert plan.shrink_to == 2 and plan.parks == [tail, head] and not plan.relocations and not plan.stopped_by
     assert cache.admission.grant(plan)
@@ -135,7 +135,7 @@ def test_a_shrink_parks_a_checkpointed_block_with_its_checkpoints():
     cache.check_integrity()
     assert tail.on_host and tail.checkpoints == {4} and set(cache.ckpt.store.tiers["host"]) == {(tail.digest, 4)}
     assert cache.ckpt.units_on("device") == 0 and cache.stats["dropped_blocks"] == 0
-    assert cache._host_free.num_free - cache.ckpt.units_on("host") == 8 - 3  # the checkpoint's slot, too
+    assert cache.tiers.free_slots("host") == 8 - 3  # the checkpoint's slot, too
 
 
 def test_a_parked_checkpoint_needs_a_host_slot_of_its_own():
@@ -143,7 +143,7 @@ def test_a_parked_checkpoint_needs_a_host_slot_of_its_own():
     _serve(cache, [1] * 8)
     _serve_with_checkpoint(cache, [2] * 8)  # ids 2, 3, the checkpoint on 3
     plan = cache.plan_shrink(2)
-    assert plan.shrink_to == 3 and plan.parks == [cache._on_device[3]] and "host tier" in plan.stopped_by
+    assert plan.shrink_to == 3 and plan.parks == [cache.tiers.blocks("device")[3]] and "host tier" in plan.stopped_by
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise release is Linux-only")

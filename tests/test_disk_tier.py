@@ -7,10 +7,10 @@ import pytest
 
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from scheduler.block_mover import RecordingMover
-from scheduler.disk_tier import DiskEntry, DiskTier, cache_key
+from scheduler.cache.block_mover import RecordingMover
+from scheduler.cache.disk_tier import DiskEntry, DiskTier, cache_key
 from scheduler.engine_loop import EngineLoop
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.prefix_cache import PrefixCache
 from scheduler.request import Request
 
 SHAPE = (2, 1, 4, 3)
@@ -71,7 +71,7 @@ def test_an_unreadable_disk_block_shortens_the_reuse_instead_of_failing():
     for first in (1, 2, 3):
         tokens = [first] * 8
         cache.release(tokens, 8, cache.allocate(cache.match(tokens, 7), 8))
-    mover.unreadable = {b.digest for b in cache._on_disk.values()}
+    mover.unreadable = {b.digest for b in cache.tiers.blocks("disk").values()}
     alloc = cache.allocate(cache.match([1] * 8, 7), 8)
     assert alloc is not None and alloc.cached_tokens < 7
     cache.check_integrity()

@@ -8,16 +8,16 @@ import random
 import numpy as np
 import pytest
 
-import scheduler.cache_plan as cache_plan
-import scheduler.prefix_cache as prefix_cache_module
+import scheduler.cache.planner as planner_module
+import scheduler.cache.room as room
 import tests.eviction_reference as reference
-from scheduler.cache_persistence import load_disk_index
-from scheduler.checkpoint_store import CheckpointStore
-from scheduler.checkpoints import Checkpoints
-from scheduler.disk_tier import DiskEntry
+from scheduler.cache.persistence import load_disk_index
+from scheduler.cache.checkpoint_store import CheckpointStore
+from scheduler.cache.checkpoints import Checkpoints
+from scheduler.cache.disk_tier import DiskEntry
 from scheduler.memory.admission import MemoryAdmission
-from scheduler.prefix_cache import PrefixCache
-from scheduler.write_behind import WriteBehind
+from scheduler.cache.prefix_cache import PrefixCache
+from scheduler.cache.write_behind import WriteBehind
 
 B = 4
 
@@ -29,15 +29,15 @@ class _Compare:
         self.calls = self.victims = 0
         self.kinds: set[str] = set()
 
-    def __call__(self, cache, plan, count, exclude):
-        reference._active = cache.activity.is_active
+    def __call__(self, view, plan, count, exclude):
+        reference._active = view.index.is_active
         copy = dataclasses.replace(plan, parks=list(plan.parks), device_drops=list(plan.device_drops),
                                    spills=list(plan.spills), host_drops=list(plan.host_drops),
                                    disk_drops=list(plan.disk_drops), copy_drops=list(plan.copy_drops),
                                    checkpoint_drops=list(plan.checkpoint_drops))
-        before = _index_state(cache)
-        expected = reference.plan_device_room(cache, copy, count, {id(b) for b in exclude})
-        found = cache_plan.plan_device_room(cache, plan, count, exclude)
+        before = _index_state(view)
+        expected = reference.plan_device_room(view, copy, count, {id(b) for b in exclude})
+        found = room.plan_device_room(view, plan, count, exclude)
         assert found == expected
         for name in ("parks", "device_drops", "spills", "host_drops", "disk_drops", "copy_drops"):
             got, want = getattr(plan, name), getattr(copy, name)
@@ -52,7 +52,7 @@ class _Compare:
         if any(id(n) in moved for n, _ in plan.checkpoint_drops):
             self.kinds.add("parked_without_some_states")  # issue 16: its states did not all fit the host tier
         assert plan.host_grow == copy.host_grow
-        assert _index_state(cache) == before, "a plan changed the index"
+        assert _index_state(view) == before, "a plan changed the index"
         self.calls += 1
         self.victims += len(plan.parks) + len(plan.device_drops)
         return found
@@ -65,7 +65,7 @@ def _index_state(cache):
 @pytest.fixture
 def compare(monkeypatch):
     checker = _Compare()
-    monkeypatch.setattr(prefix_cache_module, "plan_device_room", checker)
+    monkeypatch.setattr(planner_module, "plan_device_room", checker)
     yield checker
     reference._active = lambda block: False
 
@@ -112,8 +112,9 @@ def _workload(cache, seed, steps, keys=False):
             if past and rng.random() < 0.3:
                 past = past[: rng.randrange(len(past))]  # an edited history: a branch
             tokens = past + [rng.randrange(1, 9) for _ in range(rng.randrange(1, 9))]
-            if rng.random() < 0.1 and cache._on_disk:
-                cache.mover.unreadable = {rng.choice(list(cache._on_disk.values())).digest}
+            on_disk = cache.tiers.blocks("disk")
+            if rng.random() < 0.1 and on_disk:
+                cache.mover.unreadable = {rng.choice(list(on_disk.values())).digest}
             key = f"k{conv}" if keys and conv % 2 else None
             match = cache.match(tokens, len(tokens) - 1, conversation=key)
             first = min(len(tokens), match.num_tokens + rng.randrange(1, 7))
@@ -205,13 +206,13 @@ def test_same_victims_without_host_or_disk_tiers(compare):
 def test_same_victims_among_blocks_loaded_from_disk_that_tie_on_last_use(compare):
     first = _cache(disk_blocks=40)
     _workload(first, 3, 600)
-    blocks = [b for b in first._on_disk.values()]
-    blocks += [b for b in [*first._on_device.values(), *first._on_host.values()]]
+    blocks = [b for b in first.tiers.blocks("disk").values()]
+    blocks += [b for b in [*first.tiers.blocks("device").values(), *first.tiers.blocks("host").values()]]
     entries = [DiskEntry(b.digest, b.parent.digest, b.tokens) for b in blocks]
     second = _cache(disk_blocks=10)  # fewer than were saved: the disk tier is full from the start
     assert load_disk_index(second, entries) > 5
     second.check_integrity()
-    assert {b.last_used for b in second._on_disk.values()} == {0}
+    assert {b.last_used for b in second.tiers.blocks("disk").values()} == {0}
     _workload(second, 4, 1500)
     assert "disk_drops" in compare.kinds
 
@@ -240,11 +241,14 @@ def test_num_free_counts_unpinned_cached_blocks_from_the_index():
     cache.check_integrity()
 
 
-def test_sorted_keys_stay_sorted_through_splits_and_removals():
-    from scheduler.sorted_keys import SortedKeys
+def test_eviction_keys_are_unique_and_sorted_through_splits_and_removals():
+    """The index's candidate sets (sortedcontainers.SortedSet) hold each key once, in order, through adds
+    and removals enough to split and empty its runs; removing an absent key raises; a block synced again
+    keeps its one key; a set that lost a key its record holds fails the integrity check."""
+    from sortedcontainers import SortedSet
     rng = random.Random(7)
-    keys, present = SortedKeys(), set()
-    for _ in range(5000):  # enough for runs to split (load 256) and to empty
+    keys, present = SortedSet(), set()
+    for _ in range(5000):
         key = (rng.random() < 0.5, rng.randrange(3000))
         if key in present:
             keys.remove(key)
@@ -252,8 +256,19 @@ def test_sorted_keys_stay_sorted_through_splits_and_removals():
         else:
             keys.add(key)
             present.add(key)
-    keys.check()
-    assert list(keys) == sorted(present) and len(keys) == len(present) and len(keys._runs) > 1
+    assert list(keys) == sorted(present) and len(keys) == len(present)
     for key in sorted(present):
         keys.remove(key)
-    assert list(keys) == [] and keys._runs == []
+    assert list(keys) == []
+    with pytest.raises(KeyError):
+        keys.remove((True, 1))
+    cache = _cache()
+    alloc = cache.allocate(cache.match([1] * 12, 11), 12)
+    cache.release([1] * 12, 12, alloc)
+    before = list(cache.index.device)
+    for block in list(cache.tiers.blocks("device").values()):
+        cache.index.sync(block)
+    assert list(cache.index.device) == before and len(before) == 3
+    cache.index.device.remove(before[0])  # the record still holds it
+    with pytest.raises(AssertionError, match="device candidates disagree"):
+        cache.check_integrity()

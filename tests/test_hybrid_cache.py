@@ -19,7 +19,7 @@ from engine.model import load_model
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner, Sequence
 from engine.tokenizer import Tokenizer
-from scheduler.disk_tier import DiskTier, cache_key
+from scheduler.cache.disk_tier import DiskTier, cache_key
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
 from tests.test_cache_workloads import HEAD_LEN, HEAD_SWAP, _agent_turns, _ideal, _random_turns
@@ -141,7 +141,7 @@ def test_agent_workload_computes_exactly_the_ideal(hybrid):
 def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(hybrid, pressure, tmp_path,
                                                                                  monkeypatch):
     """small-host: a host tier of 2 slots, less than a block and its states: blocks are parked with the
-    states that fit (scheduler/cache_plan.py `_park_with_states`), the rest dropped."""
+    states that fit (scheduler/cache/room.py `park_with_states`), the rest dropped."""
     partial = _count_partial_parks(monkeypatch)
     turns = _random_turns(7, conversations=5, count=30)
     extra = dict(num_blocks=70, host_blocks=30) if pressure == "host" else \
@@ -163,15 +163,15 @@ def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(
 
 def _count_partial_parks(monkeypatch) -> list[int]:
     """Records, for each device victim parked without some of its states, how many it kept."""
-    import scheduler.cache_plan as cache_plan
-    found, park = [], cache_plan._park_with_states
+    import scheduler.cache.room as room
+    found, park = [], room.park_with_states
 
-    def counting(cache, plan, host, victim):
+    def counting(view, plan, host, victim):
         before = len(plan.checkpoint_drops)
-        park(cache, plan, host, victim)
+        park(view, plan, host, victim)
         if len(plan.checkpoint_drops) > before:
             found.append(len(victim.checkpoints) - (len(plan.checkpoint_drops) - before))
-    monkeypatch.setattr(cache_plan, "_park_with_states", counting)
+    monkeypatch.setattr(room, "park_with_states", counting)
     return found
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from scheduler.disk_tier import DiskTier
+from scheduler.cache.disk_tier import DiskTier
 from scheduler.engine_loop import EngineLoop
 from scheduler.memory.admission import MemoryAdmission
 from scheduler.request import Request

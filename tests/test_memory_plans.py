@@ -3,7 +3,7 @@ every block where it was (exact free lists and tier maps), loses no conversation
 import pytest
 
 from scheduler.memory.admission import MemoryAdmission
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.prefix_cache import PrefixCache
 
 B = 4
 
@@ -25,8 +25,8 @@ def _turn(cache, first):
 
 def _state(cache):
     tiers = lambda index: {k: b.tokens for k, b in index.items()}  # noqa: E731
-    return (list(cache._dev_free._free), list(cache._host_free._free), tiers(cache._on_device),
-            tiers(cache._on_host), sorted(b.tokens for b in cache._on_disk.values()),
+    return (cache.tiers.free_ids("device"), cache.tiers.free_ids("host"), tiers(cache.tiers.blocks("device")),
+            tiers(cache.tiers.blocks("host")), sorted(b.tokens for b in cache.tiers.blocks("disk").values()),
             cache.admission.host_committed_blocks, cache.stats["dropped_blocks"], list(cache.mover.moves))
 
 
@@ -70,5 +70,5 @@ def test_exact_moves_of_a_spill_park_and_restore():
     # conversation 1 went to disk (its tail first), 2 to host, 3 is on the device
     assert cache.mover.moves == [("grow_host", 2), ("park", 1, 0), ("park", 0, 1),  # two segments, one plan
                                  ("save", (1, 1, 1, 1)), ("save", (1, 1, 1, 1)), ("park", 0, 0), ("park", 1, 1)]
-    assert list(cache._dev_free._free) == [] and list(cache._host_free._free) == []
-    assert {b.tokens[0] for b in cache._on_host.values()} == {2} and len(cache._on_disk) == 2
+    assert cache.tiers.free_ids("device") == [] and cache.tiers.free_ids("host") == []
+    assert {b.tokens[0] for b in cache.tiers.blocks("host").values()} == {2} and len(cache.tiers.blocks("disk")) == 2

@@ -5,11 +5,11 @@ import asyncio
 
 import pytest
 
-from scheduler.block_mover import RecordingMover
-from scheduler.device_pool import resize_pool
+from scheduler.cache.block_mover import RecordingMover
+from scheduler.cache.device_pool import resize_pool
 from scheduler.memory.admission import MemoryAdmission
 from scheduler.memory.service import MemoryService
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.prefix_cache import PrefixCache
 
 B = 4
 
@@ -30,8 +30,8 @@ def _serve(service, cache, tokens):
 
 
 def _state(cache):
-    return (cache.num_blocks, list(cache._dev_free._free), list(cache._host_free._free),
-            {k: b.tokens for k, b in cache._on_device.items()}, {k: b.tokens for k, b in cache._on_host.items()},
+    return (cache.num_blocks, cache.tiers.free_ids("device"), cache.tiers.free_ids("host"),
+            {k: b.tokens for k, b in cache.tiers.blocks("device").items()}, {k: b.tokens for k, b in cache.tiers.blocks("host").items()},
             cache.admission.host_committed_blocks, dict(cache.admission.held_device_bytes))
 
 
@@ -79,7 +79,7 @@ def test_a_queued_shrink_plans_at_its_turn_not_when_asked():
     state, held = asyncio.run(main())
     cache.check_integrity()
     assert state["device_blocks"] > 4 and "in use by a running request" in state["stopped_by"]
-    assert all(cache._on_device[i].ref_count for i in range(state["device_blocks"], 8) if i in cache._on_device)
+    assert all(cache.tiers.blocks("device")[i].ref_count for i in range(state["device_blocks"], 8) if i in cache.tiers.blocks("device"))
     assert cache.stats["dropped_blocks"] == 0 and cache.match([1] * 8 + [0], 8).num_tokens == 8
 
 

@@ -1,7 +1,7 @@
 """The device-tier prefix cache: exact block ids, pins, copy-on-write partial hits, eviction order."""
 import pytest
 
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.prefix_cache import PrefixCache
 
 B = 4
 
@@ -26,7 +26,7 @@ def test_first_request_gets_fresh_blocks_in_order_and_leaves_them_cached(cache):
     alloc = _run(cache, list(range(11)), total_tokens=12, computed=11)
     assert alloc.block_table == [0, 1, 2] and alloc.cached_tokens == 0 and alloc.copies == []
     assert cache.num_cached == 3  # 0..3, 4..7 full; 8..10 partial
-    assert cache._dev_free.num_free == 5
+    assert cache.tiers.num_free_ids("device") == 5
 
 
 def test_extension_shares_full_blocks_and_copies_the_partial_tail(cache):
@@ -77,11 +77,11 @@ def test_identical_content_is_stored_once(cache):
 def test_pinned_blocks_are_never_evicted_and_failure_changes_nothing(cache):
     held = cache.allocate(cache.match(list(range(20)), 19), total_tokens=24)  # 6 of 8 blocks pinned
     assert held is not None
-    free_before, cached_before = cache._dev_free.num_free, cache.num_cached
+    free_before, cached_before = cache.tiers.num_free_ids("device"), cache.num_cached
     assert cache.allocate(cache.match([50, 51, 52], 2), total_tokens=12) is None  # needs 3, only 2 left
-    assert (cache._dev_free.num_free, cache.num_cached) == (free_before, cached_before)
+    assert (cache.tiers.num_free_ids("device"), cache.num_cached) == (free_before, cached_before)
     # exact state: the held request still owns blocks 0-5, the free queue is untouched
-    assert held.block_table == [0, 1, 2, 3, 4, 5] and cache._num_owned == 6 and list(cache._dev_free._free) == [6, 7]
+    assert held.block_table == [0, 1, 2, 3, 4, 5] and cache.tiers.num_owned == 6 and cache.tiers.free_ids("device") == [6, 7]
 
 
 def test_eviction_takes_least_recently_used_leaves_first(cache):
@@ -90,7 +90,7 @@ def test_eviction_takes_least_recently_used_leaves_first(cache):
     _run(cache, [3] * 8, total_tokens=8)  # blocks 4, 5
     _run(cache, [1] * 8 + [9], total_tokens=9)  # touches chain 1 again, block 6 for its tail
     alloc = cache.allocate(cache.match([7] * 12, 11), total_tokens=12)  # needs 3: 1 free + 2 evicted
-    survivors = {b.tokens[0] for b in cache._on_device.values()}
+    survivors = {b.tokens[0] for b in cache.tiers.blocks("device").values()}
     assert 2 not in survivors and 1 in survivors and 3 in survivors  # chain 2 was least recently used
     assert sorted(alloc.block_table) == [2, 3, 7]
     assert cache.stats["dropped_blocks"] == 2
@@ -103,7 +103,7 @@ def test_superseded_tail_is_evicted_before_a_live_conversation(cache):
     _run(cache, [8, 8, 8, 8, 8], total_tokens=5)  # the other conversation is used last
     full = cache.allocate(cache.match([0] * 3, 2), total_tokens=4 * 4)  # forces one eviction
     assert full is not None
-    tails = {b.tokens for b in cache._on_device.values()}
+    tails = {b.tokens for b in cache.tiers.blocks("device").values()}
     assert (5, 6) not in tails and (8,) in tails
 
 
@@ -118,7 +118,7 @@ def test_pressure_parks_unpinned_blocks_in_host_ram_tail_first(tiered):
     _run(tiered, [1] * 8, total_tokens=8)  # device blocks 0, 1
     alloc = _run(tiered, [2] * 12, total_tokens=16)  # needs all 4: parks conv 1's tail then head
     assert alloc.parks == [(1, 0), (0, 1)] and alloc.restores == []
-    assert {b.tokens[0]: b.tier for b in tiered._on_host.values()} == {1: "host"}
+    assert {b.tokens[0]: b.tier for b in tiered.tiers.blocks("host").values()} == {1: "host"}
     assert tiered.stats["dropped_blocks"] == 0
 
 
@@ -140,16 +140,16 @@ def test_full_host_tier_drops_the_least_valuable_host_leaf_and_says_so(tiered, c
         _run(tiered, [3] * 16, total_tokens=16)  # 4 blocks to move, 3 host slots: the least valuable dropped
     # conversation 1's tail goes straight from the device (parking it only to drop it would waste a copy)
     assert tiered.stats["parks"] == 3 and tiered.stats["dropped_blocks"] == 1
-    assert sorted(b.tokens for b in tiered._on_host.values()) == [(1, 1, 1, 1), (2, 2, 2, 2), (2, 2, 2, 2)]
+    assert sorted(b.tokens for b in tiered.tiers.blocks("host").values()) == [(1, 1, 1, 1), (2, 2, 2, 2), (2, 2, 2, 2)]
     assert any("evicted 4 cached tokens of conv-" in r.getMessage() for r in caplog.records)
 
 
 def test_refused_allocation_leaves_every_block_where_it_was(tiered):
     held = tiered.allocate(tiered.match([9] * 12, 11), total_tokens=12)  # 3 of 4 device blocks owned
     _run(tiered, [1] * 3, total_tokens=4)  # fourth block cached, unpinned
-    before = (dict(tiered._on_device), dict(tiered._on_host), tiered.stats.copy())
+    before = (dict(tiered.tiers.blocks("device")), dict(tiered.tiers.blocks("host")), tiered.stats.copy())
     assert tiered.allocate(tiered.match([7] * 8, 7), total_tokens=8) is None  # needs 2, only 1 movable
-    assert (dict(tiered._on_device), dict(tiered._on_host), tiered.stats) == before
+    assert (dict(tiered.tiers.blocks("device")), dict(tiered.tiers.blocks("host")), tiered.stats) == before
     assert held is not None
 
 

@@ -15,7 +15,7 @@ from api.tool_specs import normalise_tools
 from engine.chat_template import ChatTemplate
 
 from engine.loader import encode_chat_prompt
-from scheduler.cache_tree import common_prefix_len
+from scheduler.cache.tree import common_prefix_len
 from tests.server_harness import running_server
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ from engine.generate import generate
 from engine.loader import encode_chat_prompt, open_model
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from scheduler.cache_tree import common_prefix_len
+from scheduler.cache.tree import common_prefix_len
 from tests.server_harness import running_server
 from tests.test_server_cache import _ids
 from tests.tiny_moe_gguf import MOE_ARCHS, write_tiny_moe_gguf

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from scheduler.hybrid_steps import HybridSteps
+from scheduler.cache.hybrid_steps import HybridSteps
 from tests.test_hybrid_cache import BLOCK, _run, lfm2  # noqa: F401 - lfm2 is the fixture
 from tests.test_state_window import LOGIT_BOUND
 

@@ -14,12 +14,12 @@ import httpx
 import numpy as np
 import pytest
 
-from scheduler.block_mover import RecordingMover
-from scheduler.cache_persistence import flush_to_disk
-from scheduler.checkpoint_store import CheckpointStore
-from scheduler.checkpoints import Checkpoints
-from scheduler.prefix_cache import PrefixCache
-from scheduler.write_behind import WriteBehind
+from scheduler.cache.block_mover import RecordingMover
+from scheduler.cache.persistence import flush_to_disk
+from scheduler.cache.checkpoint_store import CheckpointStore
+from scheduler.cache.checkpoints import Checkpoints
+from scheduler.cache.prefix_cache import PrefixCache
+from scheduler.cache.write_behind import WriteBehind
 
 
 class SavingMover(RecordingMover):
@@ -65,7 +65,7 @@ def test_released_blocks_are_queued_and_written_parents_first_newest_conversatio
     wb = WriteBehind(cache, block_bytes=1024, mib_per_s=1)
     assert wb.tick(now=wb.last_tick + 1.0) == 4  # 1 MiB/s for 1 s: room for all four
     assert mover.saved == _digests(cache, newer) + _digests(cache, older)
-    assert not cache.unsaved and len(cache._disk_copies) == 4 and cache.disk_free == 4
+    assert not cache.unsaved and len(cache.tiers.blocks("copies")) == 4 and cache.disk_free == 4
     cache.check_integrity()
 
 
@@ -118,7 +118,7 @@ def test_copies_give_way_when_spills_need_the_disk():
     for other in (2, 3, 4):
         _serve(cache, [other] * 8)
     assert cache.stats["spills"] >= 1
-    assert len(cache._on_disk) + len(cache._disk_copies) <= 2
+    assert len(cache.tiers.blocks("disk")) + len(cache.tiers.blocks("copies")) <= 2
     cache.check_integrity()
 
 
@@ -127,9 +127,9 @@ def test_a_dropped_block_takes_its_file_with_it():
     _serve(cache, [1] * 8)
     wb = WriteBehind(cache, block_bytes=1024, mib_per_s=1)
     wb.tick(now=wb.last_tick + 1.0)
-    copies = list(cache._disk_copies)
+    copies = list(cache.tiers.blocks("copies"))
     _serve(cache, [2] * 8)  # no host tier: the first conversation's device blocks are dropped
-    assert set(copies) <= set(mover.deleted) and not cache._disk_copies.keys() & set(copies)
+    assert set(copies) <= set(mover.deleted) and not cache.tiers.blocks("copies").keys() & set(copies)
     cache.check_integrity()
 
 
@@ -190,7 +190,7 @@ def test_a_checkpoint_taken_on_a_block_written_already_is_written_next(tmp_path)
     _serve_hybrid(cache, tokens[:4] + [9])  # block [3]*4 written with no checkpoint of its own
     wb = WriteBehind(cache, block_bytes=1000, mib_per_s=1)
     wb.tick(now=wb.last_tick + 1.0)
-    head = cache._root("").children[tuple(tokens[:4])]
+    head = cache.tree.root("").children[tuple(tokens[:4])]
     assert head.disk_copy and not head.checkpoints
     match = cache.match(tokens, 4)
     assert match.num_tokens == 0  # no state after the head: computed again, it finds its block cached

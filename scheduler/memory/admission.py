@@ -51,7 +51,7 @@ class MemoryAdmission:
         self._machine_room_bytes = machine_room_bytes
         self.refusals = 0
         self.refuse_points: set[str] = set()  # tests: "park", "restore", "spill", "grow", "device_grow"
-        # The device pool (scheduler/device_pool.py): fixed unless set_device_pool gives it room to move.
+        # The device pool (scheduler/cache/device_pool.py): fixed unless set_device_pool gives it room to move.
         self.device_reserved_blocks = 0  # ids the runner's pools address (their memory committed as used)
         self.device_min_blocks = 0
         self.device_segment_blocks = 1

@@ -20,7 +20,7 @@ import time
 from engine.kv import blocks_needed
 from engine.sampling import Sampler
 from engine.sequence import Sequence
-from scheduler.cache_explain import explain_unseen
+from scheduler.cache.explain import explain_unseen
 from scheduler.request import Request
 from scheduler.step_plan import compose_step
 

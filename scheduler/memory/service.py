@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from scheduler.memory.holders import BudgetHolder, room_from_holders
-from scheduler.cache_plan import Plan
+from scheduler.cache.plans import Plan
 
 log = logging.getLogger("strata.admission")
 

@@ -10,7 +10,7 @@ spill of it costs no write, a shutdown flush skips it, and a restart finds it.
 Blocks are read and written on the loop thread, between the loop's own decisions, so no plan can move or
 drop a block while its bytes are copied; the byte budget per tick keeps that pause short.
 
-Hybrid models (scheduler/checkpoints.py): a node's state checkpoints are written right after its block
+Hybrid models (scheduler/cache/checkpoints.py): a node's state checkpoints are written right after its block
 (a restart attaches a checkpoint file only to a block it found), from the same byte budget and in the same
 order; a checkpoint taken later on a block written already (a reply's end on a shared block) is written
 when its node's turn comes, newest first. Without them a restart would reuse a hybrid conversation only
@@ -23,9 +23,8 @@ import itertools
 import logging
 import time
 
-from scheduler.cache_disk import record_disk_copy
-from scheduler.cache_tree import CachedBlock
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.tree import CachedBlock
+from scheduler.cache.prefix_cache import PrefixCache
 
 log = logging.getLogger("strata.cache.disk")
 
@@ -84,7 +83,7 @@ class WriteBehind:
             return ok
         if not self.cache.mover.save(node):
             return False
-        record_disk_copy(self.cache, node)
+        self.cache.tiers.record_disk_copy(node)
         self.written_blocks += 1
         return True
 

@@ -6,7 +6,7 @@ of a long prompt cost a bounded share of the K/V they sit between; each moves to
     prompt  |-- N blocks of K/V --|x|-- N blocks of K/V --|x| ...     x = one checkpoint (the recurrent state)
     cost(x) <= AUTO_SHARE * N * kv_bytes_per_block   =>   N = max(1, ceil(cost(x) / (AUTO_SHARE * kv_bytes_per_block)))
 
-cost(x) is what a checkpoint takes in its tier: `units` whole block slots (scheduler/checkpoints.py), i.e.
+cost(x) is what a checkpoint takes in its tier: `units` whole block slots (scheduler/cache/checkpoints.py), i.e.
 its state bytes rounded up to blocks. On a real model that is the state's bytes within one block; on the tiny
 test models, whose states are a fraction of a block, it is the block slot, since that is what it crowds out.
 

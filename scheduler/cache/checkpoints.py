@@ -19,7 +19,7 @@ A match is the longest cached prefix whose end has a checkpoint (`trim`); K/V bl
 tree. A checkpoint lives in the tier of its node and moves with it (parked, restored, spilled, dropped by
 the same plans and in the same value order); it costs `units` block slots of that tier, so the tiers'
 budgets count its bytes. With a disk tier a resident checkpoint gets a file while serving, after its
-block's (scheduler/write_behind.py; until then its node is in `unsaved`): a copy that costs `units` disk
+block's (scheduler/cache/write_behind.py; until then its node is in `unsaved`): a copy that costs `units` disk
 slots, spills for free and goes with its block's copy. Running requests reserve a slot for each checkpoint
 they take before the step that takes it (`Allocation.checkpoints_reserved`), so a release needs no room.
 """
@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from scheduler import checkpoint_match
-from scheduler.checkpoint_spacing import most_useful, snap_to_line
-from scheduler.cache_tree import CachedBlock, PrefixMatch
-from scheduler.checkpoint_store import CheckpointStore
+from scheduler.cache.checkpoint_match import trim as trim_to_checkpoint
+from scheduler.cache.checkpoint_spacing import most_useful, snap_to_line
+from scheduler.cache.tree import CachedBlock, PrefixMatch
+from scheduler.cache.checkpoint_store import CheckpointStore
 
 if TYPE_CHECKING:
-    from scheduler.cache_allocation import Allocation
+    from scheduler.cache.plans import Allocation
 
 
 class Checkpoints:
@@ -107,15 +107,20 @@ class Checkpoints:
         out.update(p for p in hints if 0 < p < prompt_len - 1)
         return sorted(out) + [prompt_len - 1]
 
-    # -- matching (scheduler/checkpoint_match.py) ----------------------------------------------------
+    # -- matching (scheduler/cache/checkpoint_match.py) ----------------------------------------------------
     def trim(self, match: PrefixMatch, rest: list[int] | None = None, root: CachedBlock | None = None) -> PrefixMatch:
         """The longest prefix of `match` whose end carries a checkpoint, or (lfm2) the K/V match with a
         state window; see checkpoint_match.trim."""
-        return checkpoint_match.trim(self, match, rest, root)
+        return trim_to_checkpoint(match, self.window_tokens, rest, root) if self.enabled else match
 
     def shorter(self, match: PrefixMatch) -> PrefixMatch:
-        """A strictly shorter match (checkpoint_match.shorter)."""
-        return checkpoint_match.shorter(self, match)
+        """A strictly shorter match, for a request the device cannot take with `match` while nothing else
+        runs (the parked blocks it restores bring their checkpoints along, `units` slots each): without its
+        copied head, else without its last block, back to the last checkpoint in what is left (or a window)."""
+        kept = match.shared if match.cow_source is not None else match.shared[:-1]
+        out = self.trim(PrefixMatch(list(kept), None, 0, match.salt, match.conversation))
+        out.kv_tokens = match.kv_tokens
+        return out
 
     # -- bytes follow their node ---------------------------------------------------------------------
     def read(self, node: CachedBlock, k: int) -> np.ndarray | None:

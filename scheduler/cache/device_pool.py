@@ -4,7 +4,7 @@
     ceiling   |===========================|                    what the admission allows now
     size      |==================|                             ids the cache hands out (cache.num_blocks)
 
-Growth (`cache_plan.plan_device_growth`) is part of a plan that needs room: before any cached block is parked, the
+Growth (`room.plan_device_growth`) is part of a plan that needs room: before any cached block is parked, the
 pool takes another segment of ids while the size stays under the admission's ceiling. A shrink
 (`plan_shrink`) vacates the ids above the target, from the top down: a cached block there moves to a free
 id below the target (a device copy: it stays on the device), else is parked to host RAM (a free slot or a
@@ -15,41 +15,33 @@ Both are plans like the others (decided first, granted, then applied in one call
 """
 from __future__ import annotations
 
-import logging
-from typing import TYPE_CHECKING
+from scheduler.cache.plans import ShrinkPlan
+from scheduler.cache.view import CacheView
 
-from scheduler.block_mover import BlockMoves
-from scheduler.cache_plan import Plan
-
-if TYPE_CHECKING:
-    from scheduler.prefix_cache import PrefixCache
-
-log = logging.getLogger("strata.cache")
 SEGMENT_BLOCKS = 64  # the elastic pool grows by this many blocks at a time (1,024 tokens)
 
 
-def plan_shrink(cache: "PrefixCache", target_blocks: int) -> Plan:
+def plan_shrink(view: CacheView, target_blocks: int) -> ShrinkPlan:
     """The plan that brings the pool down to `target_blocks` ids, or as near as it can (plan.shrink_to).
 
     Hybrid models: a relocated block's checkpoints stay with it (they are named by its digest, not its id);
     a parked one takes its checkpoints' host slots along. Device checkpoints take free device slots, so
     the smaller pool must keep that many ids free: the shrink stops at the smallest size that does."""
-    plan = Plan("shrink")
+    plan = ShrinkPlan()
     target = max(1, target_blocks)
-    size = cache.num_blocks
-    free = cache._dev_free
-    free_below = sorted(b for b in free._free if b < target)
-    ckpt, weight = cache.ckpt, cache.ckpt.weight
-    slots = cache._host_free.num_free - ckpt.units_on("host")  # host slots this plan can still park into
+    tiers, weight = view.tiers, view.ckpt.weight
+    size = tiers.num_blocks
+    free_below = sorted(b for b in tiers.free_ids("device") if b < target)
+    slots = tiers.free_slots("host")  # host slots this plan can still park into
     new_size = size
     # Checkpoint room: free ids left below the new size against the device slots the checkpoints take.
-    spare = free.num_free - ckpt.units_on("device")  # >= 0 (the integrity check)
+    spare = tiers.free_slots("device")  # >= 0 (the integrity check)
     best = (size, 0, 0, 0, "")  # the smallest size with spare >= 0: (size, relocations, parks, host_grow, why)
     for block_id in range(size - 1, target - 1, -1):
-        if free._is_free[block_id]:
+        if tiers.is_free(block_id):
             new_size, spare = block_id, spare - 1
         else:
-            block = cache._on_device.get(block_id)
+            block = tiers.blocks("device").get(block_id)
             if block is None or block.ref_count:
                 plan.stopped_by = f"block {block_id} is in use by a running request"
                 break
@@ -58,7 +50,7 @@ def plan_shrink(cache: "PrefixCache", target_blocks: int) -> Plan:
                 spare -= 1  # its new id was free
             else:
                 need = weight(block)
-                while slots < need and (grown := _grow_host(cache, plan)) > 0:
+                while slots < need and (grown := _grow_host(view, plan)) > 0:
                     slots += grown
                 if slots < need:
                     plan.stopped_by = "the host tier has no room to park the blocks above it (--conversation-cache-mib)"
@@ -78,51 +70,11 @@ def plan_shrink(cache: "PrefixCache", target_blocks: int) -> Plan:
     return plan
 
 
-def _grow_host(cache: "PrefixCache", plan: Plan) -> int:
+def _grow_host(view: CacheView, plan: ShrinkPlan) -> int:
     """Another host segment for the plan's parks, if the budget and the machine allow: its slots (or 0)."""
-    admission = cache.admission
-    committed = admission.host_committed_blocks + plan.host_grow
-    segment = min(admission.segment_blocks, cache.host_blocks - committed)
-    if segment > 0 and admission.host_room_for(committed + segment):
-        plan.host_grow += segment
-        return segment
-    return 0
-
-
-def apply_growth(cache: "PrefixCache", plan: Plan, moves: BlockMoves) -> None:
-    """New ids at the top of the pool, free, before the plan's other moves need them."""
-    if plan.device_grow:
-        cache._dev_free.grow(plan.device_grow)
-        cache.num_blocks += plan.device_grow
-        moves.grow_device = cache.num_blocks
-        cache.stats["device_grows"] += 1
-        log.info("device KV pool grown to %d blocks (ceiling %d)", cache.num_blocks,
-                 cache.admission.device_ceiling_blocks, extra={"fields": {"device_blocks": cache.num_blocks}})
-
-
-def apply_shrink(cache: "PrefixCache", plan: Plan, moves: BlockMoves) -> int:
-    """Relocate and park what the plan vacates, then give the ids above plan.shrink_to back. Returns the size."""
-    for block, new_id in plan.relocations:
-        cache._dev_free.take(new_id)
-        moves.copies.append((block.device_id, new_id))
-        del cache._on_device[block.device_id]
-        cache._dev_free.free([block.device_id])
-        block.device_id = new_id
-        cache._on_device[new_id] = block
-        cache.index.sync(block)
-    for block in plan.parks:
-        cache._park(block, moves)
-    cache._dev_free.shrink(plan.shrink_to)
-    old, cache.num_blocks = cache.num_blocks, plan.shrink_to
-    moves.shrink_device = plan.shrink_to
-    cache.stats["device_shrinks"] += 1
-    fields = {"device_blocks": plan.shrink_to, "relocated": len(plan.relocations), "parked": len(plan.parks)}
-    log.info("device KV pool shrunk from %d to %d blocks: %d cached blocks moved down, %d parked to host RAM, "
-             "none dropped", old, plan.shrink_to, len(plan.relocations), len(plan.parks), extra={"fields": fields})
-    if plan.stopped_by:
-        log.warning("device KV pool shrink stopped at %d blocks: %s", plan.shrink_to, plan.stopped_by,
-                    extra={"fields": {**fields, "reason": plan.stopped_by}})
-    return plan.shrink_to
+    segment = view.grow_host(plan.host_grow)
+    plan.host_grow += segment
+    return segment
 
 
 def resize_pool(service, max_blocks: int) -> dict:

@@ -3,7 +3,7 @@ the rest (from the digests the cache remembers of what it dropped), or that this
 named conversation whose earlier turns the prompt carries (they were computed on another replica)."""
 from __future__ import annotations
 
-from scheduler.cache_tree import CachedBlock, PrefixMatch, block_digest, common_prefix_len, conversation_id
+from scheduler.cache.tree import CachedBlock, PrefixMatch, block_digest, common_prefix_len, conversation_id
 
 
 def explain_miss(root: CachedBlock, token_ids: list[int], match: PrefixMatch, dropped: dict,

@@ -1,5 +1,5 @@
 """Where a hybrid model's cached prefix ends: the K/V match cut back to a state checkpoint, or (lfm2) kept
-whole with a state window (engine/state_window.py). Called as `Checkpoints.trim` / `.shorter`.
+whole with a state window (engine/state_window.py). Called as `Checkpoints.trim`.
 
     K/V match   ────────────────────────────────────> p
     checkpoint  ──────────────────> c
@@ -13,23 +13,17 @@ tokens they share (the partial block a request copied and extended still holds t
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from scheduler.cache_tree import CachedBlock, PrefixMatch, common_prefix_len
-
-if TYPE_CHECKING:
-    from scheduler.checkpoints import Checkpoints
+from scheduler.cache.tree import CachedBlock, PrefixMatch, common_prefix_len
 
 
-def trim(ckpt: "Checkpoints", match: PrefixMatch, rest: list[int] | None = None,
+def trim(match: PrefixMatch, window_tokens: int, rest: list[int] | None = None,
          root: CachedBlock | None = None) -> PrefixMatch:
     """The longest prefix of `match` whose end carries a checkpoint (nothing when none does), unless a state
     window costs less (then `match` itself, with `state_window` and `nearest_checkpoint` set). With `rest`
     (the prompt's tokens after the shared blocks, up to the match limit) and the root, every child of the
     last shared block that agrees with `rest` is a candidate, not only the copy source: siblings that agree
-    equally far (prompts that branched at the same token) may differ in their checkpoints."""
-    if not ckpt.enabled:
-        return match
+    equally far (prompts that branched at the same token) may differ in their checkpoints. `window_tokens`:
+    the model's state window (0: none). Called for a model with checkpoints only."""
     best, pos = None, 0
     for i, node in enumerate(match.shared):
         for holder, common in _block_and_siblings(node, rest is not None):
@@ -48,9 +42,9 @@ def trim(ckpt: "Checkpoints", match: PrefixMatch, rest: list[int] | None = None,
                 best = (pos + k, len(match.shared), child, k)
     kv_tokens, salt, conv = match.num_tokens, match.salt, match.conversation
     nearest = best[0] if best is not None else 0
-    if ckpt.window_tokens and kv_tokens - nearest > ckpt.window_tokens:  # a window costs less
+    if window_tokens and kv_tokens - nearest > window_tokens:  # a window costs less
         out = PrefixMatch(list(match.shared), match.cow_source, match.cow_tokens, salt, conv)
-        out.kv_tokens, out.state_window, out.nearest_checkpoint = kv_tokens, ckpt.window_tokens, nearest
+        out.kv_tokens, out.state_window, out.nearest_checkpoint = kv_tokens, window_tokens, nearest
         return out
     if best is None:
         out = PrefixMatch([], None, 0, salt, conv)
@@ -80,12 +74,3 @@ def _block_and_siblings(node: CachedBlock, siblings: bool):
         if sibling is not node and sibling.checkpoints:
             yield sibling, common_prefix_len(sibling.tokens, node.tokens)
 
-
-def shorter(ckpt: "Checkpoints", match: PrefixMatch) -> PrefixMatch:
-    """A strictly shorter match, for a request the device cannot take with `match` while nothing else runs
-    (the parked blocks it restores bring their checkpoints along, `units` slots each): without its copied
-    head, else without its last block, back to the last checkpoint in what is left (or a window there)."""
-    kept = match.shared if match.cow_source is not None else match.shared[:-1]
-    out = trim(ckpt, PrefixMatch(list(kept), None, 0, match.salt, match.conversation))
-    out.kv_tokens = match.kv_tokens
-    return out

@@ -2,7 +2,7 @@
 
 A checkpoint is the recurrent state of a hybrid model (engine/recurrent_state.py) after token `k` of a
 cached block; it is named (block digest, k). The conversation cache decides where each one is (always
-the tier of its block, scheduler/prefix_cache.py); this store only holds the bytes where it is told:
+the tier of its block, scheduler/cache/prefix_cache.py); this store only holds the bytes where it is told:
 
     device: {(digest, k): state}     host: {(digest, k): state}     disk: <dir>/<digest>.<k>.state
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import logging
 
-from scheduler.cache_tree import CachedBlock
-from scheduler.disk_tier import DiskEntry
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.tree import CachedBlock
+from scheduler.cache.disk_tier import DiskEntry
+from scheduler.cache.prefix_cache import PrefixCache
 
 log = logging.getLogger("strata.cache.disk")
 
@@ -18,13 +18,13 @@ def load_disk_index(cache: PrefixCache, entries: list[DiskEntry]) -> int:
     """Attach every disk entry as a disk-tier node under its parent. Call before serving.
 
     A first block's parent is its salt's root; roots of salts not seen yet in this run are created by
-    digest and adopted when a request with that salt arrives (PrefixCache._root). Returns blocks attached.
+    digest and adopted when a request with that salt arrives (`Tree.root`). Returns blocks attached.
     """
     by_parent: dict[bytes, list[DiskEntry]] = {}
     for entry in entries:
         by_parent.setdefault(entry.parent_digest, []).append(entry)
     digests = {e.digest for e in entries}
-    stack = [cache._root_for_digest(parent) for parent in by_parent if parent not in digests]
+    stack = [cache.tree.root_for_digest(parent) for parent in by_parent if parent not in digests]
     attached = 0
     while stack:
         parent = stack.pop()
@@ -32,9 +32,8 @@ def load_disk_index(cache: PrefixCache, entries: list[DiskEntry]) -> int:
             if cache.disk_free <= 0 or entry.tokens in parent.children:
                 cache.mover.delete_disk(CachedBlock(entry.tokens, None, digest=entry.digest))
                 continue
-            node = CachedBlock(entry.tokens, parent, digest=entry.digest, on_disk=True)
-            parent.children[entry.tokens] = node
-            cache._on_disk[entry.digest] = node
+            node = cache.tree.insert(parent, entry.tokens, digest=entry.digest)
+            cache.tiers.add_disk_block(node)
             cache.index.sync(node)
             stack.append(node)
             attached += 1
@@ -49,7 +48,7 @@ def flush_to_disk(cache: PrefixCache) -> int:
     Called at shutdown, after the last step: the device and host copies stay as they are.
     """
     written, room = 0, cache.disk_free
-    for root in list(cache._roots_by_digest.values()):
+    for root in cache.tree.roots():
         stack = list(root.children.values())
         while stack:
             node = stack.pop()

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 
 from engine.sequence import ModelRunner
-from scheduler.block_mover import EngineBlockMover
-from scheduler.cache_persistence import load_disk_index
-from scheduler.checkpoint_spacing import resolve_spacing
-from scheduler.device_pool import SEGMENT_BLOCKS
-from scheduler.disk_tier import DiskTier
-from scheduler.hybrid_steps import create_checkpoints, load_checkpoint_index
+from scheduler.cache.block_mover import EngineBlockMover
+from scheduler.cache.persistence import load_disk_index
+from scheduler.cache.checkpoint_spacing import resolve_spacing
+from scheduler.cache.device_pool import SEGMENT_BLOCKS
+from scheduler.cache.disk_tier import DiskTier
+from scheduler.cache.hybrid_steps import create_checkpoints, load_checkpoint_index
 from scheduler.memory.admission import MemoryAdmission
-from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.prefix_cache import PrefixCache
 
 log = logging.getLogger("strata.cache")
 
@@ -22,7 +22,7 @@ def create_cache(runner: ModelRunner, disk: DiskTier | None, admission: MemoryAd
     """Claims the runner's block ids for the cache. An elastic device pool (device_min_blocks below the
     ids the runner reserved) starts at device_min_blocks and grows up to them; a fixed pool's size is the
     whole device budget. Without an admission the host tier is what the runner committed at start, fixed.
-    checkpoint_every: --state-checkpoint-every in blocks, None for auto (scheduler/checkpoint_spacing.py)."""
+    checkpoint_every: --state-checkpoint-every in blocks, None for auto (scheduler/cache/checkpoint_spacing.py)."""
     runner.claim_blocks("conversation cache")  # one owner of block ids: the cache's allocator
     block_bytes = runner.layout.bytes_per_block
     admission = admission or MemoryAdmission(runner.host_layout.num_blocks, block_bytes)

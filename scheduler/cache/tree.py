@@ -1,9 +1,10 @@
 """The tree the conversation cache is made of: one node per KV block, child of the block before it.
 
 A node's identity is its parent + its tokens (kept, so a hit is verified, never trusted to a hash).
-Where its bytes live is per node: on the device (`device_id`), parked in host RAM (`host_slot`), or both
-during nothing but a copy. Policy (who moves, who is dropped) is in prefix_cache.py; this file only
-answers questions about the tree.
+Where its bytes live is per node: on the device (`device_id`), parked in host RAM (`host_slot`), or on
+disk; only the tiers (scheduler/cache/tiers.py) set those. Policy (who moves, who is dropped) is in the
+planner (scheduler/cache/planner.py); this file only holds and answers questions about the tree: `Tree`
+matches and inserts, and knows nothing of tiers.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class PrefixMatch:
     cow_tokens: int
     salt: str = ""
     conversation: str | None = None  # the client's name for it (prompt_cache_key, session id), if any
-    # hybrid models (scheduler/checkpoints.py): the checkpoint the match ends at, and the K/V match length
+    # hybrid models (scheduler/cache/checkpoints.py): the checkpoint the match ends at, and the K/V match length
     checkpoint: tuple[CachedBlock, int] | None = None
     kv_tokens: int = 0
     # lfm2: no checkpoint near the K/V match's end, so the state there is recomputed from this many tokens
@@ -74,6 +75,51 @@ class PrefixMatch:
     @property
     def num_tokens(self) -> int:
         return sum(len(b.tokens) for b in self.shared) + self.cow_tokens
+
+
+class Tree:
+    """The roots (one per cache salt; roots of salts not seen yet in this run are created by digest for
+    blocks loaded from disk) and the links under them. Pure: tokens and links only, no tier."""
+
+    def __init__(self):
+        self._roots: dict[str, CachedBlock] = {}
+        self._roots_by_digest: dict[bytes, CachedBlock] = {}
+
+    def root(self, salt: str) -> CachedBlock:
+        """The root of `salt` (created on first use)."""
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = self.root_for_digest(root_digest(salt))
+        return root
+
+    def root_for_digest(self, digest: bytes) -> CachedBlock:
+        """The root node with this digest (created on first use, e.g. by blocks loaded from disk)."""
+        root = self._roots_by_digest.get(digest)
+        if root is None:
+            root = self._roots_by_digest[digest] = CachedBlock((), None, digest=digest)
+        return root
+
+    def roots(self) -> list[CachedBlock]:
+        """Every root, in the order they were created."""
+        return list(self._roots_by_digest.values())
+
+    def match(self, salt: str, token_ids: list[int], limit: int, block_size: int) -> PrefixMatch:
+        """The longest prefix of token_ids[:limit] under `salt`'s root (`longest_match`). Changes nothing."""
+        return longest_match(self.root(salt), token_ids, limit, block_size)
+
+    @staticmethod
+    def insert(parent: CachedBlock, tokens: tuple[int, ...], digest: bytes | None = None) -> CachedBlock:
+        """A new node for `tokens` under `parent` (which has no child of these tokens yet), its digest
+        chained from the parent's unless given (a file's, which names the same chain)."""
+        assert tokens not in parent.children, "a child of these tokens is cached already"
+        block = CachedBlock(tokens, parent, digest=digest or block_digest(parent.digest, tokens))
+        parent.children[tokens] = block
+        return block
+
+    @staticmethod
+    def detach(block: CachedBlock) -> None:
+        """Unlink `block` (and so everything under it) from its parent."""
+        del block.parent.children[block.tokens]
 
 
 def longest_match(root: CachedBlock, token_ids: list[int], limit: int, block_size: int) -> PrefixMatch:

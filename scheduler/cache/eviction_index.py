@@ -1,6 +1,6 @@
 """The conversation cache's eviction candidates per tier, kept in value order as blocks move.
 
-The rule (scheduler/cache_plan.py) is the one the full scans of issue 12's first plans applied; only its cost
+The rule (scheduler/cache/room.py) is the one the full scans of issue 12's first plans applied; only its cost
 changed. Instead of ranking every cached block on each plan, the cache calls `sync(block)` after it changes a
 block (tier, pin, last use, a child attached or detached), and this index updates, in O(log n):
 
@@ -10,22 +10,20 @@ block (tier, pin, last use, a child attached or detached), and this index update
     copies  resident blocks with a written-behind file               (not superseded, active, last_used, seq)
 
 Smallest key = evicted first: leaves before the heads they hang from, superseded reply tails first, then
-one-off prompts before the blocks of an active conversation (scheduler/conversation_activity.py), then least
+one-off prompts before the blocks of an active conversation (scheduler/cache/conversation_activity.py), then least
 recently used. Last use is unique except among blocks loaded from disk (all 0); there `seq`, the order blocks
 entered their tier, breaks the tie as the old scans' dict order did.
 A block becomes a host or disk candidate when its last child in the tiers above leaves (its parent's child
-counters drop to zero). Plans read these sets in order without changing them (scheduler/eviction_sim.py).
+counters drop to zero). Plans read these sets in order without changing them (scheduler/cache/eviction_sim.py).
 """
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from scheduler.cache_tree import CachedBlock, is_superseded
-from scheduler.sorted_keys import SortedKeys
+from sortedcontainers import SortedSet
 
-if TYPE_CHECKING:
-    from scheduler.prefix_cache import PrefixCache
+from scheduler.cache.tree import CachedBlock, is_superseded
 
 
 class _Record:
@@ -56,10 +54,12 @@ class EvictionIndex:
         self.block_size = block_size
         self.is_active = is_active  # the block's conversation is active: it ranks after one-off prompts
         # Device slots a block frees when it leaves the device: 1, plus its state checkpoints' (hybrid models,
-        # scheduler/checkpoints.py). It never changes the order, only how many victims a count needs.
+        # scheduler/cache/checkpoints.py). It never changes the order, only how many victims a count needs.
         self.weight = weight
         self.device_weight = 0  # sum of the device set's weights
-        self.device, self.host, self.disk, self.copies = SortedKeys(), SortedKeys(), SortedKeys(), SortedKeys()
+        # Sorted sets (sortedcontainers): O(log n) add and remove, in-order reads that change nothing. Keys are
+        # unique (each ends in its block's seq); `_set_keys` asserts a key it adds is not there already.
+        self.device, self.host, self.disk, self.copies = SortedSet(), SortedSet(), SortedSet(), SortedSet()
         self._sets = (self.device, self.host, self.disk, self.copies)
         self._records: dict[CachedBlock, _Record] = {}
         self._blocks: dict[int, CachedBlock] = {}  # seq -> block, for every block the index holds
@@ -180,15 +180,16 @@ class EvictionIndex:
         for i, (old, new) in enumerate(zip(record.keys, keys)):
             if old != new:
                 if old is not None:
-                    self._sets[i].remove(old)
+                    self._sets[i].remove(old)  # KeyError when absent: the record and the set disagree
                 if new is not None:
+                    assert new not in self._sets[i], f"eviction key added twice: {new!r}"
                     self._sets[i].add(new)
         record.keys = keys
 
     # -- integrity ------------------------------------------------------------------------------------
-    def check(self, cache: "PrefixCache") -> None:
-        """Every set and counter against a full scan of the cache's tiers (tests: after every step)."""
-        blocks = [*cache._on_device.values(), *cache._on_host.values(), *cache._on_disk.values()]
+    def check(self, blocks: list[CachedBlock]) -> None:
+        """Every set and counter against a full scan of `blocks`, every block the tiers cache (tests: after
+        every step)."""
         assert len(self._records) == len(blocks) == len(self._blocks), f"index holds {len(self._records)} blocks"
         expected: list[set] = [set(), set(), set(), set()]
         for block in blocks:
@@ -205,8 +206,7 @@ class EvictionIndex:
                 if key is not None:
                     expected[i].add(key)
         for name, keys, found in zip(_TIERS, expected, self._sets):
-            found.check()
-            assert set(found) == keys, f"index: the {name} candidates disagree with a full scan"
-        unpinned = [b for b in cache._on_device.values() if b.ref_count == 0]
+            assert list(found) == sorted(keys), f"index: the {name} candidates disagree with a full scan"
+        unpinned = [b for b in blocks if b.on_device and b.ref_count == 0]
         assert self.num_unpinned_device == len(unpinned), "index: unpinned device count disagrees"
         assert self.device_weight == sum(map(self.weight, unpinned)), "index: device weight disagrees (checkpoints)"

@@ -5,7 +5,7 @@ api/messages_api.py) or else by its first block (the same name `cache_tree.conve
 the drop log). It is *active* while its last turn finished less than `window_s` ago, from its first turn
 when the client named it, from its second when only its first block does (a prompt seen once is a
 one-off). Each cached block belongs to the conversation that last released it; while that conversation is
-active, the block ranks after every one-off prompt's block in each tier (scheduler/eviction_index.py).
+active, the block ranks after every one-off prompt's block in each tier (scheduler/cache/eviction_index.py).
 
 The activity changes only here: at a finished turn, and when `expire` finds a window passed. Both re-rank
 the conversation's blocks (`on_change`), so the index never holds a stale class. Mutated on the event loop.
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from scheduler.cache_tree import CachedBlock
+from scheduler.cache.tree import CachedBlock
 
 ACTIVE_WINDOW_S = 300.0  # "a turn in the last few minutes": agents reply within seconds, people within minutes
 

@@ -1,6 +1,6 @@
 """Moving KV block bytes between the tiers, for the conversation cache.
 
-The cache (scheduler/prefix_cache.py) decides and applies a granted plan to its bookkeeping; the plan's
+The cache (scheduler/cache/prefix_cache.py) decides and applies a granted plan to its bookkeeping; the plan's
 byte moves then reach the mover as one BlockMoves, on the event loop between engine steps, so no step
 ever reads a block that is in flight. Their order keeps every copy safe: host growth, disk writes (they
 read slots and blocks the later moves may reuse), parks, restores, disk loads, copies.
@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from scheduler.cache_tree import CachedBlock
-from scheduler.disk_tier import DiskEntry, DiskTier
+from scheduler.cache.tree import CachedBlock
+from scheduler.cache.disk_tier import DiskEntry, DiskTier
 
 log = logging.getLogger("strata.cache")
 

@@ -1,4 +1,4 @@
-"""A plan's victims, read off the eviction index (scheduler/eviction_index.py) without changing it.
+"""A plan's victims, read off the eviction index (scheduler/cache/eviction_index.py) without changing it.
 
 A plan removes blocks one by one in its head only: each choice can make a new candidate (a device parent
 whose last device child was chosen, a host block whose last child above the disk left, a block this plan
@@ -12,8 +12,8 @@ from __future__ import annotations
 import heapq
 from typing import Iterator
 
-from scheduler.cache_tree import CachedBlock
-from scheduler.eviction_index import EvictionIndex
+from scheduler.cache.tree import CachedBlock
+from scheduler.cache.eviction_index import EvictionIndex
 
 
 class _Cursor:

@@ -6,7 +6,7 @@ so the loop calls them unconditionally. For a hybrid model, per request:
     admit         its state slot; the state of the checkpoint its match ends at is written into it, or (lfm2,
                   no checkpoint near the K/V match's end) zeros and a state window its first step runs
                   (engine/state_window.py); where its prompt leaves a cached sequence, a checkpoint position
-    reserve       a step that passes checkpoint positions (scheduler/checkpoints.py) reserves a device
+    reserve       a step that passes checkpoint positions (scheduler/cache/checkpoints.py) reserves a device
                   slot for each, and asks the state pools to capture the state there (inside the chunk)
     after a step  the captured states are held by the allocation until release
     release       the state after the last computed token goes with the blocks into the tree
@@ -19,9 +19,9 @@ import logging
 import math
 
 from engine.kv import blocks_needed
-from scheduler.checkpoint_store import CheckpointStore
-from scheduler.checkpoint_spacing import most_useful
-from scheduler.checkpoints import Checkpoints
+from scheduler.cache.checkpoint_store import CheckpointStore
+from scheduler.cache.checkpoint_spacing import most_useful
+from scheduler.cache.checkpoints import Checkpoints
 
 log = logging.getLogger("strata.cache")
 
@@ -45,7 +45,7 @@ def load_checkpoint_index(cache) -> int:
     attached = 0
     keys, ckpt.store.on_disk = ckpt.store.scan(), set()  # indexed again as each one is kept
     for key in keys:
-        node = cache._on_disk.get(key[0])
+        node = cache.tiers.blocks("disk").get(key[0])
         fits = cache.disk_free >= ckpt.units  # the budget less blocks, copies and the files kept so far
         if node is None or not 0 < key[1] <= len(node.tokens) or not fits:
             ckpt.store.delete("disk", key)
@@ -97,7 +97,7 @@ class HybridSteps:
         cache = self.cache
         fresh = max(0, blocks_needed(request.seq.num_computed + n, self.runner.block_size)
                     - len(request.allocation.block_table))
-        slots = cache._dev_free.num_free - cache.ckpt.units_on("device") + cache.index.device_weight \
+        slots = cache.tiers.free_slots("device") + cache.index.device_weight \
             + max(0, cache.admission.device_ceiling_blocks - cache.num_blocks) - fresh
         return max(0, slots) // cache.ckpt.units
 
