@@ -81,6 +81,7 @@ class BudgetHolder:
 
     @property
     def held_bytes(self) -> int:
+        """Device bytes this holder holds now (granted, not yet given back)."""
         return self._service.admission.held_device_bytes[self.name]
 
     # -- the device budget as a user sizes itself against it (reads; change nothing) ---------------------

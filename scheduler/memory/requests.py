@@ -172,6 +172,7 @@ class RequestMemory:
         return plan
 
     def retry_soon(self) -> None:
+        """Wake the engine loop again shortly: a refused grant is asked again (nothing changed meanwhile)."""
         asyncio.get_running_loop().call_later(RETRY_S, self.wake.set)
 
     def preempt(self, request: Request) -> None:

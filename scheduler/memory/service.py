@@ -74,6 +74,7 @@ class MemoryService:
 
     @property
     def num_queued(self) -> int:
+        """Requests for memory waiting for their turn (0 without a running admission task)."""
         return self._queue.qsize() if self._queue is not None else 0
 
     # -- the engine's path (synchronous, between steps) ----------------------------------------------

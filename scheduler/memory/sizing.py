@@ -48,6 +48,8 @@ CUDA_MARGIN = 0.1  # cuda auto: share of the arena's free piece left for scratch
 
 @dataclass(frozen=True)
 class MachineMemory:
+    """The memory limit that applies to this process and what others already use of it, sampled once."""
+
     limit_bytes: int  # total the process tree may use (container limit, or total RAM)
     in_use_bytes: int  # already used by everything else in that scope, excluding this process
     source: str
@@ -59,6 +61,9 @@ class MachineMemory:
 
 @dataclass(frozen=True)
 class MemoryPlan:
+    """The start-up plan: the engine's own host bytes and the host tier's budget (clamped_from_mib: the
+    --conversation-cache-mib asked for, when it did not fit)."""
+
     engine_bytes: int
     host_tier_bytes: int
     host_blocks: int
@@ -127,6 +132,8 @@ def _own_rss_bytes() -> int:
 
 @dataclass(frozen=True)
 class PoolSize:
+    """The device KV pool as sized from --kv-cache-mib: its ids, its starting size, and why."""
+
     reserved_blocks: int  # ids the runner reserves (an elastic pool's maximum)
     min_blocks: int | None  # an elastic pool's starting size; None: a fixed pool
     rule: str  # how it was chosen, for the start-up log
