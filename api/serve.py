@@ -27,7 +27,7 @@ from api.event_loop import uvicorn_loop
 from api.reply_memory import ReplyMemory
 from api.sampling_defaults import load_sampling_defaults
 from api.server import LoadingState, ServerState, create_app
-from engine.backends.cuda_device import leave_outside_arena
+from engine.backends.cuda.device import leave_outside_arena
 from engine.loader import LoadedModel, open_model
 from engine.units import MIB
 from engine.warmup import warm_model

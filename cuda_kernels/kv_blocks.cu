@@ -5,7 +5,7 @@
 //
 //   plane p:  | block 0 | block 1 | ... | block num_blocks-1 |     (num_slots * hd floats)
 //
-// An elastic pool (engine/backends/cuda_kv_elastic.py) is segment-major: segments of num_slots slots, each
+// An elastic pool (engine/backends/cuda/kv_elastic.py) is segment-major: segments of num_slots slots, each
 // [layers, 2, KVH, num_slots, hd] (a fixed pool is one segment), seg_rows = layers * 2 * KVH * num_slots rows
 // apart, so a run of segments is one contiguous range of memory that physical chunks map and unmap:
 //

@@ -1,6 +1,6 @@
 // Mixture-of-experts kernels: top-k routing, the grouped expert matvec (decode) and gemm (prefill), gpt-oss's
 // clamped SwiGLU and the weighted combine of each token's k expert outputs. The numpy reference is
-// engine/backends/numpy_moe.py.
+// engine/backends/reference/moe.py.
 //
 //   logits [T, E] --moe_route_f32--> ids [T, k], weights [T, k]
 //   moe_plan (or cuda_kernels/moe.plan_groups on the host): the T*k (token, slot) pairs sorted by expert, cut into
@@ -8,7 +8,7 @@
 //   pair p -> x row pair_rows[p];  group g = pairs start[g] .. + len[g] - 1
 //   x [T, in] --moe_matvec_<q> / moe_gemm_<q>--> y [n_pairs, out]  (row p = W_e . x[pair_rows[p]] + bias[e])
 //   where W_e, expert e's [out, in] matrix, is at expert_ptr[e] when the expert cache gives a slot table
-//   (engine/backends/cuda_expert_cache.py), else at W + e * out * row_bytes (all experts stacked as in the GGUF)
+//   (engine/backends/cuda/expert_cache/cache.py), else at W + e * out * row_bytes (all experts stacked as in the GGUF)
 //   y_down [n_pairs, d] --moe_combine_f32--> out[t] = sum_j weights[t, j] * y_down[pair_of[t * k + j]]
 //
 // Launch: cuda_kernels/moe.py (geometry). ABI: docs/CUDA_KERNELS.md.

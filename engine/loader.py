@@ -46,7 +46,7 @@ def choose_backend(name: str, device: int | None = None) -> tuple[str, str]:
         raise ValueError(f"unknown backend {name!r}; available: {', '.join(BACKEND_NAMES)}")
     if name == "numpy":
         return "numpy", "asked for (--backend numpy)"
-    from engine.backends.cuda_device import probe
+    from engine.backends.cuda.device import probe
 
     available, reason = probe(device or 0)
     if available:
@@ -72,7 +72,7 @@ def create_backend(name: str = "numpy", stage: int = 0, device: int | None = Non
     chosen, reason = choose_backend(name, device)
     if chosen == "cuda":
         try:
-            from engine.backends.cuda_backend import CudaBackend
+            from engine.backends.cuda.backend import CudaBackend
 
             backend = CudaBackend(device=device or 0, stage=stage)
             backend.kernels.load_all()
@@ -85,10 +85,10 @@ def create_backend(name: str = "numpy", stage: int = 0, device: int | None = Non
             return backend
     log.info("backend numpy: %s (%s weights)", reason, cpu_weights)
     if cpu_weights == "f32":
-        from engine.backends.numpy_backend import NumpyBackend
+        from engine.backends.reference.backend import NumpyBackend
 
         return NumpyBackend()
-    from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
+    from engine.backends.cpu.backend import QuantizedNumpyBackend
 
     return QuantizedNumpyBackend(activations=_ACTIVATIONS[cpu_weights])
 
@@ -111,7 +111,7 @@ def open_model(
         backend_name = _backend_for_arch(GGUFFile(path).architecture, backend_name, path)
     backend = backend or create_backend(backend_name, cpu_weights=cpu_weights)
     if expert_cache_mib:  # before the weights load: the experts then go to the pinned host arena
-        from engine.backends.cuda_expert_cache_setup import configure_expert_cache
+        from engine.backends.cuda.expert_cache.setup import configure_expert_cache
 
         configure_expert_cache(backend, expert_cache_mib)
     model, gguf, info = load_model(path, backend, max_positions)

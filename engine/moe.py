@@ -35,7 +35,7 @@ class ExpertWeights:
     down: list  # E linears [d, F]
     gate_up_bias: Array | None  # [E, 2F] (gpt-oss)
     down_bias: Array | None  # [E, d] (gpt-oss)
-    device: object | None = None  # a backend's own stacked form (cuda: cuda_moe.CudaExperts); lists empty then
+    device: object | None = None  # a backend's own stacked form (cuda: cuda.moe.CudaExperts); lists empty then
 
     @property
     def n_experts(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from engine.backends.cuda_expert_cache_budget import HOLDER_NAME, connect_expert_budget
+from engine.backends.cuda.expert_cache.budget import HOLDER_NAME, connect_expert_budget
 from engine.kv import BLOCK_SIZE, blocks_needed, layout_for, resolve_kv_type
 from engine.loader import LoadedModel
 from engine.sequence import ModelRunner

@@ -1,4 +1,4 @@
-"""The expert cache's /metrics (MoE expert weights in device slots, engine/backends/cuda_expert_cache.py).
+"""The expert cache's /metrics (MoE expert weights in device slots, engine/backends/cuda/expert_cache/cache.py).
 
 Every name says expert_cache, never just "cache" or "hit": these count expert weights found on the GPU, not prompt
 tokens reused, and an operator must not read a 95% expert hit rate as prompt reuse (seed 003).

@@ -9,7 +9,7 @@ a 1B-class llama-shaped model with random weights written here (scripts/bench_cu
 - decode bandwidth: bytes of the linear weights read per step / step time, against the card's device copy
   bandwidth (cuMemcpyDtoD of a 1 GiB buffer, bytes read + written);
 - GPU time per kernel (events around every launch, graphs off) for one prefill and some decode steps;
-- how long after a step's end the event loop notices it, waiter thread vs polling (cuda_wait.py).
+- how long after a step's end the event loop notices it, waiter thread vs polling (cuda/wait.py).
 On a machine without a usable GPU it says why and exits 0.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backends.cuda_device import probe  # noqa: E402
+from engine.backends.cuda.device import probe  # noqa: E402
 from engine.units import MIB  # noqa: E402
 
 BATCHES = (1, 4, 16)
@@ -43,7 +43,7 @@ def main() -> int:
     if not available:
         print(f"no CUDA device: {reason}")
         return 0
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     backend = CudaBackend(device=args.device)
     print(f"# CUDA backend on {backend.device.name}, {backend.device.sm_count} SMs\n")
@@ -75,7 +75,7 @@ def model_path(spec: str, quant: str) -> Path | None:
 
 def copy_bandwidth(backend, nbytes: int = 2**30, repeats: int = 10) -> float:
     """GB/s of device-to-device copies, counting bytes read and written."""
-    from engine.backends.cuda_device import check, driver
+    from engine.backends.cuda.device import check, driver
 
     device, stream = backend.device, backend.stream
     src, dst = device.alloc(nbytes, "copy benchmark"), device.alloc(nbytes, "copy benchmark")
@@ -96,8 +96,8 @@ def copy_bandwidth(backend, nbytes: int = 2**30, repeats: int = 10) -> float:
 
 def print_latency_table(backend, samples: int = 50) -> None:
     """After a GPU job of known length: wall time to the awaiting coroutine's wake-up minus the job's time."""
-    from engine.backends.cuda_device import check, driver
-    from engine.backends.cuda_wait import EventWaiter
+    from engine.backends.cuda.device import check, driver
+    from engine.backends.cuda.wait import EventWaiter
 
     device, stream = backend.device, backend.stream
     nbytes = 256 * MIB  # a copy of ~0.1-0.2 ms stands in for a short step
@@ -140,7 +140,7 @@ def print_latency_table(backend, samples: int = 50) -> None:
 
 
 def bench_model(backend, path: Path, copy_gbps: float, decode_steps: int, kv_types=("f16",)) -> None:
-    from engine.backends.cuda_linear import QuantLinear
+    from engine.backends.cuda.linear import QuantLinear
     from engine.model import load_model
     from engine.sequence import ModelRunner
 
@@ -189,7 +189,7 @@ def _bench_batches(runner, kv_type: str, decode_steps: int, linear_bytes: int, c
 
 def print_kernel_table(backend, runner, decode_steps: int) -> None:
     """GPU time per kernel over one batch-4 prefill and decode_steps decode steps, graphs off."""
-    from engine.backends.cuda_launch import KernelProfiler
+    from engine.backends.cuda.launch import KernelProfiler
     from engine.sequence import Sequence
 
     graphs, backend.graphs = backend.graphs, None

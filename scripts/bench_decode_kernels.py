@@ -1,4 +1,4 @@
-"""Throughput of the integer decode products (cpu_int8_matvec._part_rows, serial code: one thread), by weight type,
+"""Throughput of the integer decode products (cpu.int8_matvec._part_rows, serial code: one thread), by weight type,
 matrix size and tokens a step; prints a markdown table of Gweights/s (weight-token products a second).
 
     .venv/bin/python scripts/bench_decode_kernels.py [--types q4_1,q8_0,q6_k] [--tokens 1,2,4,8]
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from engine.backends.cpu_int8_matvec import _part_rows, quantize_act  # noqa: E402
-from engine.backends.cpu_int8_repack import HALF_SCALE_TYPES, repack  # noqa: E402
-from engine.backends.cpu_simd_dot import simd_enabled  # noqa: E402
+from engine.backends.cpu.int8_matvec import _part_rows, quantize_act  # noqa: E402
+from engine.backends.cpu.int8_repack import HALF_SCALE_TYPES, repack  # noqa: E402
+from engine.backends.cpu.simd_dot import simd_enabled  # noqa: E402
 from engine.units import MIB  # noqa: E402
 from tests.test_cpu_quant_kernels import random_rows  # noqa: E402
 

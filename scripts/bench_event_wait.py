@@ -55,7 +55,7 @@ def main() -> int:
     args = parser.parse_args()
     monkeypatch = pytest.MonkeyPatch()
     driver = fake_cuda_async.install(monkeypatch)
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     print("| wait mode | device work per step | wake latency p50 (us) | p99 (us) | loop-thread CPU per step (us) | "
           "process CPU per step (us) |\n| --- | --- | --- | --- | --- | --- |")

@@ -11,7 +11,7 @@ the first run after an install, compiling) the numba kernels. The machine is sha
 printed beside the figures; so is CPU time per decode step (--profile), which a busy machine inflates
 less than wall time. `quantized-f32act` is `quantized` with float32 activations in the decode products
 (no int8 quantisation); `quantized-unfused` is that with the fused decode step off
-(engine/backends/cpu_fused_decode.py): every decode step then runs the per-op path.
+(engine/backends/cpu/fused_decoder.py): every decode step then runs the per-op path.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backends import numpy_moe  # noqa: E402
+from engine.backends.reference import moe as numpy_moe  # noqa: E402
 from engine.cpu_threads import limit_threads  # noqa: E402
 from engine.loader import open_model  # noqa: E402
 from engine.sequence import ModelRunner, Sequence  # noqa: E402
@@ -125,8 +125,8 @@ def bench_expert_cache(fractions: list[float], steps: int = 16) -> None:
     """Hits, loads and bytes per decode token of the CUDA expert cache on the emulator (see the docstring)."""
     import pytest
 
-    from engine.backends.cuda_expert_cache_setup import configure_expert_cache
-    from engine.backends.numpy_backend import NumpyBackend
+    from engine.backends.cuda.expert_cache.setup import configure_expert_cache
+    from engine.backends.reference.backend import NumpyBackend
     from engine.model import load_model
     from tests import fake_cuda_emulated
 
@@ -136,7 +136,7 @@ def bench_expert_cache(fractions: list[float], steps: int = 16) -> None:
     prompt = _prompt(24, 5)
     with tempfile.TemporaryDirectory() as directory, pytest.MonkeyPatch.context() as mp:
         fake_cuda_emulated.install(mp, Path(directory))
-        from engine.backends.cuda_backend import CudaBackend
+        from engine.backends.cuda.backend import CudaBackend
 
         for workload, hot in (("hot set (4 of 16 per layer)", 4), ("uniform", 0)):
             path = Path(directory) / f"m{hot}.gguf"

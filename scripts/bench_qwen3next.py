@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backends.numpy_backend import NumpyBackend  # noqa: E402
+from engine.backends.reference.backend import NumpyBackend  # noqa: E402
 from engine.delta_rule import chunked, l2_normalize, recurrent_step  # noqa: E402
 from engine.model import load_model  # noqa: E402
 from engine.sequence import ModelRunner, Sequence  # noqa: E402

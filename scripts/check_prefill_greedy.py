@@ -4,7 +4,7 @@
 
 For every prompt of tests/data/<model>_reference.json, greedy decoding of --n-new ids after prefilling the
 prompt in chunks of --chunk tokens, with --cpu-weights quantized (prefill products on int16 activations,
-cpu_int8_gemm.py), quantized-int8act (int8) and quantized-f32act (the float path: float32 activations, tiles
+cpu/int8_gemm.py), quantized-int8act (int8) and quantized-f32act (the float path: float32 activations, tiles
 dequantised for BLAS). Prints per prompt and mode the first step whose id differs from the float path's
 ("-": none), and a summary line per model.
 """

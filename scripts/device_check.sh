@@ -42,7 +42,7 @@ try:
     print("cuda-bindings", cb.__version__)
 except Exception as exc:
     print("cuda-bindings missing:", exc)
-from engine.backends.cuda_device import probe
+from engine.backends.cuda.device import probe
 print("probe:", probe())
 PYEOF
 } 2>&1 | tee "$OUT/env.log"

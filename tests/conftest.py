@@ -52,7 +52,7 @@ def gemma3(gemma3_path):
 @pytest.fixture(scope="session")
 def load_tiny(tmp_path_factory):
     """Factory: (model, tokenizer) of a tiny random GGUF (tests/tiny_gguf.py), written once per arguments."""
-    from engine.backends.numpy_backend import NumpyBackend
+    from engine.backends.reference.backend import NumpyBackend
     from engine.gguf_file import GGUFFile
     from engine.model import load_model
     from engine.tokenizer import Tokenizer

@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
-from engine.backends import cuda_abi
+from engine.backends.cuda import abi as cuda_abi
 from tests.fake_cuda_kernels import KERNELS, view
 from tests.fake_cuda_vmm import ILLEGAL_ADDRESS, FakeVmm, check_access
 
@@ -167,7 +167,11 @@ class FakeKernelSet:
 
 def driver_modules() -> tuple:
     """Every backend module that calls the driver through its own `driver` name (one list for every fake)."""
-    from engine.backends import cuda_device, cuda_graphs, cuda_launch, cuda_streams, cuda_vmm
+    from engine.backends.cuda import device as cuda_device
+    from engine.backends.cuda import graphs as cuda_graphs
+    from engine.backends.cuda import launch as cuda_launch
+    from engine.backends.cuda import streams as cuda_streams
+    from engine.backends.cuda import vmm as cuda_vmm
 
     return (cuda_device, cuda_graphs, cuda_launch, cuda_streams, cuda_vmm)
 
@@ -179,7 +183,7 @@ def patch_driver(monkeypatch, fake) -> None:
 
 def install(monkeypatch) -> FakeDriver:
     """Route every CUDA module of the backend to a fresh FakeDriver and FakeKernelSet."""
-    from engine.backends import cuda_device
+    from engine.backends.cuda import device as cuda_device
 
     fake = FakeDriver()
     patch_driver(monkeypatch, fake)

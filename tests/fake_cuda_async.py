@@ -17,7 +17,7 @@ import threading
 import time
 import traceback
 
-from engine.backends import cuda_abi
+from engine.backends.cuda import abi as cuda_abi
 from tests import fake_cuda
 from tests.fake_cuda import OK, CUresult, FakeDriver
 from tests.fake_cuda_kernels import KERNELS
@@ -179,7 +179,7 @@ class _SlowKernelSet(fake_cuda.FakeKernelSet):
 
 def install(monkeypatch, kernel_delay_s: float = 0.0) -> AsyncStreamsDriver:
     """fake_cuda.install with an AsyncStreamsDriver (and kernels slowed by kernel_delay_s)."""
-    from engine.backends import cuda_device
+    from engine.backends.cuda import device as cuda_device
 
     fake = AsyncStreamsDriver(kernel_delay_s)
     fake_cuda.patch_driver(monkeypatch, fake)

@@ -2,7 +2,7 @@
 on the CPU (tests/kernel_emulator.py, g++), with the grid, block and shared bytes the backend launched with and
 the argument values read back out of the backend's `kernelParams` array by the kernel's own C signature.
 
-So everything between the backend and the kernel is exercised as on a GPU: cuda_launch.KernelSet (module
+So everything between the backend and the kernel is exercised as on a GPU: cuda.launch.KernelSet (module
 loading, geometry from the companion modules, packing through cuda_abi into a void** array), int vs pointer
 parameters, argument order, buffer sizes and offsets. Only NVRTC is replaced: `compile_source` hands back the
 source name as the "cubin", and `cuModuleLoadData` builds that source for the host instead.
@@ -14,7 +14,7 @@ import threading
 import types
 from pathlib import Path
 
-from engine.backends import cuda_abi
+from engine.backends.cuda import abi as cuda_abi
 from tests import fake_cuda
 from tests.fake_cuda import OK, FakeDriver
 from tests.kernel_emulator import EmulatedSource
@@ -137,7 +137,7 @@ class EmulatedDriver(FakeDriver):
 def install(monkeypatch, build_dir: Path) -> EmulatedDriver:
     """Route the backend's CUDA modules to an EmulatedDriver with the real KernelSet and quant_types."""
     from cuda_kernels import build
-    from engine.backends import cuda_device
+    from engine.backends.cuda import device as cuda_device
 
     fake = EmulatedDriver(build_dir)
     fake_cuda.patch_driver(monkeypatch, fake)
@@ -152,7 +152,8 @@ def install(monkeypatch, build_dir: Path) -> EmulatedDriver:
 def _guard_allocations(monkeypatch, fake: EmulatedDriver) -> None:
     """Give every workspace array (GrowingPool) and every persistent allocation (Device.alloc: weights, KV
     pools, graph inputs) a red zone after its end."""
-    from engine.backends import cuda_arena, cuda_device
+    from engine.backends.cuda import arena as cuda_arena
+    from engine.backends.cuda import device as cuda_device
 
     pool_allocate, pool_free = cuda_arena.GrowingPool.allocate, cuda_arena.GrowingPool.free
     device_alloc, device_unreserve = cuda_device.Device.alloc, cuda_device.Device.unreserve

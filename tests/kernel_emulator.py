@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from cuda_kernels import registry
-from engine.backends import cuda_abi
+from engine.backends.cuda import abi as cuda_abi
 
 SHIM = Path(__file__).parent / "cuda_emulation" / "cuda_emulation.h"
 PTX_SHIM = Path(__file__).parent / "cuda_emulation" / "ptx_emulation.h"

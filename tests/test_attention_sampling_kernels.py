@@ -7,7 +7,7 @@ import pytest
 
 from cuda_kernels.attention import num_chunks
 from cuda_kernels.sampling import mask_words, philox_uniform
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from api.config import ServerConfig, load_config
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.kv import KVLayout
 from engine.model import load_model
 from engine.qwen3next_config import DeltaNetShape

@@ -1,11 +1,11 @@
-"""cpu_activation's gated activation against the float64 formulas: within 1e-6 of |gate * up| (numpy's float32
+"""cpu.activation's gated activation against the float64 formulas: within 1e-6 of |gate * up| (numpy's float32
 reference is within the same), NaN kept, no overflow at either end, and the quantised backend routes to it."""
 import numpy as np
 import pytest
 
-from engine.backends.cpu_activation import gated_activation
-from engine.backends.numpy_backend import NumpyBackend
-from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
+from engine.backends.cpu.activation import gated_activation
+from engine.backends.cpu.backend import QuantizedNumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 
 
 def _truth(gate_up: np.ndarray, kind: str) -> np.ndarray:
@@ -41,7 +41,7 @@ def test_nan_stays_nan(kind):
 
 def test_quantized_backend_uses_the_kernel_where_it_applies(monkeypatch):
     calls = []
-    import engine.backends.cpu_activation as module
+    import engine.backends.cpu.activation as module
 
     real = module.gated_activation
     monkeypatch.setattr(module, "gated_activation", lambda x, kind: calls.append(kind) or real(x, kind))

@@ -1,4 +1,4 @@
-"""The fused decode step (engine/backends/cpu_fused_decode.py) against the unfused numpy path it replaces.
+"""The fused decode step (engine/backends/cpu/fused_decoder.py) against the unfused numpy path it replaces.
 
 Tiny random models of every dense arch the fused step runs (llama, qwen2 with QKV bias, qwen3 with QK-norm,
 gemma3 with its post norms, GELU and sliding-window layers), quantised to block types it dots directly and
@@ -8,7 +8,7 @@ shorter than every context, so the window is exercised.
 import numpy as np
 import pytest
 
-from engine.backends.cpu_fused_decode import FusedDecoder, int8_refusal
+from engine.backends.cpu.fused_decoder import FusedDecoder, int8_refusal
 from engine.kv import KVLayout
 from engine.loader import open_model
 from engine.sequence import ModelRunner, Sequence
@@ -37,7 +37,7 @@ def _decode(model, fused: bool, prompt_lens=PROMPT_LENS, together=True, shuffle_
             token_by_token=False, activations="f32", kv_type="f32") -> list[np.ndarray]:
     """Logits of every decode step. Prompts are prefilled in one chunk each (the unfused path either way), or
     token_by_token through decode steps (then every K/V row comes from the path under test). activations:
-    what the fused products quantise them to (int16 / int8: cpu_int8_matvec, test_cpu_int8_decode.py)."""
+    what the fused products quantise them to (int16 / int8: cpu.int8_matvec, test_cpu_int8_decode.py)."""
     model.backend.fused_decode = fused
     if model.backend.activations != activations:
         model.backend.activations = activations
@@ -70,7 +70,7 @@ def test_fused_decode_matches_the_unfused_path(model):
 
 
 def test_fused_decode_on_a_float16_pool_matches_the_unfused_path(model):
-    """The step reads and writes float16 K/V through the pool's bits (cpu_half.py), the bytes the unfused path
+    """The step reads and writes float16 K/V through the pool's bits (cpu/half.py), the bytes the unfused path
     stores (tests/test_cpu_half.py); K/V written token by token by either path."""
     fused = _decode(model, True, token_by_token=True, kv_type="f16")
     unfused = _decode(model, False, token_by_token=True, kv_type="f16")
@@ -86,7 +86,7 @@ def test_fused_batched_decode_equals_one_by_one(model):
 
 @pytest.mark.parametrize("activations", ["f32", "int16"])
 def test_fused_decode_is_bitwise_the_same_for_any_number_of_workers(model, activations, monkeypatch):
-    """Each work unit is computed whole by one worker (cpu_sync.py), so who takes which changes nothing; 5
+    """Each work unit is computed whole by one worker (cpu/step_sync.py), so who takes which changes nothing; 5
     workers on at most 2 threads also shows the step cannot wait for a worker that never starts."""
     if activations != "f32" and int8_refusal(model):
         pytest.skip(int8_refusal(model))

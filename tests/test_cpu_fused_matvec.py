@@ -1,11 +1,11 @@
-"""The fused decode step's products on raw rows (cpu_fused_matvec.matvec2) against gguf's dequantisation."""
+"""The fused decode step's products on raw rows (cpu.fused_matvec.matvec2) against gguf's dequantisation."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.backends.cpu_fused_matvec import block_sums, matvec2
-from engine.backends.cpu_quant_decode import f16_table
-from engine.backends.cpu_quant_linear import KERNEL_KINDS
+from engine.backends.cpu.fused_matvec import block_sums, matvec2
+from engine.backends.cpu.gguf_dequant import f16_table
+from engine.backends.cpu.quant_linear import KERNEL_KINDS
 from tests.test_cpu_quant_kernels import ALL_TYPES, assert_product_close, random_rows, reference
 
 _TABLE = f16_table()

@@ -2,7 +2,7 @@
 
 Both load the same quantised weights. With float32 activations (`quantized-f32act`) they differ only in
 summation order inside products and attention, so greedy ids must be identical for 48 tokens on every
-reference prompt and every logit within LOGIT_BOUND. The default int16 activations (cpu_int8_matvec.py)
+reference prompt and every logit within LOGIT_BOUND. The default int16 activations (cpu/int8_matvec.py)
 add their rounding: ids still identical, logits within INT16_LOGIT_BOUND. int8 activations (llama.cpp's
 rule) are not held to the references: they moved logits by up to 0.39 and changed greedy ids after 14 and 24
 tokens on 2 of the 7 transformers prompts (SmolLM2; docs/BENCHMARKS.md). The transformers references

@@ -1,9 +1,9 @@
-"""float16 conversions in numba (engine/backends/cpu_half.py) against numpy, for every float16 value and for
+"""float16 conversions in numba (engine/backends/cpu/half.py) against numpy, for every float16 value and for
 float32 values around every float16 rounding boundary."""
 import numpy as np
 from numba import njit
 
-from engine.backends.cpu_half import as_float, kv_store
+from engine.backends.cpu.half import as_float, kv_store
 
 
 @njit(cache=False)

@@ -1,4 +1,4 @@
-"""The fused decode step on integer activations (cpu_int8_matvec.py) against the float32 one, tiny models.
+"""The fused decode step on integer activations (cpu/int8_matvec.py) against the float32 one, tiny models.
 
 The same models and schedule as tests/test_cpu_fused_decode.py. The kernels themselves are checked against
 gguf's dequantisation in tests/test_cpu_int8_matvec.py, the real models against the transformers
@@ -8,9 +8,9 @@ unfused path in test_cpu_fused_reference.py.
 import numpy as np
 import pytest
 
-from engine.backends import cpu_fused_decode
-from engine.backends import cpu_quant_decode as d
-from engine.backends.cpu_fused_decode import int8_refusal
+from engine.backends.cpu import fused_decoder as cpu_fused_decode
+from engine.backends.cpu import gguf_dequant as d
+from engine.backends.cpu.fused_decoder import int8_refusal
 from tests.test_cpu_fused_decode import PROMPT_LENS, _decode, model  # noqa: F401  (the parametrised fixture)
 
 # Largest |logit(int16) - logit(f32)| on these models: measured 7.9e-4 (llama Q4_1, logits up to 6.1);

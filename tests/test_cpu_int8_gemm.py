@@ -1,4 +1,4 @@
-"""The prefill products on integers (engine/backends/cpu_int8_gemm.py, cpu_vnni_tile.py).
+"""The prefill products on integers (engine/backends/cpu/int8_gemm.py, cpu/vnni_tile.py).
 
 Every repacked type against the gguf package's dequantisation, as the decode products' tests do:
 - tight: against dequantised W times x quantised the same way in numpy (only float32 summation order differs:
@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from numba import njit
 
-from engine.backends.cpu_int8_gemm import gemm_part, quantize_act
-from engine.backends.cpu_int8_repack import INT8_TYPES, repack
-from engine.backends.cpu_vnni_tile import tile_kernel, vnni_enabled
-from engine.backends.cpu_int8_gemm import tile_buffer, unpack_tile
+from engine.backends.cpu.int8_gemm import gemm_part, quantize_act, tile_buffer, unpack_tile
+from engine.backends.cpu.int8_repack import INT8_TYPES, repack
+from engine.backends.cpu.vnni_tile import tile_kernel, vnni_enabled
 from tests.test_cpu_int8_matvec import _assert_close_both_ways, _x, quantized_x
 from tests.test_cpu_quant_kernels import random_rows, reference
 

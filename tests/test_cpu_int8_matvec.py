@@ -1,4 +1,4 @@
-"""The int8-activation products (engine/backends/cpu_int8_matvec.py) and the repacking they run on.
+"""The int8-activation products (engine/backends/cpu/int8_matvec.py) and the repacking they run on.
 
 Every type against the gguf package's dequantisation, for int8 (qmax 127, ggml's q8 rule) and int16
 (qmax 32767) activations, two ways:
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.backends import cpu_int8_repack
-from engine.backends.cpu_int8_matvec import project_i8, quantize_act
-from engine.backends.cpu_int8_repack import INT8_TYPES, empty_part, repack, unpack
+from engine.backends.cpu import int8_repack as cpu_int8_repack
+from engine.backends.cpu.int8_matvec import project_i8, quantize_act
+from engine.backends.cpu.int8_repack import INT8_TYPES, empty_part, repack, unpack
 from tests.test_cpu_quant_kernels import random_rows, reference
 
 _EMPTY = tuple(empty_part())

@@ -1,12 +1,12 @@
-"""Tiled prefill attention (engine/backends/cpu_prefill_attention.py) against the numpy backend's attention
+"""Tiled prefill attention (engine/backends/cpu/prefill_attention.py) against the numpy backend's attention
 (the reference: every key's score at once), and its exp against numpy's."""
 import numpy as np
 import pytest
 
-from engine.backends import cpu_prefill_attention
-from engine.backends.cpu_prefill_attention import fast_exp
-from engine.backends.numpy_backend import NumpyBackend
-from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
+from engine.backends.cpu import prefill_attention as cpu_prefill_attention
+from engine.backends.cpu.backend import QuantizedNumpyBackend
+from engine.backends.cpu.prefill_attention import fast_exp
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout
 from numba import njit

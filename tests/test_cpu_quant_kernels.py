@@ -10,9 +10,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from engine.backends import cpu_quant_linear
-from engine.backends.cpu_quant_kernels import kernel_threads, set_kernel_threads
-from engine.backends.cpu_quant_linear import KERNEL_KINDS, QuantLinear
+from engine.backends.cpu import quant_linear as cpu_quant_linear
+from engine.backends.cpu.gguf_row_kernels import kernel_threads, set_kernel_threads
+from engine.backends.cpu.quant_linear import KERNEL_KINDS, QuantLinear
 from engine.quant_weights import LinearPart
 
 QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16, Q.MXFP4]

@@ -1,12 +1,12 @@
-"""Rows decoded from the repacked forms (engine/backends/cpu_repacked_rows.py) against gguf's dequantisation,
+"""Rows decoded from the repacked forms (engine/backends/cpu/repacked_rows.py) against gguf's dequantisation,
 and a QuantLinear that adopted them (its raw rows let go) computing as before."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.backends.cpu_int8_repack import HALF_SCALE_TYPES, INT8_TYPES, repack
-from engine.backends.cpu_quant_linear import QuantLinear
-from engine.backends.cpu_repacked_rows import dequant_part, gather_part
+from engine.backends.cpu.int8_repack import HALF_SCALE_TYPES, INT8_TYPES, repack
+from engine.backends.cpu.quant_linear import QuantLinear
+from engine.backends.cpu.repacked_rows import dequant_part, gather_part
 from engine.quant_weights import LinearPart
 from tests.test_cpu_int8_matvec import _assert_close_both_ways
 from tests.test_cpu_quant_kernels import random_rows, reference
@@ -28,7 +28,7 @@ def test_decoded_rows_are_ggufs_dequantisation(tensor_type, half):
 
 
 def test_an_adopting_linear_computes_as_its_raw_rows_did():
-    """Few rows: the same float products; a prefill's many rows: on integers (cpu_int8_gemm.py), within the
+    """Few rows: the same float products; a prefill's many rows: on integers (cpu/int8_gemm.py), within the
     int16 activation rounding of the float product."""
     a, b = random_rows(Q.Q4_1, 40, 256), random_rows(Q.Q6_K, 24, 256)
     linear = QuantLinear([LinearPart(Q.Q4_1, a, 40, 256, "a"), LinearPart(Q.Q6_K, b, 24, 256, "b")])
@@ -45,7 +45,7 @@ def test_an_adopting_linear_computes_as_its_raw_rows_did():
 
 def test_the_head_takes_float16_scales_when_only_the_layers_cannot():
     """gemma3's shape: k-quant layers (float32 scales) beside a Q8_0 head, whose scales are float16 exactly."""
-    from engine.backends.cpu_fused_decode import _repack_and_adopt
+    from engine.backends.cpu.fused_decoder import _repack_and_adopt
 
     layer = QuantLinear([LinearPart(Q.Q6_K, random_rows(Q.Q6_K, 8, 256), 8, 256, "l")])
     head_rows = random_rows(Q.Q8_0, 16, 256)

@@ -1,4 +1,4 @@
-"""The vector-IR row products (engine/backends/cpu_simd_dot.py), both lowerings: x86's vpmaddwd and plain IR.
+"""The vector-IR row products (engine/backends/cpu/simd_dot.py), both lowerings: x86's vpmaddwd and plain IR.
 
 - exact: unit scales, no mins, small activations, so every float32 partial sum is an integer below 2^24 and
   the result must equal numpy's int64 dot product exactly, for every layout, group count (odd counts take the
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from engine.backends.cpu_simd_dot import MAX_TOKENS, row_dots, simd_enabled
+from engine.backends.cpu.simd_dot import MAX_TOKENS, row_dots, simd_enabled
 
 LOWERINGS = [pytest.param(False, id="plain-ir"),
              pytest.param(True, id="avx2", marks=pytest.mark.skipif(not simd_enabled(), reason="no AVX2"))]

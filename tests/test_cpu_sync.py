@@ -1,11 +1,11 @@
-"""Work claiming in one parallel region (engine/backends/cpu_sync.py): every unit once, phases in order, and
+"""Work claiming in one parallel region (engine/backends/cpu/step_sync.py): every unit once, phases in order, and
 no deadlock when a region has more workers than threads (chunks then run one after the other)."""
 import numba
 import numpy as np
 import pytest
 from numba import njit, prange
 
-from engine.backends.cpu_sync import STRIDE, claim, claim_end, unit_done, wait_phase
+from engine.backends.cpu.step_sync import STRIDE, claim, claim_end, unit_done, wait_phase
 
 PHASES, UNITS = 40, 7
 

@@ -8,9 +8,9 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from api.config import ServerConfig
-from engine.backends.cpu_quant_linear import QuantLinear
-from engine.backends.numpy_backend import NumpyBackend
-from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
+from engine.backends.cpu.backend import QuantizedNumpyBackend
+from engine.backends.cpu.quant_linear import QuantLinear
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.gguf_file import GGUFFile
 from engine.kv import layout_for

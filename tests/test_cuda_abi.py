@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.backends import cuda_abi
+from engine.backends.cuda import abi as cuda_abi
 
 DOC = (Path(__file__).resolve().parent.parent / "docs" / "CUDA_KERNELS.md").read_text()
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from engine.backends.cuda_arena import ALIGNMENT, ArenaAllocator, GrowingPool
+from engine.backends.cuda.arena import ALIGNMENT, ArenaAllocator, GrowingPool
 
 
 def test_allocations_are_aligned_first_fit_and_never_overlap():

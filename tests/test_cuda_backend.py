@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout
 from engine.model import load_model
@@ -41,7 +41,7 @@ def cuda(request, monkeypatch):
     "fake": numpy twins of the kernels; "emulated": the real kernel sources under g++ (fake_cuda_emulated)."""
     driver = None
     if request.param == "gpu":
-        from engine.backends.cuda_device import probe
+        from engine.backends.cuda.device import probe
 
         available, reason = probe()
         if not available:
@@ -54,7 +54,7 @@ def cuda(request, monkeypatch):
         from tests import fake_cuda_emulated
 
         driver = fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     backend = CudaBackend(graphs=False)
     backend.poison = True
@@ -240,7 +240,7 @@ def test_steps_run_on_another_thread_than_the_load(cuda, tmp_path):
 
 
 def test_graph_replay_equals_eager(cuda, tmp_path):
-    from engine.backends.cuda_graphs import DecodeGraphs
+    from engine.backends.cuda.graphs import DecodeGraphs
 
     write_tiny_gguf(tmp_path / "m.gguf", "qwen3", quant="Q8_0")
     model = load_model(tmp_path / "m.gguf", cuda)[0]

@@ -12,14 +12,14 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout
 from engine.model import load_model
 from engine.quant_weights import LinearPart
 from engine.sequence import ModelRunner, Sequence
-from tests.test_cuda_backend import GEMM, REDUCE, _close, _host, _kv_case, _rand, emulator_dir  # noqa: F401
 from tests.reference_helpers import greedy_with_logits
+from tests.test_cuda_backend import GEMM, REDUCE, _close, _host, _kv_case, _rand, emulator_dir  # noqa: F401
 from tests.tiny_gguf import write_tiny_gguf
 
 
@@ -29,7 +29,7 @@ def emu(emulator_dir, monkeypatch):
     from tests import fake_cuda_emulated
 
     driver = fake_cuda_emulated.install(monkeypatch, emulator_dir)
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     backend = CudaBackend(graphs=False)
     backend.poison = True
@@ -82,7 +82,7 @@ def test_linear_f32_without_bias(emu, rows):
 def test_split_attention_with_short_chunks_matches_numpy(emu, monkeypatch, window):
     """CHUNK_KEYS lowered so a short context splits into several chunks (some empty for the shorter
     sequence and, with a window, before its first visible key)."""
-    from engine.backends import cuda_ops
+    from engine.backends.cuda import ops as cuda_ops
 
     monkeypatch.setattr(cuda_ops, "CHUNK_KEYS", 16)
     layout = KVLayout(num_blocks=12, block_size=8, n_layers=2, n_kv_heads=2, head_dim=8)
@@ -97,7 +97,7 @@ def test_split_attention_with_short_chunks_matches_numpy(emu, monkeypatch, windo
 def test_attention_with_wide_heads_and_gqa_groups_matches_numpy(emu, monkeypatch, split, hd, kv_heads, heads):
     """Head dims past one warp's 32 lanes (several dims a lane, hd not a multiple of 32) and GQA groups of 3
     and 4, unsplit and split (CHUNK_KEYS 8), for a prefill chunk and a decode row over scattered blocks."""
-    from engine.backends import cuda_ops
+    from engine.backends.cuda import ops as cuda_ops
 
     if split:
         monkeypatch.setattr(cuda_ops, "CHUNK_KEYS", 8)
@@ -148,7 +148,7 @@ def test_real_model_logits_on_emulated_kernels_match_numpy(emulator_dir, monkeyp
 
     if not os.environ.get("STRATA_EMULATE_REAL_MODELS"):
         pytest.skip("set STRATA_EMULATE_REAL_MODELS=1 to run a real model on the emulated kernels (minutes)")
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
     from tests import fake_cuda, fake_cuda_emulated
 
     path = request.getfixturevalue(model_fixture)

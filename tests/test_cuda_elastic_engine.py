@@ -7,7 +7,7 @@ test_cuda_backend.py); the server and arena tests on the fake driver.
 """
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from tests.test_cuda_backend import cuda  # noqa: F401
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
 from tests.test_cuda_elastic_pool import PAGE, SEG
@@ -16,7 +16,7 @@ from tests.test_cuda_elastic_pool import PAGE, SEG
 def _tiny_llama(cuda, tmp_path):
     """(CUDA model, numpy model, tokenizer) of seed 3's tiny llama, the CUDA one recording every size its
     elastic pools are given (4-block segments, so a shrink of these small pools unmaps memory)."""
-    from engine.backends.cuda_kv_elastic import ElasticKVPool
+    from engine.backends.cuda.kv_elastic import ElasticKVPool
     from engine.gguf_file import GGUFFile
     from engine.model import load_model
     from engine.tokenizer import Tokenizer
@@ -75,7 +75,7 @@ def test_blocks_moved_down_into_kept_segments_keep_their_bytes_on_cuda(cuda, tmp
 def test_the_default_arena_leaves_the_elastic_pool_its_room(monkeypatch):
     """serve.build_state calls leave_outside_arena(--kv-cache-max-mib) before the device opens: the arena's
     default size (90% of the free memory) shrinks by that much, so the pool's chunks can be created."""
-    from engine.backends import cuda_device
+    from engine.backends.cuda import device as cuda_device
     from tests import fake_cuda
 
     fake_cuda.install(monkeypatch)
@@ -95,7 +95,7 @@ def test_a_cuda_server_grows_its_pool_and_shrinks_it_on_request(tmp_path, monkey
     elastic at one slot's 8 blocks, grows by mapping chunks as two conversations arrive, shrinks on POST
     /cache/device-pool by unmapping them (nothing dropped), and the first conversation's next turn reuses it
     with the tokens of the same server on numpy."""
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
     from engine.loader import open_model
     from engine.sampling import SamplingParams
     from scheduler.request import Request

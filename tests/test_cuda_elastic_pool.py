@@ -1,4 +1,4 @@
-"""The elastic KV pool on CUDA (engine/backends/cuda_kv_elastic.py): one reserved address range, physical chunks
+"""The elastic KV pool on CUDA (engine/backends/cuda/kv_elastic.py): one reserved address range, physical chunks
 mapped as it grows and unmapped as it shrinks, its segment-major layout read and written by the real kernels
 (under the engine and a server: tests/test_cuda_elastic_engine.py).
 
@@ -15,8 +15,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from engine.backends.cuda_device import CudaError
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.cuda.device import CudaError
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout
 from tests.test_cuda_backend import BLOCK, REDUCE, _close, _host, _launch_log, _rand, cuda  # noqa: F401
@@ -29,7 +29,7 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 def _elastic(cuda, layout, mapped_blocks):
     """An ElasticKVPool of SEG-block segments; on the fakes the granularity is one page, so a segment of a
     tiny layout is a chunk or two and the chunk arithmetic is exercised (a GPU keeps its 2 MiB)."""
-    from engine.backends.cuda_kv_elastic import ElasticKVPool
+    from engine.backends.cuda.kv_elastic import ElasticKVPool
 
     if cuda.test_driver is not None:
         cuda.test_driver.vmm_granularity = PAGE
@@ -172,8 +172,8 @@ from tests.fake_cuda_vmm import FakeVmm
 monkeypatch = pytest.MonkeyPatch()
 FakeVmm.vmm_granularity = {page}
 fake_cuda_emulated.install(monkeypatch, {build_dir!r})
-from engine.backends.cuda_backend import CudaBackend
-from engine.backends.cuda_kv_elastic import ElasticKVPool
+from engine.backends.cuda.backend import CudaBackend
+from engine.backends.cuda.kv_elastic import ElasticKVPool
 
 backend = CudaBackend(graphs=False)
 pool = ElasticKVPool(backend, KVLayout(12, 16, 1, 1, 8), 12, seg_blocks=4)
@@ -218,14 +218,15 @@ def test_a_pool_the_device_cannot_back_says_which_setting_to_change(cuda):
 
 
 def test_the_fakes_replace_the_driver_in_every_module_that_calls_it():
-    """A backend module that binds cuda_device.driver at import and is missing from fake_cuda.driver_modules
-    would keep the first test's fake (or the real driver) for good: cuda_vmm once did."""
+    """A backend module that binds cuda.device.driver at import and is missing from fake_cuda.driver_modules
+    would keep the first test's fake (or the real driver) for good: cuda.vmm once did."""
     import re
     from pathlib import Path
 
     from tests.fake_cuda import driver_modules
 
-    backends = Path(__file__).resolve().parent.parent / "engine" / "backends"
-    binding = re.compile(r"^from engine\.backends\.cuda_device import .*\bdriver\b", re.M)
-    callers = {p.stem for p in backends.glob("cuda_*.py") if binding.search(p.read_text())}
-    assert callers <= {m.__name__.rsplit(".", 1)[1] for m in driver_modules()}
+    root = Path(__file__).resolve().parent.parent
+    binding = re.compile(r"^from engine\.backends\.cuda\.device import .*\bdriver\b", re.M)
+    callers = {".".join(p.relative_to(root).with_suffix("").parts)
+               for p in (root / "engine" / "backends" / "cuda").rglob("*.py") if binding.search(p.read_text())}
+    assert callers and callers <= {m.__name__ for m in driver_modules()}

@@ -1,4 +1,4 @@
-"""The CUDA expert cache (engine/backends/cuda_expert_cache.py, --expert-cache-mib) on the emulated driver with the
+"""The CUDA expert cache (engine/backends/cuda/expert_cache/cache.py, --expert-cache-mib) on the emulated driver with the
 real kernel sources: greedy tokens with fewer device slots than experts (down to one: every layer then runs in
 rounds) equal all experts resident and numpy's; slots hold exactly the host arena's bytes of their expert; hit and
 miss counts exact on a scripted routing; the pinned arena holds the GGUF's expert bytes; a resize between steps."""
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from engine.backends.cuda_expert_cache import ROLES
-from engine.backends.cuda_expert_cache_setup import configure_expert_cache, parse_expert_cache_mib
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.cuda.expert_cache.cache import ROLES
+from engine.backends.cuda.expert_cache.setup import configure_expert_cache, parse_expert_cache_mib
+from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
 from tests.conftest import GPU
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
@@ -23,7 +23,7 @@ def make_backend(request, monkeypatch):
     """Factory of CudaBackends (graphs on, activations poisoned with NaN) on the emulated kernels or on device 0;
     with cache_slots, an expert cache that starts with that many slots."""
     if request.param == "gpu":
-        from engine.backends.cuda_device import probe
+        from engine.backends.cuda.device import probe
 
         available, reason = probe()
         if not available:
@@ -32,7 +32,7 @@ def make_backend(request, monkeypatch):
         from tests import fake_cuda_emulated
 
         fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     made = []
 
@@ -103,7 +103,7 @@ def test_the_pinned_arena_holds_the_gguf_expert_tensors_bytes(make_backend, tmp_
 def test_hits_misses_and_tables_on_a_scripted_routing(make_backend, tmp_path):
     """begin/load on the device with routings given by hand: exact counts per layer, loads and bytes, and each
     round's slot table points at its experts' bytes."""
-    from engine.backends.cuda_expert_cache import ExpertCache
+    from engine.backends.cuda.expert_cache.cache import ExpertCache
 
     backend, _ = make_backend()
     rng = np.random.default_rng(0)
@@ -234,7 +234,7 @@ def test_serve_counts_the_arena_as_engine_ram_and_wires_metrics_and_admission(ma
 
 
 def test_auto_takes_every_expert_when_the_arena_has_room(make_backend, tmp_path, monkeypatch):
-    from engine.backends import cuda_expert_cache
+    from engine.backends.cuda.expert_cache import cache as cuda_expert_cache
 
     monkeypatch.setattr(cuda_expert_cache, "AUTO_HEADROOM_BYTES", 0)
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3)

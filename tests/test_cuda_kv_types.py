@@ -8,7 +8,7 @@ kernel sources under g++ (tests/fake_cuda_emulated.py), through the `cuda` fixtu
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout
 from engine.model import load_model
@@ -79,7 +79,7 @@ def test_greedy_tokens_of_a_tiny_model_with_compact_kv_equal_numpy(cuda, tmp_pat
 
 
 def test_the_cuda_backend_defaults_to_f16_kv():
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
     from engine.kv import resolve_kv_type
 
     assert CudaBackend.kv_types[0] == "f16"

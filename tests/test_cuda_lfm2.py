@@ -12,7 +12,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.gguf_file import GGUFFile
 from engine.model import load_model
 from engine.sampling import SamplingParams
@@ -200,7 +200,7 @@ def test_lfm2_served_with_steps_launched_from_the_loop_gives_numpy_tokens(tmp_pa
     streams that really run later (tests/fake_cuda_async.py), so a captured checkpoint's DtoD copy, the
     kernel's in-place state update and the host reads of states are ordered only by the stream and its
     awaited event. The second turn reuses its checkpointed prefix; both turns give numpy's tokens."""
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
     from engine.loader import open_model
     from tests import fake_cuda_async
     from tests.test_cuda_step import _serve

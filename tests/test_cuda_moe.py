@@ -1,11 +1,11 @@
 """MoE models on the CUDA backend, on the real kernel sources run on the CPU (tests/fake_cuda_emulated.py) and,
 marked `cuda`, on a GPU where there is one:
 the device MoE path (moe_route_f32 -> moe_plan -> moe_matvec/moe_gemm gate/up -> activation -> down ->
-moe_combine_f32, engine/backends/cuda_moe.py) gives the numpy backend's tokens and logits, for qwen3moe and
+moe_combine_f32, engine/backends/cuda/moe.py) gives the numpy backend's tokens and logits, for qwen3moe and
 for gpt-oss (attention sinks, biased experts, MXFP4)."""
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
 from tests.test_cuda_backend import GEMM, _close, emulator_dir  # noqa: F401
 from tests.test_cuda_backend_emulated import _greedy
@@ -20,7 +20,7 @@ def emu(request, monkeypatch):
     (tests/test_cuda_backend.py's "fake" driver has no numpy twins of the MoE kernels.)"""
     driver = None
     if request.param == "gpu":
-        from engine.backends.cuda_device import probe
+        from engine.backends.cuda.device import probe
 
         available, reason = probe()
         if not available:
@@ -29,7 +29,7 @@ def emu(request, monkeypatch):
         from tests import fake_cuda_emulated
 
         driver = fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     backend = CudaBackend(graphs=False)
     backend.poison = True
@@ -103,7 +103,7 @@ def test_qwen3moe_decode_replays_a_cuda_graph_with_the_same_tokens(emulator_dir,
     from tests import fake_cuda_emulated
 
     driver = fake_cuda_emulated.install(monkeypatch, emulator_dir)
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3)
     expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=6)

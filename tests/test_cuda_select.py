@@ -3,8 +3,8 @@ import logging
 
 import pytest
 
-from engine.backends import cuda_device
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.cuda import device as cuda_device
+from engine.backends.reference.backend import NumpyBackend
 from engine.loader import choose_backend, create_backend
 
 
@@ -78,7 +78,7 @@ def test_unknown_backend_name_is_refused():
 
 
 def test_auto_falls_back_when_the_cuda_backend_cannot_start(monkeypatch, caplog):
-    from engine.backends import cuda_backend
+    from engine.backends.cuda import backend as cuda_backend
 
     monkeypatch.setattr(cuda_device, "probe", lambda ordinal=0: (True, "Fake GPU (sm_90)"))
 

@@ -1,5 +1,5 @@
 """A CUDA stage's step is launched from the event loop and its completion event awaited (engine/backends/
-cuda_step.py), on a fake driver whose streams run later on threads of their own (tests/fake_cuda_async.py):
+cuda/step.py), on a fake driver whose streams run later on threads of their own (tests/fake_cuda_async.py):
 the loop answers /health while a long step is in flight, every kernel is launched from the loop thread, and
 no thread blocks on a stream but the event waiter (cuEventSynchronize; none at all when polling). The worker
 threads of the stages only sample."""
@@ -15,7 +15,7 @@ import pytest
 from api.config import ServerConfig
 from api.serve import build_state
 from api.server import create_app
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.loader import open_model
 from engine.model import load_model
 from engine.sampling import SamplingParams
@@ -65,7 +65,7 @@ def slow_gpu(request, monkeypatch, tmp_path):
 
         driver = fake_cuda_async.install(monkeypatch, kernel_delay_s=KERNEL_DELAY_S)
     else:
-        from engine.backends import cuda_device
+        from engine.backends.cuda import device as cuda_device
         from tests.fake_cuda import patch_driver
 
         available, reason = cuda_device.probe()
@@ -97,7 +97,7 @@ def _serve(loaded, work, **config_fields):
 
 @pytest.mark.parametrize("wait_mode", ["thread", "poll"])
 def test_the_loop_serves_health_while_a_long_cuda_step_is_in_flight(slow_gpu, monkeypatch, wait_mode):
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     driver, path = slow_gpu
     monkeypatch.setenv("STRATA_CUDA_WAIT", wait_mode)
@@ -153,7 +153,7 @@ def test_a_two_stage_cuda_pipeline_hands_off_through_awaited_events(slow_gpu):
     """Stage 0's (x, h) stay on the device: stage 1's stream waits on stage 0's event and copies them (DtoD),
     stage 0's stream waits on that copy before reusing them; two groups keep both stages busy. Same tokens
     as numpy, no host wait."""
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
 
     driver, path = slow_gpu
     backend = CudaBackend()
@@ -182,8 +182,8 @@ def test_a_two_stage_cuda_pipeline_hands_off_through_awaited_events(slow_gpu):
 
 def test_a_failing_launch_fails_only_its_step_and_leaves_deferred_mode(slow_gpu):
     """A launch that raises leaves the backend out of deferred mode; the next step runs and is awaited."""
-    from engine.backends.cuda_backend import CudaBackend
-    from engine.backends.cuda_step import StreamStepRunner
+    from engine.backends.cuda.backend import CudaBackend
+    from engine.backends.cuda.step import StreamStepRunner
     from concurrent.futures import ThreadPoolExecutor
 
     backend = CudaBackend(graphs=False)
@@ -209,7 +209,7 @@ def test_parks_and_restores_are_ordered_by_events_and_keep_every_token(slow_gpu)
     """Four conversations rotating through a device pool that holds about two: their blocks park to the pinned
     host tier and come back. Moves queue on the mover's copy stream and the stage's stream waits on their
     event; nothing blocks (but the event waiter), and the replies equal the cache-off run's."""
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
     from engine.sequence import ModelRunner
     from scheduler.engine_loop import EngineLoop
 

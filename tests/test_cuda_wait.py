@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from engine.backends.cuda_wait import EventWaiter
+from engine.backends.cuda.wait import EventWaiter
 
 
 class FakeEvent:

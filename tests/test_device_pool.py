@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyKVPool
+from engine.backends.reference.backend import NumpyKVPool
 from engine.kv import KVLayout
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner

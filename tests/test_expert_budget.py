@@ -1,4 +1,4 @@
-"""The expert cache's device budget under the memory admission (engine/backends/cuda_expert_cache_budget.py), on
+"""The expert cache's device budget under the memory admission (engine/backends/cuda/expert_cache/budget.py), on
 the emulated driver with the real kernels: an engine with an elastic CUDA KV pool and the expert cache's slots
 mapped beside it in the same budget. The KV pool takes room back from the expert cache instead of parking a
 conversation, and grows into the bytes given back; the expert cache grows back into spare budget; a refused
@@ -12,8 +12,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from engine.backends.cuda_expert_cache import ROLES
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.cuda.expert_cache.cache import ROLES
+from engine.backends.reference.backend import NumpyBackend
 from scheduler.request import Request, SamplingParams
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
 from tests.test_cuda_elastic_pool import PAGE, SEG
@@ -27,8 +27,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 @pytest.fixture
 def moe(tmp_path, monkeypatch, emulator_dir):  # noqa: F811
     """(CUDA model with an `auto` expert cache on the emulated driver, numpy model, tokenizer)."""
-    from engine.backends.cuda_backend import CudaBackend
-    from engine.backends.cuda_expert_cache_setup import configure_expert_cache
+    from engine.backends.cuda.backend import CudaBackend
+    from engine.backends.cuda.expert_cache.setup import configure_expert_cache
     from engine.gguf_file import GGUFFile
     from engine.model import load_model
     from engine.tokenizer import Tokenizer
@@ -47,7 +47,7 @@ def moe(tmp_path, monkeypatch, emulator_dir):  # noqa: F811
 
 
 def _engine(model, tokenizer, connect: bool, layer_split=(), groups: int = 1):
-    from engine.backends.cuda_expert_cache_budget import HOLDER_NAME, connect_expert_budget
+    from engine.backends.cuda.expert_cache.budget import HOLDER_NAME, connect_expert_budget
     from engine.sequence import ModelRunner
     from scheduler.engine_loop import EngineLoop
 
@@ -171,7 +171,7 @@ def test_without_the_expert_cache_in_the_budget_the_same_sequence_parks(moe):
 
 
 def test_a_refused_grow_back_changes_nothing_and_a_granted_one_maps_the_slots_back(moe, monkeypatch):
-    from engine.backends import cuda_expert_cache_budget
+    from engine.backends.cuda.expert_cache import budget as cuda_expert_cache_budget
 
     model, numpy_model, tokenizer = moe
     cache = model.backend.expert_cache
@@ -206,7 +206,7 @@ def test_a_shrink_evicts_the_least_recently_used_and_moves_the_rest_down_with_th
     """Slots in a mapped range (the elastic pool's case): after a shrink from 16 to 5 between steps, the five
     most recently used experts sit in slots 0..4 with their bytes, the pages above are unmapped, and the next
     steps' tokens equal numpy's."""
-    from engine.backends.cuda_expert_cache_memory import VmmSlotMemory
+    from engine.backends.cuda.expert_cache.memory import VmmSlotMemory
     from tests.test_cuda_backend_emulated import _greedy
 
     model, numpy_model, _ = moe
@@ -264,7 +264,7 @@ def test_on_two_stages_and_two_groups_the_pool_takes_slots_while_the_other_group
 def test_the_growth_check_grows_the_cache_back_once_the_pool_has_room_and_experts_miss(moe, monkeypatch):
     """The timer's path: with the check every 20 ms and no cooldown, after the operator shrinks the pool a
     request that misses experts makes the check ask for, and be granted, the slots back."""
-    from engine.backends import cuda_expert_cache_budget
+    from engine.backends.cuda.expert_cache import budget as cuda_expert_cache_budget
 
     monkeypatch.setattr(cuda_expert_cache_budget, "GROW_CHECK_S", 0.02)
     monkeypatch.setattr(cuda_expert_cache_budget, "RECLAIM_COOLDOWN_S", 0.0)

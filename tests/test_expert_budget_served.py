@@ -14,7 +14,7 @@ def _served_state(tmp_path, monkeypatch, emulator_dir, expert_cache_mib, **moe):
 
     from api.config import ServerConfig
     from api.serve import build_state
-    from engine.backends.cuda_backend import CudaBackend
+    from engine.backends.cuda.backend import CudaBackend
     from engine.loader import open_model
     from tests import fake_cuda_emulated
 

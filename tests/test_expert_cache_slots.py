@@ -1,6 +1,6 @@
-"""The expert cache's slot policy (engine/backends/cuda_expert_cache_slots.py): exact hits, misses, slots and
+"""The expert cache's slot policy (engine/backends/cuda/expert_cache/slots.py): exact hits, misses, slots and
 eviction order on scripted routings, rounds when a layer needs more experts than there are slots, resizes."""
-from engine.backends.cuda_expert_cache_slots import ExpertSlots
+from engine.backends.cuda.expert_cache.slots import ExpertSlots
 
 
 def _counts(slots):

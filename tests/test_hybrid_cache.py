@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.gguf_file import GGUFFile
 from engine.model import load_model
 from engine.sampling import SamplingParams

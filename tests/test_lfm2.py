@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.config import config_from_gguf
 from engine.model import load_model
 from engine.sequence import ModelRunner, Sequence

@@ -6,7 +6,7 @@ round-off: the naive reference runs in float64.
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import layout_for
 from engine.model import load_model

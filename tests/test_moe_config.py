@@ -2,7 +2,7 @@
 load with a message naming its key."""
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
 from tests.tiny_moe_gguf import write_tiny_moe_gguf
 

@@ -6,8 +6,8 @@ import pytest
 
 from cuda_kernels.moe import plan_groups
 from cuda_kernels.quant_types import QUANT_TYPES
-from engine.backends import numpy_moe
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference import moe as numpy_moe
+from engine.backends.reference.backend import NumpyBackend
 from engine.moe import ExpertWeights
 from tests.cuda_helpers import random_weight
 

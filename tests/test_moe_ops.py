@@ -3,7 +3,7 @@ computation, its cost (experts that got tokens only), gpt-oss's clamped SwiGLU a
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import layout_for
 from engine.moe import ExpertWeights

@@ -4,8 +4,8 @@ pipeline stages. The independent reference is tests/test_moe_reference.py (trans
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
-from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
+from engine.backends.cpu.backend import QuantizedNumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import layout_for
 from engine.model import load_model

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
-from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
+from engine.backends.cpu.backend import QuantizedNumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
 from engine.sequence import ModelRunner, Sequence
 from tests.reference_helpers import assert_top5, greedy_with_logits

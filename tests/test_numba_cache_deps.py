@@ -1,4 +1,4 @@
-"""numba's disk cache re-keyed on the files a kernel calls into (engine/backends/numba_cache_deps.py).
+"""numba's disk cache re-keyed on the files a kernel calls into (engine/backends/cpu/numba_cache_deps.py).
 
 Two tiny modules in a scratch folder: `caller.f` (cached) returns `callee.g()`. After `callee.py` alone is
 edited, numba by itself still loads f's stale entry (the old g compiled into it); keyed on callee's source,
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CALLER = """
 from numba import njit
 import callee
-from engine.backends.numba_cache_deps import key_on_sources
+from engine.backends.cpu.numba_cache_deps import key_on_sources
 
 @njit(cache=True)
 def f():
@@ -29,7 +29,7 @@ OVERLOADING_CALLER = """
 from numba import njit
 from numba.extending import overload
 import callee
-from engine.backends.numba_cache_deps import key_on_sources
+from engine.backends.cpu.numba_cache_deps import key_on_sources
 
 def h():
     raise NotImplementedError
@@ -67,20 +67,20 @@ def test_an_edit_to_the_callee_alone_recompiles_the_caller_only_when_keyed(tmp_p
 
 
 @pytest.mark.parametrize("module, dependencies", [
-    ("cpu_fused_layer", ["cpu_fused_matvec", "cpu_half", "cpu_repacked_rows", "cpu_int8_matvec", "cpu_int8_repack",
-                         "cpu_quant_decode", "cpu_simd_dot"]),
-    ("cpu_fused_step", ["cpu_fused_layer", "cpu_fused_matvec", "cpu_int8_matvec", "cpu_int8_repack",
-                        "cpu_quant_decode", "cpu_sync", "cpu_half", "cpu_repacked_rows", "cpu_simd_dot"]),
-    ("cpu_repacked_rows", ["cpu_half", "cpu_int8_repack"]),
-    ("cpu_fused_matvec", ["cpu_quant_decode"]), ("cpu_quant_kernels", ["cpu_quant_decode"]),
-    ("cpu_int8_matvec", ["cpu_int8_repack", "cpu_simd_dot"])])
+    ("fused_layer", ["fused_matvec", "half", "repacked_rows", "int8_matvec", "int8_repack", "gguf_dequant",
+                     "simd_dot"]),
+    ("fused_step", ["fused_layer", "fused_matvec", "int8_matvec", "int8_repack", "gguf_dequant", "step_sync",
+                    "half", "repacked_rows", "simd_dot"]),
+    ("repacked_rows", ["half", "int8_repack"]),
+    ("fused_matvec", ["gguf_dequant"]), ("gguf_row_kernels", ["gguf_dequant"]),
+    ("int8_matvec", ["int8_repack", "simd_dot"])])
 def test_the_kernel_modules_key_every_cached_dispatcher_on_what_they_call(module, dependencies):
     import importlib
 
-    from engine.backends.numba_cache_deps import sources_digest
+    from engine.backends.cpu.numba_cache_deps import sources_digest
 
-    namespace = vars(importlib.import_module(f"engine.backends.{module}"))
-    digest = sources_digest(f"engine.backends.{name}" for name in dependencies)
+    namespace = vars(importlib.import_module(f"engine.backends.cpu.{module}"))
+    digest = sources_digest(f"engine.backends.cpu.{name}" for name in dependencies)
     own = [v for v in namespace.values() if getattr(v, "py_func", None) is not None
            and v.py_func.__module__ == namespace["__name__"] and getattr(v, "_cache", None) is not None]
     assert own and all(v._cache._cache_file._source_stamp[1] == digest for v in own)  # (numba's, ours)
@@ -101,7 +101,7 @@ def test_an_overload_is_fresh_only_when_it_is_not_cached_on_its_own(tmp_path, ca
 def test_kernel_modules_that_inline_other_modules_do_not_cache_their_overloads():
     import re
 
-    for path in (ROOT / "engine" / "backends").glob("*.py"):
+    for path in (ROOT / "engine" / "backends").rglob("*.py"):
         source = path.read_text()
         keyed = re.search(r"key_on_sources\(globals\(\), \[\s*\S", source)
         if keyed:

@@ -42,7 +42,7 @@ def test_a_range_is_an_elastic_pool_from_min_to_max():
 def test_a_range_below_its_start_is_refused_and_cuda_takes_a_range_too():
     with pytest.raises(ValueError, match="below the starting pool"):
         _size((0, 8))  # 16 blocks < the default 32
-    # CUDA maps the range's chunks as it grows (engine/backends/cuda_kv_elastic.py): the same pool as numpy's
+    # CUDA maps the range's chunks as it grows (engine/backends/cuda/kv_elastic.py): the same pool as numpy's
     cuda = _size((20, 64), backend=SimpleNamespace(name="cuda"))
     assert (cuda.reserved_blocks, cuda.min_blocks) == (128, 40)
 

@@ -7,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.gguf_file import GGUFFile
 from engine.kv import layout_for

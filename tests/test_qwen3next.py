@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from engine.backends.numpy_backend import NumpyBackend
-from engine.backends.numpy_quant_backend import QuantizedNumpyBackend
+from engine.backends.cpu.backend import QuantizedNumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.config import config_from_gguf
 from engine.delta_rule import chunked, l2_normalize, recurrent_step, unit_lower_inverse
 from engine.gguf_file import GGUFFile

@@ -4,7 +4,7 @@ tests/test_hybrid_cache.py (which runs every checkpoint test on lfm2 and a small
 never changes a token, and still restores states, when each checkpoint weighs as much as 36 tokens of K/V."""
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.gguf_file import GGUFFile
 from engine.model import load_model
 from engine.tokenizer import Tokenizer

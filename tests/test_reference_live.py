@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from engine.backends.numpy_backend import NumpyBackend  # noqa: E402
+from engine.backends.reference.backend import NumpyBackend  # noqa: E402
 from engine.batch import build_batch  # noqa: E402
 from engine.kv import layout_for  # noqa: E402
 from engine.model import load_model  # noqa: E402

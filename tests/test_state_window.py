@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from engine.backends.numpy_backend import NumpyBackend
+from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
 from engine.recurrent_state import RecurrentStates
 from engine.sequence import ModelRunner, Sequence

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 # Third-party packages and the standard library are imported first, as on Linux: they ship their own Windows
 # builds, and the standard library's POSIX halves (subprocess, os) cannot run under a pretended platform.
 # Then the platform reads "win32", the modules Windows lacks raise ImportError, and every strata module is
-# imported. engine/backends/cpu_sync.py takes SwitchToThread's address from ctypes.windll at import; the
+# imported. engine/backends/cpu/step_sync.py takes SwitchToThread's address from ctypes.windll at import; the
 # stand-in is a real C function of the same shape (no arguments, int result): libc's sched_yield.
 _IMPORT_ALL_AS_WINDOWS = r"""
 import ctypes, importlib, importlib.abc, pkgutil, sys, sysconfig, types

@@ -5,7 +5,7 @@
         finish(output):    host work once that output is complete (hand-off copy, sampling); its result
 
 numpy (`ThreadStepRunner`): both on the stage's worker thread, so two stages really compute at once on two
-cores; the loop awaits the worker's future. cuda (engine/backends/cuda_step.py): launch on the loop thread
+cores; the loop awaits the worker's future. cuda (engine/backends/cuda/step.py): launch on the loop thread
 (launches and a decode graph replay only enqueue), then the completion event is awaited through the
 backend's EventWaiter, and finish runs on the worker (sampling is milliseconds of numpy). Backends name
 theirs with `create_step_runner(worker)`; `create_step_runner` here picks it.

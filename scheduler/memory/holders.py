@@ -32,7 +32,7 @@ log = logging.getLogger("strata.admission")
 
 class MemoryUser(Protocol):
     """What an engine part holding device memory through a BudgetHolder implements (the expert cache's:
-    engine/backends/cuda_expert_cache_budget.ExpertBudget). Called on the event loop."""
+    engine/backends/cuda/expert_cache/budget.py's ExpertBudget). Called on the event loop."""
 
     def reclaimable_bytes(self) -> int:
         """Bytes it could give back now (held above its floor, counting those on their way). Changes nothing."""

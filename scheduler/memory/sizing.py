@@ -24,7 +24,7 @@ re-reading the machine's room at each growth.
                          the host tier's to take as parks need it, and it is clamped to what is left)
                   cuda   a fixed pool of the device arena's largest free piece after the weights, less
                          CUDA_MARGIN (scratch buffers); MIN:MAX is elastic there too
-                         (engine/backends/cuda_kv_elastic.py)
+                         (engine/backends/cuda/kv_elastic.py)
 
     Every pool holds at least one slot's --ctx-size (a request must fit).
 """
