@@ -211,7 +211,7 @@ class Applier:
         conv, lost = conversation_id(block), block.subtree()
         self.tree.detach(block)
         for node in lost:
-            self.tiers.remove(node)
+            self.tiers.drop(node)
         for node in lost:  # parents first: each child then finds its parent already forgotten
             self.activity.forget(node)
             self.index.sync(node)

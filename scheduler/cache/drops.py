@@ -10,6 +10,8 @@ import math
 import time
 from collections import OrderedDict
 
+from engine.units import MIB
+
 log = logging.getLogger("strata.cache")
 _DROPPED_HISTORY = 65536  # digests of dropped blocks kept for explaining misses (16 bytes each)
 _FLAGS = {"device": "--kv-cache-mib", "host": "--conversation-cache-mib", "disk": "--conversation-cache-disk-mib"}
@@ -40,7 +42,7 @@ class DropLog:
         self._full_episode[tier] = self._full_episode.get(tier, 0) + dropped_blocks
         if not first:
             return
-        need_mib = max(1, math.ceil((total + dropped_blocks) * self.block_bytes / 2**20))
+        need_mib = max(1, math.ceil((total + dropped_blocks) * self.block_bytes / MIB))
         log.warning("the %s tier of the conversation cache is full (%d blocks): cached conversations are being "
                     "dropped; %s %.0f or more would have kept them (the figure grows as long as this lasts)",
                     tier, total, _FLAGS[tier], need_mib,

@@ -15,49 +15,8 @@ Chunks are never cut for a checkpoint, so cache on and off compute the same chun
 """
 from __future__ import annotations
 
-import logging
-import math
-
 from engine.kv import blocks_needed
-from scheduler.cache.checkpoint_store import CheckpointStore
 from scheduler.cache.checkpoint_spacing import most_useful
-from scheduler.cache.checkpoints import Checkpoints
-
-log = logging.getLogger("strata.cache")
-
-
-def create_checkpoints(runner, disk, every_blocks: int) -> Checkpoints | None:
-    """The cache's checkpoint bookkeeping for the runner's model (None: it has no recurrent state)."""
-    states = runner.states
-    if not states.enabled:
-        return None
-    units = max(1, math.ceil(states.state_bytes / runner.layout.bytes_per_block))
-    store = CheckpointStore(states.shape, disk.dir if disk is not None else None, disk.key if disk is not None else b"")
-    return Checkpoints(units, every_blocks, store, window_tokens=states.window_tokens)
-
-
-def load_checkpoint_index(cache) -> int:
-    """Attach the checkpoint files found at start-up to the disk blocks they belong to (after
-    load_disk_index), within the disk budget; the others are deleted. Returns checkpoints attached."""
-    ckpt = cache.ckpt
-    if not ckpt.enabled:
-        return 0
-    attached = 0
-    keys, ckpt.store.on_disk = ckpt.store.scan(), set()  # indexed again as each one is kept
-    for key in keys:
-        node = cache.tiers.blocks("disk").get(key[0])
-        fits = cache.disk_free >= ckpt.units  # the budget less blocks, copies and the files kept so far
-        if node is None or not 0 < key[1] <= len(node.tokens) or not fits:
-            ckpt.store.delete("disk", key)
-            continue
-        node.checkpoints.add(key[1])
-        ckpt.store.on_disk.add(key)
-        ckpt.nodes[id(node)] = node
-        ckpt.on_change(node)
-        attached += 1
-    log.info("conversation cache: %d state checkpoints loaded from disk", attached,
-             extra={"fields": {"loaded_checkpoints": attached}})
-    return attached
 
 
 class HybridSteps:

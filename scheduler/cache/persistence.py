@@ -1,4 +1,5 @@
-"""The conversation cache across restarts: rebuild the tree from the disk tier, flush to it on shutdown.
+"""The conversation cache across restarts: rebuild the tree (and the checkpoints of hybrid models) from the disk
+tier at start-up, flush to it on shutdown.
 
 Only blocks whose whole chain back to a root is on disk are reachable after a restart; a chain whose
 parent file is gone leaves an unreachable branch that is dropped (and its files deleted) at load.
@@ -12,6 +13,7 @@ from scheduler.cache.disk_tier import DiskEntry
 from scheduler.cache.prefix_cache import PrefixCache
 
 log = logging.getLogger("strata.cache.disk")
+cache_log = logging.getLogger("strata.cache")  # the checkpoint index's line has always been the cache's
 
 
 def load_disk_index(cache: PrefixCache, entries: list[DiskEntry]) -> int:
@@ -64,3 +66,27 @@ def flush_to_disk(cache: PrefixCache) -> int:
     log.info("conversation cache: %d blocks written to disk at shutdown", written,
              extra={"fields": {"written_blocks": written}})
     return written
+
+
+def load_checkpoint_index(cache: PrefixCache) -> int:
+    """Attach the checkpoint files found at start-up to the disk blocks they belong to (after
+    load_disk_index), within the disk budget; the others are deleted. Returns checkpoints attached."""
+    ckpt = cache.ckpt
+    if not ckpt.enabled:
+        return 0
+    attached = 0
+    keys, ckpt.store.on_disk = ckpt.store.scan(), set()  # indexed again as each one is kept
+    for key in keys:
+        node = cache.tiers.blocks("disk").get(key[0])
+        fits = cache.disk_free >= ckpt.units  # the budget less blocks, copies and the files kept so far
+        if node is None or not 0 < key[1] <= len(node.tokens) or not fits:
+            ckpt.store.delete("disk", key)
+            continue
+        node.checkpoints.add(key[1])
+        ckpt.store.on_disk.add(key)
+        ckpt.nodes[id(node)] = node
+        ckpt.on_change(node)
+        attached += 1
+    cache_log.info("conversation cache: %d state checkpoints loaded from disk", attached,
+             extra={"fields": {"loaded_checkpoints": attached}})
+    return attached

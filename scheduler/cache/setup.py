@@ -3,14 +3,16 @@ admission's budgets, the elastic pool's range, and what the disk tier kept from 
 from __future__ import annotations
 
 import logging
+import math
 
 from engine.sequence import ModelRunner
 from scheduler.cache.block_mover import EngineBlockMover
-from scheduler.cache.persistence import load_disk_index
+from scheduler.cache.checkpoint_store import CheckpointStore
+from scheduler.cache.checkpoints import Checkpoints
+from scheduler.cache.persistence import load_checkpoint_index, load_disk_index
 from scheduler.cache.checkpoint_spacing import resolve_spacing
 from scheduler.cache.device_pool import SEGMENT_BLOCKS
 from scheduler.cache.disk_tier import DiskTier
-from scheduler.cache.hybrid_steps import create_checkpoints, load_checkpoint_index
 from scheduler.memory.admission import MemoryAdmission
 from scheduler.cache.prefix_cache import PrefixCache
 
@@ -54,3 +56,13 @@ def _spacing(runner: ModelRunner, requested: int | None) -> int:
     log.info("%s", spacing.describe(), extra={"fields": {"state_checkpoint_every": spacing.every_blocks,
                                                     "state_checkpoint_bytes": spacing.state_bytes}})
     return spacing.every_blocks
+
+
+def create_checkpoints(runner, disk, every_blocks: int) -> Checkpoints | None:
+    """The cache's checkpoint bookkeeping for the runner's model (None: it has no recurrent state)."""
+    states = runner.states
+    if not states.enabled:
+        return None
+    units = max(1, math.ceil(states.state_bytes / runner.layout.bytes_per_block))
+    store = CheckpointStore(states.shape, disk.dir if disk is not None else None, disk.key if disk is not None else b"")
+    return Checkpoints(units, every_blocks, store, window_tokens=states.window_tokens)

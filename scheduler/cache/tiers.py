@@ -263,7 +263,7 @@ class Tiers:
         if self.disk_blocks and not block.disk_copy:
             self._unsaved[id(block)] = block
 
-    def remove(self, node: CachedBlock) -> None:
+    def drop(self, node: CachedBlock) -> None:
         """`node` leaves every tier (dropped): its checkpoints, its slot, its files."""
         self.ckpt.drop(node)
         if node.on_device:

@@ -23,6 +23,7 @@ import itertools
 import logging
 import time
 
+from engine.units import MIB
 from scheduler.cache.tree import CachedBlock
 from scheduler.cache.prefix_cache import PrefixCache
 
@@ -41,7 +42,7 @@ class WriteBehind:
         self.ckpt = cache.ckpt
         self.block_bytes = block_bytes
         self.state_bytes = self.ckpt.store.state_bytes if self.ckpt.enabled else block_bytes
-        self.bytes_per_s = mib_per_s * 2**20
+        self.bytes_per_s = mib_per_s * MIB
         self.last_tick = time.monotonic()
         self.written_blocks = 0
         self.written_checkpoints = 0
