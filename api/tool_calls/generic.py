@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Mapping
 
-from api.tool_calls import grammar_parts as g
+import api.tool_calls.grammar_parts as g
 from api.tool_calls.base import OutputParser, ToolFormat, function_specs, parameters_schema
 from api.tool_calls.json_call import JsonCallObjectParser
 from api.tool_calls.json_scan import JsonScanner, JsonStringDecoder

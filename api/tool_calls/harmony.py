@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from api.tool_calls import grammar_parts as g
+import api.tool_calls.grammar_parts as g
 from api.tool_calls.base import OutputParser, ParsedDelta, ToolCallDelta, ToolFormat, new_call_id
 from api.tool_calls.stream_base import ToolCallStreamParser, find_first_marker, partial_marker_length
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from api.tool_calls import grammar_parts as g
+import api.tool_calls.grammar_parts as g
 from api.tool_calls.base import OutputParser, ToolFormat, function_specs
 from api.tool_calls.json_call import JsonCallObjectParser
 from api.tool_calls.stream_base import ToolCallStreamParser

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Mapping
 
-from api.tool_calls import grammar_parts as g
+import api.tool_calls.grammar_parts as g
 from api.tool_calls.base import OutputParser, ToolFormat
 from api.tool_calls.json_call import JsonCallObjectParser
 from api.tool_calls.json_scan import JsonScanner

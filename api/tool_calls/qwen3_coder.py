@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Mapping
 
-from api.tool_calls import grammar_parts as g
+import api.tool_calls.grammar_parts as g
 from api.tool_calls.base import OutputParser, ToolFormat, function_specs, parameters_schema
 from api.tool_calls.qwen3_coder_values import convert_value, function_block_rules, is_plain_string, property_types
 from api.tool_calls.stream_base import ToolCallStreamParser, partial_marker_length

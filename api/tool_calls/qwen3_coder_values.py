@@ -11,7 +11,7 @@ import ast
 import json
 from typing import Any, Mapping
 
-from api.tool_calls import grammar_parts as g
+import api.tool_calls.grammar_parts as g
 from api.tool_calls.base import parameters_schema
 
 _SCALAR_GRAMMAR_TYPES = ("integer", "number", "boolean", "object", "array")

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import jsonschema
 
-from api.tool_calls import grammar_parts as g
+import api.tool_calls.grammar_parts as g
 from api.tool_calls.base import function_specs, parameters_schema
 from engine.grammar_triggers import LazyTrigger
 
