@@ -23,7 +23,7 @@ from api.logging_setup import new_request_id, request_id_var
 from api.messages_events import anthropic_error_response
 from api.reply_memory import ReplyMemory
 from api.sampling_defaults import SamplingDefaults
-from api.tenancy import api_keys
+from api.tenancy import api_keys, is_known_key
 from api.schemas import ApplyTemplateRequest, DetokenizeRequest, DevicePoolRequest, TokenizeRequest, parse_body
 from engine.loader import LoadedModel, encode_chat_prompt
 from scheduler.engine_loop import EngineLoop
@@ -106,11 +106,10 @@ def _check_api_key(state: ServerState, http_request: HTTPRequest) -> None:
     if not keys or http_request.url.path in _OPEN_PATHS:
         return
     given = http_request.headers.get("authorization", "")
-    if given.startswith("Bearer ") and given[len("Bearer "):] in keys:
+    if given.startswith("Bearer ") and is_known_key(given[len("Bearer "):], keys):
         return
-    if http_request.headers.get("x-api-key", "") not in keys:  # Anthropic's header (Claude Code, its SDKs)
+    if not is_known_key(http_request.headers.get("x-api-key", ""), keys):  # Anthropic's header (Claude Code)
         raise unauthorized()
-
 
 
 async def read_body(state: ServerState, http_request: HTTPRequest) -> bytes:

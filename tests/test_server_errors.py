@@ -3,6 +3,7 @@ import httpx
 import openai
 import pytest
 
+from api.tenancy import is_known_key
 from tests.server_harness import running_server
 
 pytestmark = pytest.mark.slow
@@ -98,6 +99,13 @@ def test_server_still_answers_after_bad_requests(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     reply = client.chat.completions.create(**GOOD)
     assert reply.usage.completion_tokens == 2
+
+
+def test_an_api_key_matches_only_whole_and_any_header_text_is_compared():
+    keys = ["sekrit", "other"]
+    assert is_known_key("other", keys) and is_known_key("sekrit", keys)
+    assert not any(is_known_key(given, keys) for given in ("sekri", "sekrit ", "", "sekritother"))
+    assert not is_known_key("s\u00e9krit", keys)  # non-ASCII header text (latin-1): compared, not a TypeError
 
 
 def test_api_key_is_required_when_configured(smollm2):
