@@ -29,7 +29,7 @@ def geometry(kernel: str, **ints: int):
                              f"got E={E} k={k}")
         return (max(1, cdiv(ints["T"], MOE_ROUTE_WARPS)), 1, 1), (32 * MOE_ROUTE_WARPS, 1, 1), 0
     if kernel.startswith(("moe_matvec_", "moe_gemm_")):
-        in_dim = ints.get("in_", ints.get("in", 0))  # the emulator passes in_, tests/kernel_gpu.py in
+        in_dim = ints.get("in_", ints.get("in", 0))  # the emulator passes in_, tests/support/kernel_gpu.py in
         if ints["out"] <= 0 or in_dim <= 0 or ints["ld_y"] < ints["out"]:
             raise ValueError(f"{kernel}: need out > 0, in > 0 and ld_y >= out, got {ints}")
         rows = MOE_ROWS_PER_CTA if kernel.startswith("moe_matvec_") else MOE_GEMM_ROWS_PER_CTA

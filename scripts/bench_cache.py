@@ -20,9 +20,9 @@ A "full re-read" is a request (after the first of its conversation) that reused 
 whole and computed again (a reply's last token, sampled and never fed back, not counted).
 Two more workloads: a history trimmed to its system message and last exchange every turn, and a fan-out of
 questions over one shared context. `--model tiny-lfm2` runs them on a seeded tiny random lfm2 (hybrid:
-short convs + attention, tests/tiny_lfm2.py) whose head only emits digits, capitals and punctuation when
+short convs + attention, tests/support/tiny_lfm2.py) whose head only emits digits, capitals and punctuation when
 greedy; `--model tiny-qwen3next` the same on a seeded tiny random qwen3next (gated DeltaNet + gated attention
-+ MoE, tests/tiny_qwen3next.py); `--model tiny-qwen3moe` a seeded tiny random qwen3moe over the whole tiny
++ MoE, tests/support/tiny_qwen3next.py); `--model tiny-qwen3moe` a seeded tiny random qwen3moe over the whole tiny
 vocabulary (byte tokens whose text re-encodes merged). `--only "tool loop"` (not in the default set): one
 agent loop whose every turn must call a tool (the format's grammar) and gets its result, the call sent back as
 `tool_calls`; SmolLM2 runs the generic format, `--chat-template tests/data/hermes_tools_template.jinja` hermes.
@@ -47,7 +47,7 @@ from engine.loader import open_model  # noqa: E402
 from engine.units import MIB  # noqa: E402
 from scripts.bench_cache_workloads import (  # noqa: E402
     EXTRA_WORKLOADS, WORKLOADS, DryReplayer, Replayer)
-from tests.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 
 PRESSURE_MIN_CTX = 320  # the pressure runs' context so far (SmolLM2: a 20-block pool)
 
@@ -95,16 +95,16 @@ def load_bench_model(name: str, tmp: str, chat_template: str | None = None):
 
 def _load_bench_model(name: str, tmp: str):
     if name == "tiny-qwen3moe":  # random weights, the whole tiny vocabulary (byte tokens that merge on re-encoding)
-        from tests.tiny_moe_gguf import write_tiny_moe_gguf
+        from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
         path = Path(tmp) / f"{name}.gguf"
         write_tiny_moe_gguf(path, "qwen3moe", seed=5, n_ctx=4096)
         return open_model(str(path), max_positions=4096)
     if name not in ("tiny-lfm2", "tiny-qwen3next"):
         return open_model(name, max_positions=2048)
-    from tests.tiny_gguf import tiny_vocab
-    from tests.tiny_lfm2 import write_tiny_lfm2
-    from tests.tiny_qwen3next import write_tiny_qwen3next
+    from tests.support.tiny_gguf import tiny_vocab
+    from tests.support.tiny_lfm2 import write_tiny_lfm2
+    from tests.support.tiny_qwen3next import write_tiny_qwen3next
 
     tokens = tiny_vocab()[0]
     byte_ids = {bytes([b]).decode("latin-1"): i for i, b in zip(range(3, 259), range(256))}

@@ -12,7 +12,7 @@ host RAM being full (the warm-up fills it), drops host leaves too. Prints median
 wall clock) and the parts' medians.
 `--through-service` sends every plan through the memory admission's coroutine path (MemoryService.grant,
 its queue started on a running loop and empty, as between an engine's steps), to time what that adds.
-`--reference` times the full scans that chose victims before the eviction index (tests/eviction_reference.py)
+`--reference` times the full scans that chose victims before the eviction index (tests/support/eviction_reference.py)
 on the same workload, for comparison.
 """
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main() -> None:
                         help="requests before timing at most (default: until host RAM is full)")
     args = parser.parse_args()
     if args.reference:
-        import tests.eviction_reference as reference
+        import tests.support.eviction_reference as reference
         planner_module.plan_device_room = \
             lambda view, plan, count, exclude: reference.plan_device_room(view, plan, count, {id(b) for b in exclude})
     print("| cached blocks | device / host | per request median (ms) | p99 (ms) | match | plan | apply | release |"

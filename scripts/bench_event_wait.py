@@ -1,5 +1,5 @@
 """How the event loop learns that a CUDA step finished: the waiter thread against polling with backoff, on the
-emulated driver of tests/fake_cuda_async.py (streams on threads of their own; no GPU needed).
+emulated driver of tests/support/fake_cuda_async.py (streams on threads of their own; no GPU needed).
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_event_wait.py [--steps 200] [--device-ms 1,10]
 
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 
-from tests import fake_cuda_async  # noqa: E402
+from tests.support import fake_cuda_async  # noqa: E402
 
 
 async def _steps(backend, driver, steps: int, device_s: float) -> dict:

@@ -31,7 +31,7 @@ from engine.kv import BLOCK_SIZE, KV_TYPES, blocks_needed, layout_for  # noqa: E
 from engine.loader import open_model  # noqa: E402
 from engine.model_store import resolve_model  # noqa: E402
 from engine.units import MIB  # noqa: E402
-from tests.reference_helpers import compare_to_reference, forced_logits, greedy_with_logits  # noqa: E402
+from tests.support.reference_helpers import compare_to_reference, forced_logits, greedy_with_logits  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 MODELS = {"smollm2": ("smollm2", "smollm2_reference.json", 64), "gemma3": ("gemma3-270m", "gemma3_reference.json", 128)}

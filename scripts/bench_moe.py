@@ -5,7 +5,7 @@
         [--top-k 4] [--weights f32,quantized] [--expert-quant Q8_0|MXFP4|F16] [--repeats 3] [--threads 1]
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_moe.py --expert-cache [--cache-fractions 0.25,0.5,1]
 
---expert-cache: a tiny gpt-oss (4 layers, 16 experts, top-2, Q8_0 experts) on tests/fake_cuda_emulated.py (the
+--expert-cache: a tiny gpt-oss (4 layers, 16 experts, top-2, Q8_0 experts) on tests/support/fake_cuda_emulated.py (the
 real kernel sources under g++), two workloads: "hot set" (router bias +4 on experts 0..3 of each layer: 16 of
 the 64 experts take nearly every token) and "uniform" (no bias). For each cache size (a fraction of all 64
 experts) one 24-token prefill then 16 greedy decode steps; per decode token: expert uses, hits, loads and
@@ -13,7 +13,7 @@ bytes copied host -> device; and whether the tokens equal the numpy backend's. T
 meaningful (its copies are memmoves, its events report 1 us): only counts. A GPU section (decode tok/s of a
 Qwen3-30B-A3B-shaped model at 25/50/100% of the experts) is not written: no GPU here.
 
-The model is written by tests/tiny_moe_gguf.py into a temporary directory: d=256, 4 layers, 8/2 heads of
+The model is written by tests/support/tiny_moe_gguf.py into a temporary directory: d=256, 4 layers, 8/2 heads of
 32, experts of F=128 (--expert-quant blocks, Q8_0 elsewhere, for --weights quantized; else F32). Decode at batch B runs B sequences
 of 64 context tokens through one batched step per token. "experts/layer" is the mean number of distinct
 experts a decode step at that batch runs per layer (the grouped FFN runs one product pair per expert that
@@ -36,7 +36,7 @@ from engine.backends.reference import moe as numpy_moe  # noqa: E402
 from engine.cpu_threads import limit_threads  # noqa: E402
 from engine.loader import open_model  # noqa: E402
 from engine.sequence import ModelRunner, Sequence  # noqa: E402
-from tests.tiny_moe_gguf import write_tiny_moe_gguf  # noqa: E402
+from tests.support.tiny_moe_gguf import write_tiny_moe_gguf  # noqa: E402
 
 SHAPE = dict(n_embd=256, n_layer=4, n_head=8, n_head_kv=2, head_dim=32, n_ff_exp=128, n_ctx=1024)
 BATCHES = (1, 4, 16)
@@ -128,7 +128,7 @@ def bench_expert_cache(fractions: list[float], steps: int = 16) -> None:
     from engine.backends.cuda.expert_cache.setup import configure_expert_cache
     from engine.backends.reference.backend import NumpyBackend
     from engine.model import load_model
-    from tests import fake_cuda_emulated
+    from tests.support import fake_cuda_emulated
 
     print("| workload | slots (of 64) | decode expert uses/token | hits/token | loads/token | KiB moved/token | "
           "hit rate | prefill loads | tokens == numpy |")

@@ -3,7 +3,7 @@ token-by-token one it replaces in prefill.
 
     OPENBLAS_NUM_THREADS=1 .venv/bin/python scripts/bench_qwen3next.py [--prompt 1024] [--chunk 256]
 
-Model: a random qwen3next from tests/tiny_qwen3next.py at a mid size (d 512; 3 DeltaNet + 1 attention
+Model: a random qwen3next from tests/support/tiny_qwen3next.py at a mid size (d 512; 3 DeltaNet + 1 attention
 layers; DeltaNet 4 key heads, 8 value heads of 64, conv 4; 8 experts of 256, top 2, shared expert 512).
 Prints prefill tok/s (chunks of --chunk tokens), decode ms/token (one sequence and 8 at once), and the delta
 rule alone on one layer's shapes: `chunked` (64-token chunks) vs `recurrent_step` called once per token.
@@ -24,7 +24,7 @@ from engine.backends.reference.backend import NumpyBackend  # noqa: E402
 from engine.delta_rule import chunked, l2_normalize, recurrent_step  # noqa: E402
 from engine.model import load_model  # noqa: E402
 from engine.sequence import ModelRunner, Sequence  # noqa: E402
-from tests.tiny_qwen3next import write_tiny_qwen3next  # noqa: E402
+from tests.support.tiny_qwen3next import write_tiny_qwen3next  # noqa: E402
 
 SIZE = dict(n_embd=512, n_head=8, n_head_kv=2, head_dim=64, rope_dims=16, n_k_heads=4, n_v_heads=8,
             k_head_dim=64, v_head_dim=64, n_expert=8, n_ff_exp=256, n_ff_shexp=512, n_ctx=4096)

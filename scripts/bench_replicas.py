@@ -37,7 +37,7 @@ import httpx  # noqa: E402
 
 from engine.loader import open_model  # noqa: E402
 from scheduler.cache.tree import common_prefix_len  # noqa: E402
-from tests.router_harness import Replica, healthy, router_python, running_router, wait_for_workers  # noqa: E402
+from tests.support.router_harness import Replica, healthy, router_python, running_router, wait_for_workers  # noqa: E402
 
 TOPICS = ["the history of Rome", "how plants make food", "the water cycle", "how engines work",
           "why the sky is blue", "how bread rises"]

@@ -30,7 +30,7 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 from engine.cpu_threads import limit_threads  # noqa: E402
 from engine.loader import open_model  # noqa: E402
-from tests.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 
 TOPICS = ["the sea", "a city at night", "mountains", "an old library", "the desert", "a forest", "winter", "trains"]
 

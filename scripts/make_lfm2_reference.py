@@ -2,7 +2,7 @@
 
     /work/refvenv/bin/python scripts/make_lfm2_reference.py [--out tests/data/lfm2_tiny_reference.json]
 
-The GGUF comes from tests/tiny_lfm2.write_tiny_lfm2 with the seed and arguments recorded in the JSON,
+The GGUF comes from tests/support/tiny_lfm2.write_tiny_lfm2 with the seed and arguments recorded in the JSON,
 so CI (no torch) regenerates the same file and compares strata's numpy engine with what transformers'
 own GGUF loader and Lfm2ForCausalLM computed: for each prompt, the greedy ids (transformers' cached
 decode, i.e. its conv-state cache) and the logits of every position of prompt + greedy ids (one full
@@ -23,7 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, REPO)
 from hf_reference import hf_greedy, hf_logits  # noqa: E402
-from tests.tiny_lfm2 import write_tiny_lfm2  # noqa: E402
+from tests.support.tiny_lfm2 import write_tiny_lfm2  # noqa: E402
 
 GGUF_ARGS = {"seed": 16, "pattern": "ccacacca", "n_embd": 64, "n_head": 4, "n_head_kv": 2, "n_ff": 128,
              "conv_l": 3, "n_ctx": 512}

@@ -1,6 +1,6 @@
 """Regenerate ``tests/data/moe_reference.json``: transformers' logits and greedy ids for tiny MoE GGUFs.
 
-Each case is a tiny random-weight GGUF written by ``tests/tiny_moe_gguf.py`` from a fixed seed (so CI
+Each case is a tiny random-weight GGUF written by ``tests/support/tiny_moe_gguf.py`` from a fixed seed (so CI
 rewrites the identical file, checked by its sha256, and compares strata against this JSON without torch):
 
 * ``qwen3moe``, ``qwen3moe-q8_0``: transformers' own GGUF loader,
@@ -42,7 +42,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from scripts.hf_reference import greedy_from_model, load_hf_model  # noqa: E402
-from tests.tiny_moe_gguf import write_tiny_moe_gguf  # noqa: E402
+from tests.support.tiny_moe_gguf import write_tiny_moe_gguf  # noqa: E402
 
 CASES = [
     {"name": "qwen3moe", "arch": "qwen3moe", "seed": 11, "overrides": {}},
@@ -53,7 +53,7 @@ CASES = [
 ]
 PROMPT_LENS = (13, 41)  # 41 > gpt-oss's sliding window (8); 41 + N_NEW > its YaRN original context (64)
 N_NEW = 40
-VOCAB_LOW, VOCAB_HIGH = 3, 275  # ordinary tokens of tests/tiny_gguf.py's vocabulary
+VOCAB_LOW, VOCAB_HIGH = 3, 275  # ordinary tokens of tests/support/tiny_gguf.py's vocabulary
 
 
 def prompt_ids(seed: int, n: int) -> list[int]:

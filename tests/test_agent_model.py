@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")

@@ -1,5 +1,5 @@
 """Paged attention (direct and split-K) and sampling kernels against the numpy backend's attention and
-engine/sampling.py's filters, run on the CPU (tests/kernel_emulator.py) and on a GPU where there is one."""
+engine/sampling.py's filters, run on the CPU (tests/support/kernel_emulator.py) and on a GPU where there is one."""
 from __future__ import annotations
 
 import numpy as np

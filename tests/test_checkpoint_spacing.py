@@ -15,8 +15,8 @@ from engine.qwen3next_config import DeltaNetShape
 from engine.sequence import ModelRunner
 from scheduler.cache.setup import create_cache
 from scheduler.cache.checkpoint_spacing import auto_every_blocks, resolve_spacing
-from tests.tiny_lfm2 import write_tiny_lfm2
-from tests.tiny_qwen3next import write_tiny_qwen3next
+from tests.support.tiny_lfm2 import write_tiny_lfm2
+from tests.support.tiny_qwen3next import write_tiny_qwen3next
 
 MiB = 2**20
 
@@ -170,7 +170,7 @@ def test_the_server_passes_line_starts_for_a_hybrid_model(tmp_path):
 
     import httpx
 
-    from tests.server_harness import running_server
+    from tests.support.server_harness import running_server
 
     with running_server(loaded, ctx_size=256) as (url, live):
         seen, submit = [], live.engine.submit

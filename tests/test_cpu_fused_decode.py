@@ -12,7 +12,7 @@ from engine.backends.cpu.fused_decoder import FusedDecoder, int8_refusal
 from engine.kv import KVLayout
 from engine.loader import open_model
 from engine.sequence import ModelRunner, Sequence
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.tiny_gguf import write_tiny_gguf
 
 CASES = [("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0"), ("gemma3", "Q5_0"), ("gemma3", "F16")]
 PROMPT_LENS = (5, 12, 21)

@@ -19,9 +19,9 @@ from engine.model import load_model
 from engine.quant_weights import QuantizedLinearLoader
 from engine.sequence import ModelRunner
 from engine.tokenizer import Tokenizer
-from tests.reference_helpers import chunked_step_logits
+from tests.support.reference_helpers import chunked_step_logits
 from tests.test_pipeline import _prompt, _run_conversations
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.tiny_gguf import write_tiny_gguf
 
 
 def _logits(path, backend):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from engine.loader import open_model
-from tests.reference_helpers import greedy_with_logits
+from tests.support.reference_helpers import greedy_with_logits
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).parent / "data"

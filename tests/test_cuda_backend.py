@@ -1,8 +1,8 @@
 """The CUDA backend against the numpy reference: every op, the KV pool, whole models, graphs.
 
-Each test runs three times: on a real GPU (marked `cuda`, skipped without one); on tests/fake_cuda.py, a CPU
+Each test runs three times: on a real GPU (marked `cuda`, skipped without one); on tests/support/fake_cuda.py, a CPU
 stand-in for the driver with numpy twins of the kernels that checks the backend's own code (argument packing
-against the contract, pointer offsets, staging, graph capture); and on tests/fake_cuda_emulated.py, the same
+against the contract, pointer offsets, staging, graph capture); and on tests/support/fake_cuda_emulated.py, the same
 driver running the real kernel sources under g++ (with red zones and alignment checks), so the backend and
 the kernels are checked against each other without a GPU. Outputs are poisoned with NaN before
 each op, so an element a kernel fails to write shows up.
@@ -18,8 +18,8 @@ from engine.kv import KVLayout
 from engine.model import load_model
 from engine.quant_weights import LinearPart
 from engine.sequence import ModelRunner, Sequence
-from tests.reference_helpers import chunked_step_logits, greedy_with_logits
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.reference_helpers import chunked_step_logits, greedy_with_logits
+from tests.support.tiny_gguf import write_tiny_gguf
 
 BLOCK = 16
 EXACT, REDUCE, GEMM = (1e-5, 1e-6), (1e-4, 1e-5), (3e-2, 3e-2)  # (rtol, atol): elementwise, reductions, fp16 mma
@@ -28,7 +28,7 @@ EXACT, REDUCE, GEMM = (1e-5, 1e-6), (1e-4, 1e-5), (3e-2, 3e-2)  # (rtol, atol): 
 @pytest.fixture(scope="session")
 def emulator_dir(tmp_path_factory):
     """Where the g++ builds of the kernel sources go (once per session)."""
-    from tests.kernel_emulator import compiler_available
+    from tests.support.kernel_emulator import compiler_available
 
     if not compiler_available():
         pytest.skip("g++ is needed to run the CUDA kernels on the CPU")
@@ -47,11 +47,11 @@ def cuda(request, monkeypatch):
         if not available:
             pytest.skip(f"no CUDA device: {reason}")
     elif request.param == "fake":
-        from tests import fake_cuda
+        from tests.support import fake_cuda
 
         driver = fake_cuda.install(monkeypatch)
     else:
-        from tests import fake_cuda_emulated
+        from tests.support import fake_cuda_emulated
 
         driver = fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
     from engine.backends.cuda.backend import CudaBackend

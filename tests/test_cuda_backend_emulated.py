@@ -1,4 +1,4 @@
-"""The CUDA backend on the REAL kernel sources, run on the CPU (tests/fake_cuda_emulated.py), beyond what
+"""The CUDA backend on the REAL kernel sources, run on the CPU (tests/support/fake_cuda_emulated.py), beyond what
 tests/test_cuda_backend.py already runs emulated: four weight types fused into one matrix (ld_y column ranges)
 on both sides of the matvec/gemm threshold, the split-K attention path on a short context, wide heads and GQA
 groups, Q4_0 models, and real models (opt-in). KV block moves and layer splits run emulated in
@@ -18,15 +18,15 @@ from engine.kv import KVLayout
 from engine.model import load_model
 from engine.quant_weights import LinearPart
 from engine.sequence import ModelRunner, Sequence
-from tests.reference_helpers import greedy_with_logits
+from tests.support.reference_helpers import greedy_with_logits
 from tests.test_cuda_backend import GEMM, REDUCE, _close, _host, _kv_case, _rand, emulator_dir  # noqa: F401
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture
 def emu(emulator_dir, monkeypatch):
     """A CudaBackend whose launches run the real kernels (graphs off; outputs poisoned with NaN)."""
-    from tests import fake_cuda_emulated
+    from tests.support import fake_cuda_emulated
 
     driver = fake_cuda_emulated.install(monkeypatch, emulator_dir)
     from engine.backends.cuda.backend import CudaBackend
@@ -149,7 +149,7 @@ def test_real_model_logits_on_emulated_kernels_match_numpy(emulator_dir, monkeyp
     if not os.environ.get("STRATA_EMULATE_REAL_MODELS"):
         pytest.skip("set STRATA_EMULATE_REAL_MODELS=1 to run a real model on the emulated kernels (minutes)")
     from engine.backends.cuda.backend import CudaBackend
-    from tests import fake_cuda, fake_cuda_emulated
+    from tests.support import fake_cuda, fake_cuda_emulated
 
     path = request.getfixturevalue(model_fixture)
     monkeypatch.setattr(fake_cuda, "ARENA_BYTES", 2 * 2**30)  # gemma-3's f32 embedding table alone is 640 MiB

@@ -20,7 +20,7 @@ def _tiny_llama(cuda, tmp_path):
     from engine.gguf_file import GGUFFile
     from engine.model import load_model
     from engine.tokenizer import Tokenizer
-    from tests.tiny_gguf import write_tiny_gguf
+    from tests.support.tiny_gguf import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "m.gguf", "llama", seed=3, n_ctx=512)
     tokenizer = Tokenizer.from_gguf_fields(GGUFFile(tmp_path / "m.gguf").fields)
@@ -76,7 +76,7 @@ def test_the_default_arena_leaves_the_elastic_pool_its_room(monkeypatch):
     """serve.build_state calls leave_outside_arena(--kv-cache-max-mib) before the device opens: the arena's
     default size (90% of the free memory) shrinks by that much, so the pool's chunks can be created."""
     from engine.backends.cuda import device as cuda_device
-    from tests import fake_cuda
+    from tests.support import fake_cuda
 
     fake_cuda.install(monkeypatch)
     monkeypatch.delenv(cuda_device.ARENA_ENV)
@@ -99,10 +99,10 @@ def test_a_cuda_server_grows_its_pool_and_shrinks_it_on_request(tmp_path, monkey
     from engine.loader import open_model
     from engine.sampling import SamplingParams
     from scheduler.request import Request
-    from tests import fake_cuda
-    from tests.fake_cuda_vmm import FakeVmm
+    from tests.support import fake_cuda
+    from tests.support.fake_cuda_vmm import FakeVmm
     from tests.test_cuda_step import _serve
-    from tests.tiny_gguf import write_tiny_gguf
+    from tests.support.tiny_gguf import write_tiny_gguf
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "llama", seed=3, n_ctx=512)

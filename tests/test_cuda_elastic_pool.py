@@ -2,9 +2,9 @@
 mapped as it grows and unmapped as it shrinks, its segment-major layout read and written by the real kernels
 (under the engine and a server: tests/test_cuda_elastic_engine.py).
 
-Each runs on a GPU (marked `cuda`), on the numpy twins (tests/fake_cuda.py) and on the kernel sources under g++
-(tests/fake_cuda_emulated.py), through the `cuda` fixture of test_cuda_backend.py; the fakes' virtual memory
-(tests/fake_cuda_vmm.py) is real host virtual memory, so an access to an unmapped chunk cannot pass unseen.
+Each runs on a GPU (marked `cuda`), on the numpy twins (tests/support/fake_cuda.py) and on the kernel sources under g++
+(tests/support/fake_cuda_emulated.py), through the `cuda` fixture of test_cuda_backend.py; the fakes' virtual memory
+(tests/support/fake_cuda_vmm.py) is real host virtual memory, so an access to an unmapped chunk cannot pass unseen.
 """
 import os
 import signal
@@ -152,7 +152,7 @@ def test_touching_a_shrunk_segment_fails_loudly(cuda):
     staging = cuda.empty((16,))
     with pytest.raises(CudaError, match="cuMemcpyDtoDAsync"):
         cuda.device.dtod(staging.ptr, outside, 64, cuda.stream)
-    from tests.fake_cuda_emulated import EmulatedDriver
+    from tests.support.fake_cuda_emulated import EmulatedDriver
 
     if not isinstance(cuda.test_driver, EmulatedDriver):  # the g++ kernel would take the whole process down
         with pytest.raises(AssertionError, match="unmapped device memory"):
@@ -166,8 +166,8 @@ import sys
 import numpy as np
 import pytest
 from engine.kv import KVLayout
-from tests import fake_cuda_emulated
-from tests.fake_cuda_vmm import FakeVmm
+from tests.support import fake_cuda_emulated
+from tests.support.fake_cuda_vmm import FakeVmm
 
 monkeypatch = pytest.MonkeyPatch()
 FakeVmm.vmm_granularity = {page}
@@ -187,7 +187,7 @@ print("survived")
 def test_a_real_kernel_writing_into_a_shrunk_segment_is_killed(emulator_dir):
     """The g++-built copy_kv_blocks_f32 writing block 9 of a pool shrunk to 4 ids dies of SIGSEGV, as a GPU
     kernel dies of an illegal address; the same copy into block 3 (still mapped) completes."""
-    from tests.kernel_emulator import compiler_available
+    from tests.support.kernel_emulator import compiler_available
 
     if not compiler_available():
         pytest.skip("g++ is needed to run the CUDA kernels on the CPU")
@@ -223,7 +223,7 @@ def test_the_fakes_replace_the_driver_in_every_module_that_calls_it():
     import re
     from pathlib import Path
 
-    from tests.fake_cuda import driver_modules
+    from tests.support.fake_cuda import driver_modules
 
     root = Path(__file__).resolve().parent.parent
     binding = re.compile(r"^from engine\.backends\.cuda\.device import .*\bdriver\b", re.M)

@@ -13,7 +13,7 @@ from engine.model import load_model
 from tests.conftest import GPU
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
 from tests.test_cuda_backend_emulated import _greedy
-from tests.tiny_moe_gguf import write_tiny_moe_gguf
+from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 PROMPT = range(3, 15)  # 12 tokens: a moe_gemm prefill, then moe_matvec decode steps
 
@@ -29,7 +29,7 @@ def make_backend(request, monkeypatch):
         if not available:
             pytest.skip(f"no CUDA device: {reason}")
     else:
-        from tests import fake_cuda_emulated
+        from tests.support import fake_cuda_emulated
 
         fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
     from engine.backends.cuda.backend import CudaBackend
@@ -253,7 +253,7 @@ def test_served_on_two_stages_the_cached_layers_run_off_the_event_loop_and_match
 
     from engine.loader import open_model
     from scheduler.request import Request, SamplingParams
-    from tests.reference_helpers import greedy_with_logits
+    from tests.support.reference_helpers import greedy_with_logits
     from tests.test_cuda_step import _serve
 
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3, expert_quant="Q8_0")

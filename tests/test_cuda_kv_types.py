@@ -2,8 +2,8 @@
 (store_kv_f16 / store_kv_int8 must write exactly engine/kv_quant.py's rows, scales included), paged and
 split-K attention over those rows, block moves that carry the scales, and whole tiny models.
 
-Each runs on a GPU (marked `cuda`), on the numpy twins of the kernels (tests/fake_cuda.py) and on the real
-kernel sources under g++ (tests/fake_cuda_emulated.py), through the `cuda` fixture of test_cuda_backend.py.
+Each runs on a GPU (marked `cuda`), on the numpy twins of the kernels (tests/support/fake_cuda.py) and on the real
+kernel sources under g++ (tests/support/fake_cuda_emulated.py), through the `cuda` fixture of test_cuda_backend.py.
 """
 import numpy as np
 import pytest
@@ -14,7 +14,7 @@ from engine.kv import KVLayout
 from engine.model import load_model
 from tests.test_cuda_backend import BLOCK, REDUCE, _close, _greedy, _kv_case, _launch_log, _rand, cuda  # noqa: F401
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.tiny_gguf import write_tiny_gguf
 
 COMPACT = ("f16", "int8")
 

@@ -3,8 +3,8 @@ logits and greedy ids through chunked prefill and decode, continuous batching wi
 a layer split, and the recurrent-state interface the conversation cache checkpoints through (read, write,
 states captured inside a chunk), then whole turns through the engine loop with the cache on.
 
-Each runs on a GPU (marked `cuda`), on the numpy twins (tests/fake_cuda.py) and on the kernel sources under g++
-(tests/fake_cuda_emulated.py: short_conv.cu, mul_f32 and the rest), through the `cuda` fixture of
+Each runs on a GPU (marked `cuda`), on the numpy twins (tests/support/fake_cuda.py) and on the kernel sources under g++
+(tests/support/fake_cuda_emulated.py: short_conv.cu, mul_f32 and the rest), through the `cuda` fixture of
 test_cuda_backend.py.
 """
 import asyncio
@@ -22,7 +22,7 @@ from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
 from tests.test_cuda_backend import GEMM, REDUCE, _close, _launch_log, cuda  # noqa: F401
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
-from tests.tiny_lfm2 import write_tiny_lfm2
+from tests.support.tiny_lfm2 import write_tiny_lfm2
 
 BLOCK = 4
 PROMPT = [(5 * i) % 90 + 10 for i in range(23)]
@@ -197,12 +197,12 @@ def test_turns_through_the_engine_loop_reuse_checkpoints_and_give_numpy_tokens(m
 
 def test_lfm2_served_with_steps_launched_from_the_loop_gives_numpy_tokens(tmp_path, monkeypatch):
     """The server's path (api/serve.build_state): steps launched from the event loop in deferred-host mode on
-    streams that really run later (tests/fake_cuda_async.py), so a captured checkpoint's DtoD copy, the
+    streams that really run later (tests/support/fake_cuda_async.py), so a captured checkpoint's DtoD copy, the
     kernel's in-place state update and the host reads of states are ordered only by the stream and its
     awaited event. The second turn reuses its checkpointed prefix; both turns give numpy's tokens."""
     from engine.backends.cuda.backend import CudaBackend
     from engine.loader import open_model
-    from tests import fake_cuda_async
+    from tests.support import fake_cuda_async
     from tests.test_cuda_step import _serve
 
     path = tmp_path / "lfm2.gguf"

@@ -1,4 +1,4 @@
-"""MoE models on the CUDA backend, on the real kernel sources run on the CPU (tests/fake_cuda_emulated.py) and,
+"""MoE models on the CUDA backend, on the real kernel sources run on the CPU (tests/support/fake_cuda_emulated.py) and,
 marked `cuda`, on a GPU where there is one:
 the device MoE path (moe_route_f32 -> moe_plan -> moe_matvec/moe_gemm gate/up -> activation -> down ->
 moe_combine_f32, engine/backends/cuda/moe.py) gives the numpy backend's tokens and logits, for qwen3moe and
@@ -9,7 +9,7 @@ from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
 from tests.test_cuda_backend import GEMM, _close, emulator_dir  # noqa: F401
 from tests.test_cuda_backend_emulated import _greedy
-from tests.tiny_moe_gguf import write_tiny_moe_gguf
+from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 MOE_KERNELS = {"moe_route_f32", "moe_plan", "moe_combine_f32"}
 
@@ -26,7 +26,7 @@ def emu(request, monkeypatch):
         if not available:
             pytest.skip(f"no CUDA device: {reason}")
     else:
-        from tests import fake_cuda_emulated
+        from tests.support import fake_cuda_emulated
 
         driver = fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
     from engine.backends.cuda.backend import CudaBackend
@@ -100,7 +100,7 @@ def test_a_backend_without_sinks_refuses_gpt_oss(tmp_path):
 
 def test_qwen3moe_decode_replays_a_cuda_graph_with_the_same_tokens(emulator_dir, monkeypatch, tmp_path):
     """The MoE path has no host round trip (moe_plan on the device, fixed grids), so decode steps capture."""
-    from tests import fake_cuda_emulated
+    from tests.support import fake_cuda_emulated
 
     driver = fake_cuda_emulated.install(monkeypatch, emulator_dir)
     from engine.backends.cuda.backend import CudaBackend

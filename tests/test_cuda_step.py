@@ -1,5 +1,5 @@
 """A CUDA stage's step is launched from the event loop and its completion event awaited (engine/backends/
-cuda/step.py), on a fake driver whose streams run later on threads of their own (tests/fake_cuda_async.py):
+cuda/step.py), on a fake driver whose streams run later on threads of their own (tests/support/fake_cuda_async.py):
 the loop answers /health while a long step is in flight, every kernel is launched from the loop thread, and
 no thread blocks on a stream but the event waiter (cuEventSynchronize; none at all when polling). The worker
 threads of the stages only sample."""
@@ -21,8 +21,8 @@ from engine.model import load_model
 from engine.sampling import SamplingParams
 from scheduler.request import Request
 from tests.conftest import GPU
-from tests.reference_helpers import greedy_with_logits
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.reference_helpers import greedy_with_logits
+from tests.support.tiny_gguf import write_tiny_gguf
 
 KERNEL_DELAY_S = 0.004  # every kernel this late: a step of the tiny model is tens of kernels
 PROMPT = list(range(3, 11))  # 8 tokens: the fp32 matvec prefill, so numpy's greedy tokens are the reference
@@ -61,12 +61,12 @@ def slow_gpu(request, monkeypatch, tmp_path):
     on threads, or the real GPU (marked cuda) behind a recording proxy."""
     write_tiny_gguf(tmp_path / "m.gguf", "llama", quant="Q8_0")
     if request.param == "fake":
-        from tests import fake_cuda_async
+        from tests.support import fake_cuda_async
 
         driver = fake_cuda_async.install(monkeypatch, kernel_delay_s=KERNEL_DELAY_S)
     else:
         from engine.backends.cuda import device as cuda_device
-        from tests.fake_cuda import patch_driver
+        from tests.support.fake_cuda import patch_driver
 
         available, reason = cuda_device.probe()
         if not available:

@@ -10,7 +10,7 @@ import subprocess
 import httpx
 import pytest
 
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 KEY = "dash-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

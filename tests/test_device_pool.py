@@ -210,7 +210,7 @@ def test_seed_002_a_short_request_and_a_shrink_keep_the_long_conversation(load_t
 def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
     import httpx
 
-    from tests.server_harness import running_server
+    from tests.support.server_harness import running_server
 
     asks = [{"model": "smollm2", "messages": [{"role": "user", "content": f"Name three {thing}. " * 12}],
              "max_tokens": 4, "temperature": 0} for thing in ("rivers", "mountains")]

@@ -1,4 +1,4 @@
-"""The eviction index chooses exactly what the full scans chose (tests/eviction_reference.py), victim for
+"""The eviction index chooses exactly what the full scans chose (tests/support/eviction_reference.py), victim for
 victim, on randomized workloads with every tier under pressure, refused grants, failed disk writes,
 unreadable files and blocks loaded from disk (ties on last use); the index equals a full scan after every
 operation (check_integrity), and a plan, granted or refused, leaves it untouched."""
@@ -10,7 +10,7 @@ import pytest
 
 import scheduler.cache.planner as planner_module
 import scheduler.cache.room as room
-import tests.eviction_reference as reference
+import tests.support.eviction_reference as reference
 from scheduler.cache.persistence import load_disk_index
 from scheduler.cache.checkpoint_store import CheckpointStore
 from scheduler.cache.checkpoints import Checkpoints

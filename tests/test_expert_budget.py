@@ -17,7 +17,7 @@ from engine.backends.reference.backend import NumpyBackend
 from scheduler.request import Request, SamplingParams
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
 from tests.test_cuda_elastic_pool import PAGE, SEG
-from tests.tiny_moe_gguf import write_tiny_moe_gguf
+from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 RESERVED, MIN_BLOCKS = 22, 8
 PROMPTS = [[(7 * i) % 90 + 20 for i in range(100)], [(11 * i) % 80 + 30 for i in range(100)]]
@@ -32,7 +32,7 @@ def moe(tmp_path, monkeypatch, emulator_dir):  # noqa: F811
     from engine.gguf_file import GGUFFile
     from engine.model import load_model
     from engine.tokenizer import Tokenizer
-    from tests import fake_cuda_emulated
+    from tests.support import fake_cuda_emulated
 
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3, expert_quant="Q8_0",
                         n_ctx=512)

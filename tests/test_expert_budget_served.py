@@ -6,7 +6,7 @@ import pytest
 
 from tests.test_cuda_backend import emulator_dir  # noqa: F401
 from tests.test_cuda_elastic_pool import PAGE
-from tests.tiny_moe_gguf import write_tiny_moe_gguf
+from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 
 def _served_state(tmp_path, monkeypatch, emulator_dir, expert_cache_mib, **moe):  # noqa: F811
@@ -16,7 +16,7 @@ def _served_state(tmp_path, monkeypatch, emulator_dir, expert_cache_mib, **moe):
     from api.serve import build_state
     from engine.backends.cuda.backend import CudaBackend
     from engine.loader import open_model
-    from tests import fake_cuda_emulated
+    from tests.support import fake_cuda_emulated
 
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, expert_quant="Q8_0", **moe)
     fake_cuda_emulated.install(monkeypatch, emulator_dir).vmm_granularity = PAGE

@@ -5,7 +5,7 @@ from gguf import GGUFReader
 
 from engine.gguf_file import GGUFFile
 from engine.gguf_header import read_gguf
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.tiny_gguf import write_tiny_gguf
 
 
 def _reader_fields(path):

@@ -9,7 +9,7 @@ from api.tool_calls import create_output_parser, detect_format, get_format
 from api.tool_calls.harmony import HarmonyParser
 from engine.tokenizer import Tokenizer
 from tests.test_tool_formats import SPLITS, TOOLS, _feed, _joined, _tokens
-from tests.tiny_moe_gguf import HARMONY_TEMPLATE, HARMONY_TOKENS, write_tiny_moe_gguf
+from tests.support.tiny_moe_gguf import HARMONY_TEMPLATE, HARMONY_TOKENS, write_tiny_moe_gguf
 
 ARGS = '{"city": "Paris", "days": 2}'
 CASES = [  # (name, model output after "<|start|>assistant", content, reasoning, [(name, arguments)])

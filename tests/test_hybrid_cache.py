@@ -23,8 +23,8 @@ from scheduler.cache.disk_tier import DiskTier, cache_key
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
 from tests.test_cache_workloads import HEAD_LEN, HEAD_SWAP, _agent_turns, _ideal, _random_turns
-from tests.tiny_lfm2 import write_tiny_lfm2
-from tests.tiny_qwen3next import write_tiny_qwen3next
+from tests.support.tiny_lfm2 import write_tiny_lfm2
+from tests.support.tiny_qwen3next import write_tiny_qwen3next
 
 BLOCK = 4
 
@@ -273,7 +273,7 @@ def test_checkpoint_hints_of_a_request_are_kept(hybrid):
 def test_the_message_start_token_of_a_chatml_template_marks_each_message(hybrid):
     from api.checkpoint_hints import find_message_start_id, message_starts
     from engine.chat_template import ChatTemplate
-    from tests.tiny_gguf import CHATML_TEMPLATE
+    from tests.support.tiny_gguf import CHATML_TEMPLATE
 
     tokenizer = hybrid[1]
     template = ChatTemplate(CHATML_TEMPLATE, "tiny-lfm2")

@@ -1,6 +1,6 @@
 """The elementwise, norm, rope and KV-pool kernels against the numpy backend (the reference semantics), run
-on the CPU (tests/kernel_emulator.py) and, where there is one, on a GPU (tests/kernel_gpu.py). Odd sizes, so
-no thread count divides a problem evenly."""
+on the CPU (tests/support/kernel_emulator.py) and, where there is one, on a GPU (tests/support/kernel_gpu.py).
+Odd sizes, so no thread count divides a problem evenly."""
 from __future__ import annotations
 
 import numpy as np

@@ -152,7 +152,7 @@ def test_serve_sizes_the_pool_from_the_types_bytes_and_logs_them(tmp_path, caplo
     from api.config import ServerConfig
     from api.serve import build_state
     from engine.loader import open_model
-    from tests.tiny_gguf import write_tiny_gguf
+    from tests.support.tiny_gguf import write_tiny_gguf
 
     write_tiny_gguf(tmp_path / "m.gguf", "llama", seed=4)
     loaded = open_model(str(tmp_path / "m.gguf"), backend=NumpyBackend())

@@ -16,7 +16,7 @@ from engine.config import config_from_gguf
 from engine.model import load_model
 from engine.sequence import ModelRunner, Sequence
 from scripts.make_lfm2_reference import tensor_digest
-from tests.tiny_lfm2 import write_tiny_lfm2
+from tests.support.tiny_lfm2 import write_tiny_lfm2
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "lfm2_tiny_reference.json").read_text())
 BLOCK = 4

@@ -15,7 +15,7 @@ from api.messages_api import conversation_key
 from api.messages_events import BlockWriter
 from api.messages_schema import function_tools, template_messages, tool_choice
 from api.tool_calls import ParsedDelta, ToolCallDelta
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},

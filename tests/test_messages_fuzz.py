@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 

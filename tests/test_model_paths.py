@@ -1,6 +1,6 @@
 """The batched paged forward pass against itself and against a naive dense reference, per architecture.
 
-Tiny random-weight GGUFs (tests/tiny_gguf.py) make these run in milliseconds. Tolerances are float32
+Tiny random-weight GGUFs (tests/support/tiny_gguf.py) make these run in milliseconds. Tolerances are float32
 round-off: the naive reference runs in float64.
 """
 import numpy as np
@@ -10,8 +10,8 @@ from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import layout_for
 from engine.model import load_model
-from tests.naive_reference import naive_logits
-from tests.tiny_gguf import ARCHS, write_tiny_gguf
+from tests.support.naive_reference import naive_logits
+from tests.support.tiny_gguf import ARCHS, write_tiny_gguf
 
 BLOCK = 4
 ATOL = 2e-4

@@ -13,8 +13,8 @@ import pytest
 from engine.gguf_file import GGUFFile
 from engine.gguf_names import pick_model_file, split_parts
 from engine.model_store import ModelFetchError, resolve_model, resolve_model_source
-from tests.local_model_stores import FakeHub, add_ollama_model
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.local_model_stores import FakeHub, add_ollama_model
+from tests.support.tiny_gguf import write_tiny_gguf
 
 REPO_FILES = ["README.md", "Tiny-Q2_K.gguf", "Tiny-Q4_K_M.gguf", "Tiny-Q8_0.gguf", "mmproj-Tiny-f16.gguf",
               "Tiny-Q6_K-00001-of-00002.gguf", "Tiny-Q6_K-00002-of-00002.gguf"]
@@ -244,7 +244,7 @@ def test_serve_a_real_model_from_another_tools_store(store, smollm2_path, tmp_pa
     it, loaded from there in place, served under the store's name, and answering as SmolLM2 does."""
     import httpx
 
-    from tests.server_harness import running_server
+    from tests.support.server_harness import running_server
 
     data = smollm2_path.read_bytes()
     if store == "ollama":

@@ -4,7 +4,7 @@ import pytest
 
 from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
-from tests.tiny_moe_gguf import write_tiny_moe_gguf
+from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 
 def _config(tmp_path, arch, **overrides):

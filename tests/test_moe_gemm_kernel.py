@@ -10,8 +10,8 @@ from cuda_kernels.quant_types import QUANT_TYPES
 from engine.backends.reference import moe as numpy_moe
 from engine.backends.reference.backend import NumpyBackend
 from engine.moe import ExpertWeights
-from tests.cuda_helpers import random_weight
-from tests.kernel_emulator import EmulatedSource
+from tests.support.cuda_helpers import random_weight
+from tests.support.kernel_emulator import EmulatedSource
 
 
 def _stacked(type_name, n_experts, out, in_dim, rng):

@@ -9,7 +9,7 @@ from cuda_kernels.quant_types import QUANT_TYPES
 from engine.backends.reference import moe as numpy_moe
 from engine.backends.reference.backend import NumpyBackend
 from engine.moe import ExpertWeights
-from tests.cuda_helpers import random_weight
+from tests.support.cuda_helpers import random_weight
 
 GATING = {"softmax": 0, "softmax_topk": 1}
 

@@ -10,7 +10,7 @@ from engine.batch import build_batch
 from engine.kv import layout_for
 from engine.model import load_model
 from engine.sequence import ModelRunner
-from tests.reference_helpers import chunked_step_logits
+from tests.support.reference_helpers import chunked_step_logits
 from tests.test_model_paths import (  # noqa: F401  (collected here with this module's `tiny`)
     test_batched_equals_one_by_one,
     test_chunked_prefill_equals_one_shot,
@@ -18,7 +18,7 @@ from tests.test_model_paths import (  # noqa: F401  (collected here with this mo
     test_mixed_prefill_and_decode_in_one_step,
     test_paged_equals_contiguous,
 )
-from tests.tiny_moe_gguf import MOE_ARCHS, write_tiny_moe_gguf
+from tests.support.tiny_moe_gguf import MOE_ARCHS, write_tiny_moe_gguf
 
 # The dense tests' 1e-5 bounds float32 summation-order differences; the gain of the tiny model sets how
 # far those grow. Router weights of std 0.3 (not 1.0): the top-k weights' sensitivity to the router

@@ -17,8 +17,8 @@ from engine.backends.cpu.backend import QuantizedNumpyBackend
 from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
 from engine.sequence import ModelRunner, Sequence
-from tests.reference_helpers import assert_top5, greedy_with_logits
-from tests.tiny_moe_gguf import write_tiny_moe_gguf
+from tests.support.reference_helpers import assert_top5, greedy_with_logits
+from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "moe_reference.json").read_text())
 CASES = REFERENCE["cases"]

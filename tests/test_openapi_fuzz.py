@@ -35,7 +35,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from api.server import ServerState, create_app
 from scripts import trim_openapi
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 SUBSET = Path(__file__).parent / "data" / "openai_openapi_subset.json"
 SERVED_NAME = "strata-fuzz"

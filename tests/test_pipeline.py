@@ -12,7 +12,7 @@ from scheduler.engine_loop import EngineLoop
 from scheduler.pipeline import Pipeline, StageFailure
 from scheduler.request import Request
 from scheduler.step import sample_step
-from tests.reference_helpers import chunked_step_logits
+from tests.support.reference_helpers import chunked_step_logits
 
 SPLITS = [(), (2,), (1, 3)]  # one, two and three stages of a 4-layer model
 

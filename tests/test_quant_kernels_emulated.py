@@ -1,17 +1,17 @@
-"""The quantised matvec/gemm kernels run on the CPU (tests/kernel_emulator.py, inline PTX through
-tests/cuda_emulation/ptx_emulation.h): every type against gguf's dequantisation, writing only its column range
+"""The quantised matvec/gemm kernels run on the CPU (tests/support/kernel_emulator.py, inline PTX through
+tests/support/cuda_emulation/ptx_emulation.h): every type against gguf's dequantisation, writing only its column range
 of y. The gemm is checked tightly against a product of fp16-rounded operands (what the MMA consumes), so an
 error in the mma fragment layout or the fp16 packing cannot hide inside the fp16 tolerance."""
 import numpy as np
 import pytest
 
 from cuda_kernels.quant_types import QUANT_TYPES
-from tests.cuda_helpers import random_weight
+from tests.support.cuda_helpers import random_weight
 
 
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory):
-    from tests.kernel_emulator import EmulatedSource, compiler_available
+    from tests.support.kernel_emulator import EmulatedSource, compiler_available
 
     if not compiler_available():
         pytest.skip("g++ is needed to run the CUDA kernels on the CPU")

@@ -14,7 +14,7 @@ from engine.kv import layout_for
 from engine.model import load_model
 from engine.quant_weights import LinearPart, QuantizedLinearLoader, merge_parts, unpermute_rows
 from engine.weights import unpermute_qk
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.tiny_gguf import write_tiny_gguf
 
 
 def _dequant(part: LinearPart) -> np.ndarray:

@@ -22,7 +22,7 @@ from engine.gguf_file import GGUFFile
 from engine.model import load_model
 from engine.sequence import ModelRunner, Sequence
 from tests.test_lfm2 import _assert_close_rel, _prefill_and_decode
-from tests.tiny_qwen3next import write_tiny_qwen3next
+from tests.support.tiny_qwen3next import write_tiny_qwen3next
 
 DATA = Path(__file__).parent / "data"
 REFERENCE = json.loads((DATA / "qwen3next_tiny_reference.json").read_text())

@@ -10,7 +10,7 @@ from engine.model import load_model
 from engine.tokenizer import Tokenizer
 from tests.test_cache_workloads import _random_turns
 from tests.test_hybrid_cache import _run
-from tests.tiny_qwen3next import write_tiny_qwen3next
+from tests.support.tiny_qwen3next import write_tiny_qwen3next
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_a_prefix_whose_checkpoints_cannot_all_come_back_is_reused_shorter_not_w
     import threading
 
     from scripts.bench_cache import WORKLOADS, Replayer, load_bench_model
-    from tests.server_harness import running_server
+    from tests.support.server_harness import running_server
 
     caplog.set_level("INFO", logger="strata.scheduler")
     loaded = load_bench_model("tiny-qwen3next", str(tmp_path))

@@ -14,7 +14,7 @@ from engine.batch import build_batch  # noqa: E402
 from engine.kv import layout_for  # noqa: E402
 from engine.model import load_model  # noqa: E402
 from scripts.hf_reference import hf_greedy, hf_logits  # noqa: E402
-from tests.tiny_gguf import ARCHS, write_tiny_gguf  # noqa: E402
+from tests.support.tiny_gguf import ARCHS, write_tiny_gguf  # noqa: E402
 
 pytestmark = pytest.mark.reference
 
@@ -35,7 +35,7 @@ def test_tiny_model_logits_match_transformers(tmp_path, arch):
 
 def test_tiny_qwen3moe_logits_match_transformers(tmp_path):
     """gpt-oss is not here: transformers 5.24's GGUF loader cannot read it (scripts/make_moe_reference.py)."""
-    from tests.tiny_moe_gguf import write_tiny_moe_gguf
+    from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
     path = tmp_path / "qwen3moe.gguf"
     write_tiny_moe_gguf(path, "qwen3moe", seed=5)

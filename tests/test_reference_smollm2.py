@@ -11,7 +11,7 @@ import pytest
 
 
 from engine.sequence import ModelRunner, Sequence
-from tests.reference_helpers import assert_top5, greedy_with_logits
+from tests.support.reference_helpers import assert_top5, greedy_with_logits
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "smollm2_reference.json").read_text())
 PROMPTS = REFERENCE["prompts"]

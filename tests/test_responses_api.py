@@ -12,7 +12,7 @@ import pytest
 from api.responses_events import ResponseWriter
 from api.responses_schema import ResponsesRequest, turn_from_request
 from api.tool_calls import ParsedDelta, ToolCallDelta
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"},
                                                        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from engine.loader import open_model
-from tests.router_harness import Replica, healthy, router_python, running_router, wait_for_workers
+from tests.support.router_harness import Replica, healthy, router_python, running_router, wait_for_workers
 
 pytestmark = pytest.mark.slow
 SYSTEM = "You are a terse assistant."

@@ -19,8 +19,8 @@ from api.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from api.turn_runner import fit_max_tokens
 from engine.loader import open_model
 from engine.model_store import KNOWN_MODELS
-from tests.server_harness import running_server
-from tests.tiny_gguf import write_tiny_gguf
+from tests.support.server_harness import running_server
+from tests.support.tiny_gguf import write_tiny_gguf
 
 QWEN_FILE = KNOWN_MODELS["qwen2.5-coder-0.5b"].file_name
 LLAMA_SERVER = (0.8, 40, 0.95, 0.05, 1.0, 64)

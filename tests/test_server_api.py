@@ -10,7 +10,7 @@ from engine.generate import generate
 from engine.loader import encode_chat_prompt
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

@@ -16,7 +16,7 @@ from engine.chat_template import ChatTemplate
 
 from engine.loader import encode_chat_prompt
 from scheduler.cache.tree import common_prefix_len
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 

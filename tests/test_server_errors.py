@@ -4,7 +4,7 @@ import openai
 import pytest
 
 from api.tenancy import is_known_key
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 CHAT = "/v1/chat/completions"

@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 READ_PARAMETERS = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}

@@ -4,10 +4,10 @@ import httpx
 import pytest
 
 from engine.loader import open_model
-from tests.server_harness import running_server
-from tests.tiny_gguf import tiny_vocab
-from tests.tiny_lfm2 import write_tiny_lfm2
-from tests.tiny_qwen3next import write_tiny_qwen3next
+from tests.support.server_harness import running_server
+from tests.support.tiny_gguf import tiny_vocab
+from tests.support.tiny_lfm2 import write_tiny_lfm2
+from tests.support.tiny_qwen3next import write_tiny_qwen3next
 
 OUTPUT_TEXT = "0123456789ABCDEF"  # tokens whose text re-encodes to themselves (no merges, valid UTF-8)
 

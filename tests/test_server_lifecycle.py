@@ -22,7 +22,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 CHAT = "/v1/chat/completions"
 PROGRESS = re.compile(r"reading the prompt: (\d+) of (\d+) tokens, (\d+) s so far")

@@ -6,7 +6,7 @@ import concurrent.futures
 import httpx
 import pytest
 
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 CTX = 128  # a worst case is 8 blocks of 16 tokens; 3 of them are 24 blocks (kv_cache_mib 17, f32 K/V, SmolLM2)

@@ -8,9 +8,9 @@ from engine.loader import encode_chat_prompt, open_model
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
 from scheduler.cache.tree import common_prefix_len
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 from tests.test_server_cache import _ids
-from tests.tiny_moe_gguf import MOE_ARCHS, write_tiny_moe_gguf
+from tests.support.tiny_moe_gguf import MOE_ARCHS, write_tiny_moe_gguf
 
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 from tests.test_server_cache import _assert_ideal, _chat, _workload
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ from engine.generate import generate
 from engine.loader import encode_chat_prompt, open_model
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from tests.server_harness import running_server
-from tests.tiny_gguf import tiny_vocab
-from tests.tiny_lfm2 import write_tiny_lfm2
+from tests.support.server_harness import running_server
+from tests.support.tiny_gguf import tiny_vocab
+from tests.support.tiny_lfm2 import write_tiny_lfm2
 
 OUTPUT_TEXT = "heint"  # a head that writes these one byte a token: "h" "e" re-encodes as "he", "i" "n" as "in"
 MAX_TOKENS = 12

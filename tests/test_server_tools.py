@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine.chat_template import ChatTemplate
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"},

@@ -17,14 +17,14 @@ from api.config import ServerConfig
 from api.serve import create_server, load_state
 from api.server import LOADING_RETRY_S, LoadingState
 from engine import warmup
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 CHAT = "/v1/chat/completions"
 HI = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
 
 
 def _config(smollm2) -> ServerConfig:
-    """As tests/server_harness.py's: the served name is "smollm2" (--model), the model itself `smollm2`."""
+    """As tests/support/server_harness.py's: the served name is "smollm2" (--model), the model itself `smollm2`."""
     return replace(ServerConfig(port=0), model="smollm2", conversation_cache_mib=64, ctx_size=512, batch=2)
 
 

@@ -16,7 +16,7 @@ from engine.model import load_model
 from engine.recurrent_state import RecurrentStates
 from engine.sequence import ModelRunner, Sequence
 from engine.state_window import state_window_tokens
-from tests.tiny_lfm2 import write_tiny_lfm2
+from tests.support.tiny_lfm2 import write_tiny_lfm2
 
 BLOCK, CHUNK, P = 4, 8, 37  # P inside a block: the window reads a partly filled one too
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(3, 270, 60)]

@@ -9,7 +9,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
-from tests.server_harness import running_server
+from tests.support.server_harness import running_server
 
 
 @pytest.mark.slow

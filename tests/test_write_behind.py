@@ -275,8 +275,8 @@ def served_model(request, tmp_path):
     recurrent-state checkpoints)."""
     if request.param == "smollm2":
         return request.getfixturevalue("smollm2_path")
-    from tests.tiny_gguf import tiny_vocab
-    from tests.tiny_lfm2 import write_tiny_lfm2
+    from tests.support.tiny_gguf import tiny_vocab
+    from tests.support.tiny_lfm2 import write_tiny_lfm2
 
     tokens = tiny_vocab()[0]
     path = tmp_path / "tiny-lfm2.gguf"

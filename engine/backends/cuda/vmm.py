@@ -7,7 +7,7 @@
 
 Addresses inside the range never change, so pointers computed from `base` (a KV pool's per-layer bases, a
 block's address) stay valid through every grow and shrink; touching an unmapped part is an illegal address on
-the GPU (and a loud failure in tests/fake_cuda_vmm.py). Each chunk is one cuMemCreate allocation of
+the GPU (and a loud failure in tests/support/fake_cuda_vmm.py). Each chunk is one cuMemCreate allocation of
 `chunk_bytes` (a multiple of the device's allocation granularity, cuMemGetAllocationGranularity) mapped with
 cuMemMap and made read-write for this device with cuMemSetAccess; a shrink is cuMemUnmap + cuMemRelease.
 The physical memory comes from outside the device's arena (device.Device), so the arena must leave room

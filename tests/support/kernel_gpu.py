@@ -1,5 +1,5 @@
 """Runs the CUDA kernels on a real GPU with the same `launch(kernel, **args)` interface as
-tests/kernel_emulator.py, so the numpy-parity tests run on both (the GPU case skips without a device).
+tests/support/kernel_emulator.py, so the numpy-parity tests run on both (the GPU case skips without a device).
 
 Cubins come from cuda_kernels.build for the device's own arch; every array argument is copied to the
 device before the launch and back into the same numpy array after it, so tests read results in place.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from cuda_kernels import build, registry
-from tests.kernel_emulator import check_array, kernel_params
+from tests.support.kernel_emulator import check_array, kernel_params
 
 _SCALARS = {"int": np.int32, "float": np.float32}
 

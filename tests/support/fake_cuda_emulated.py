@@ -1,5 +1,5 @@
-"""The fake driver of tests/fake_cuda.py with the REAL kernels: `cuLaunchKernel` runs the kernel's CUDA source
-on the CPU (tests/kernel_emulator.py, g++), with the grid, block and shared bytes the backend launched with and
+"""The fake driver of tests/support/fake_cuda.py with the REAL kernels: `cuLaunchKernel` runs the kernel's CUDA source
+on the CPU (tests/support/kernel_emulator.py, g++), with the grid, block and shared bytes the backend launched with and
 the argument values read back out of the backend's `kernelParams` array by the kernel's own C signature.
 
 So everything between the backend and the kernel is exercised as on a GPU: cuda.launch.KernelSet (module
@@ -15,9 +15,9 @@ import types
 from pathlib import Path
 
 from engine.backends.cuda import abi as cuda_abi
-from tests import fake_cuda
-from tests.fake_cuda import OK, FakeDriver
-from tests.kernel_emulator import EmulatedSource
+from tests.support import fake_cuda
+from tests.support.fake_cuda import OK, FakeDriver
+from tests.support.kernel_emulator import EmulatedSource
 
 _LIBRARIES: dict[tuple[Path, str], EmulatedSource] = {}  # loaded once per process: the g++ build is cached
 # One emulated launch at a time: blocks share function-static __shared__ arrays and the dynamic shared base,

@@ -1,6 +1,6 @@
 """Runs the CUDA kernel sources on the CPU, for checking them against the numpy reference without a GPU.
 
-Each .cu file is compiled by g++ together with tests/cuda_emulation/cuda_emulation.h (OS threads for CUDA
+Each .cu file is compiled by g++ together with tests/support/cuda_emulation/cuda_emulation.h (OS threads for CUDA
 threads, barriers for __syncthreads and warp shuffles) into a shared library with one `emu_launch_<kernel>`
 wrapper per kernel, called through ctypes with the geometry from the source's companion module. The
 control flow, indexing, reductions and synchronisation are the kernel's own; the arithmetic is the host's
@@ -119,7 +119,7 @@ def check_array(kernel: str, ctype: str, name: str, value) -> None:
 
 def translate_asm(text: str) -> str:
     """Rewrite every inline-PTX statement `asm [volatile]("instr ops;" : outputs : inputs);` into
-    `ptx_<instr>(outputs..., inputs...);` (tests/cuda_emulation/ptx_emulation.h defines those). The template's
+    `ptx_<instr>(outputs..., inputs...);` (tests/support/cuda_emulation/ptx_emulation.h defines those). The template's
     %N must appear in operand order (so operand order is instruction order); anything else fails loudly."""
     out, pos = [], 0
     for match in _ASM.finditer(text):

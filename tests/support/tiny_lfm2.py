@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 from gguf import LlamaFileType
 
-from tests.tiny_gguf import CHATML_TEMPLATE, add_tiny_tokenizer, tiny_vocab
+from tests.support.tiny_gguf import CHATML_TEMPLATE, add_tiny_tokenizer, tiny_vocab
 
 # c = short conv, a = attention; LFM2-350M starts c c a c c a ...
 DEFAULT_PATTERN = "ccaca"

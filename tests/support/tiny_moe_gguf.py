@@ -2,7 +2,7 @@
 
 The tensor names and metadata keys are the ones llama.cpp's ``convert_hf_to_gguf.py`` writes for these
 architectures (Qwen3MoeModel, GptOssModel), so transformers' GGUF loader and llama.cpp read them like
-real checkpoints; the tokenizer is tests/tiny_gguf.py's byte-level BPE.
+real checkpoints; the tokenizer is tests/support/tiny_gguf.py's byte-level BPE.
 
 Stacked expert tensors, numpy order (GGUF stores the dims reversed):
 
@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 from gguf import LlamaFileType
 
-from tests.tiny_gguf import CHATML_TEMPLATE, _encode, add_tiny_tokenizer, tiny_vocab
+from tests.support.tiny_gguf import CHATML_TEMPLATE, _encode, add_tiny_tokenizer, tiny_vocab
 
 MOE_ARCHS = ("qwen3moe", "gpt-oss")
 # gpt-oss's harmony control tokens (o200k_harmony), appended to the tiny vocabulary with harmony=True.

@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.backends.cuda import abi as cuda_abi
-from tests.fake_cuda_kernels import KERNELS, view
-from tests.fake_cuda_vmm import ILLEGAL_ADDRESS, FakeVmm, check_access
+from tests.support.fake_cuda_kernels import KERNELS, view
+from tests.support.fake_cuda_vmm import ILLEGAL_ADDRESS, FakeVmm, check_access
 
 ARENA_BYTES = 512 * 2**20
 
@@ -100,7 +100,7 @@ class FakeDriver(FakeVmm):
 
     @staticmethod
     def unmapped(*ranges) -> bool:
-        """Does any (address, nbytes) touch an unmapped part of a reserved range (tests/fake_cuda_vmm.py)?"""
+        """Does any (address, nbytes) touch an unmapped part of a reserved range (tests/support/fake_cuda_vmm.py)?"""
         return any(check_access(int(address), int(n)) for address, n in ranges)
 
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):

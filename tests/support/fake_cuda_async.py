@@ -1,6 +1,6 @@
-"""The fake driver of tests/fake_cuda.py with streams that really run later: one worker thread per stream.
+"""The fake driver of tests/support/fake_cuda.py with streams that really run later: one worker thread per stream.
 
-tests/fake_cuda.py runs all work at launch, so every event is complete the moment it is recorded and nothing
+tests/support/fake_cuda.py runs all work at launch, so every event is complete the moment it is recorded and nothing
 can show whether the event loop waits for a step without blocking. Here work queued on a stream (kernels,
 async copies, graph launches, event records, waits on events) runs in order on that stream's thread, an
 optional `kernel_delay_s` makes every kernel slow, and every call that blocks the caller until device work is
@@ -18,9 +18,9 @@ import time
 import traceback
 
 from engine.backends.cuda import abi as cuda_abi
-from tests import fake_cuda
-from tests.fake_cuda import OK, CUresult, FakeDriver
-from tests.fake_cuda_kernels import KERNELS
+from tests.support import fake_cuda
+from tests.support.fake_cuda import OK, CUresult, FakeDriver
+from tests.support.fake_cuda_kernels import KERNELS
 
 
 class _Stream:

@@ -7,7 +7,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-KERNEL_DIR = Path(__file__).resolve().parent.parent / "cuda_kernels"
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "cuda_kernels"
 
 
 def _ok(result, what: str):

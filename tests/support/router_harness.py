@@ -20,7 +20,7 @@ from api.config import ServerConfig
 from api.sampling_defaults import store_entry_for
 from api.serve import build_state, create_server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def router_python() -> str | None:

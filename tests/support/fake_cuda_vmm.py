@@ -1,4 +1,4 @@
-"""CUDA virtual memory management for the fake drivers (tests/fake_cuda.py), on real host virtual memory.
+"""CUDA virtual memory management for the fake drivers (tests/support/fake_cuda.py), on real host virtual memory.
 
     cuMemAddressReserve   mmap(PROT_NONE, MAP_NORESERVE): address space only, any access faults
     cuMemCreate           a memfd of the size (physical memory, filled 0xFF: cuMemCreate memory is not zeroed)

@@ -1,5 +1,5 @@
 // CPU stand-ins for the inline PTX our kernels use (gemm_quant.cu, matvec_quant.cu) and the CUDA vector types
-// around it. tests/kernel_emulator.py rewrites each `asm(...)` statement into a call of the function named
+// around it. tests/support/kernel_emulator.py rewrites each `asm(...)` statement into a call of the function named
 // after its instruction (dots -> underscores, prefixed `ptx_`), outputs passed by reference, in operand
 // order; an instruction without a function here fails the build, so nothing is silently skipped.
 // Included after cuda_emulation.h (uses its per-warp barrier).

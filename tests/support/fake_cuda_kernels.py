@@ -1,6 +1,6 @@
 """Numpy versions of the kernels of docs/CUDA_KERNELS.md, reading and writing memory through raw addresses.
 
-Used by tests/fake_cuda.py. Each takes (kernel name, {argument: value}) with pointers as int addresses.
+Used by tests/support/fake_cuda.py. Each takes (kernel name, {argument: value}) with pointers as int addresses.
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from gguf.constants import GGML_QUANT_SIZES
 from cuda_kernels.attention import num_chunks
 from engine.kv import KV_TYPES
 from engine.kv_quant import decode_rows, encode_rows
-from tests.fake_cuda_vmm import check_access
+from tests.support.fake_cuda_vmm import check_access
 
 
 def view(ptr, count: int, dtype=np.float32) -> np.ndarray:
     """count elements of dtype at a real address, as a writable numpy array; a range that touches an unmapped
-    part of a reserved address range fails here, as the GPU faults (tests/fake_cuda_vmm.py)."""
+    part of a reserved address range fails here, as the GPU faults (tests/support/fake_cuda_vmm.py)."""
     nbytes = int(count) * np.dtype(dtype).itemsize
     bad = check_access(int(ptr), nbytes)
     assert not bad, f"a kernel touched unmapped device memory: {bad}"

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 from gguf import LlamaFileType
 
-from tests.tiny_gguf import CHATML_TEMPLATE, add_tiny_tokenizer, tiny_vocab
+from tests.support.tiny_gguf import CHATML_TEMPLATE, add_tiny_tokenizer, tiny_vocab
 
 ARCH = "qwen3next"
 

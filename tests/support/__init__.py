@@ -1,0 +1,1 @@
+"""Test support: fixtures' helpers, harnesses, fake CUDA drivers, tiny GGUF writers and independent references."""
