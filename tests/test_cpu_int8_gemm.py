@@ -80,7 +80,7 @@ def _tile_with(which, part, act, y):
     wt = tile_buffer(act[0].shape[1] * 32, act[0])
     n_groups = part[3].shape[1]
     dt, mt = np.empty(n_groups * 32, np.float32), np.empty(n_groups * 32, np.float32)
-    unpack_tile(part, 0, 32, wt, dt, mt)
+    unpack_tile(part, 0, 32, wt, dt, mt, tile_buffer(act[0].shape[1] * 32, act[0]).reshape(32, act[0].shape[1]))
     x8, dx32, sx32, dx16, sx16 = act
     dx, sx = (dx16, sx16) if n_groups * 16 == x8.shape[1] else (dx32, sx32)
     for t in range(0, x8.shape[0], 4):
