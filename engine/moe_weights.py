@@ -22,6 +22,7 @@ from gguf import GGMLQuantizationType
 from engine.gguf_file import GGUFFile
 from engine.moe import ExpertWeights
 from engine.quant_weights import _FALLBACK_DTYPES, LinearPart
+from engine.units import MIB
 
 log = logging.getLogger("strata.weights")
 # The FFN input norm's tensor where an arch does not call it ffn_norm (gpt-oss: llama.cpp's ATTN_POST_NORM).
@@ -109,7 +110,7 @@ def _expert_parts(gguf: GGUFFile, name: str, backend) -> list[LinearPart]:
         fallback = getattr(backend, "fallback_quant_type", GGMLQuantizationType.F16)
         dtype = _FALLBACK_DTYPES[fallback]
         log.warning("tensor %s: no kernel for type %s on this backend, uploading it dequantised as %s (%d MiB)",
-                    name, tensor_type.name, fallback.name, rows.shape[0] * n_cols * np.dtype(dtype).itemsize // 2**20)
+                    name, tensor_type.name, fallback.name, rows.shape[0] * n_cols * np.dtype(dtype).itemsize // MIB)
         values = gguf.tensor(name).reshape(n_experts * n_rows, n_cols).astype(dtype)
         tensor_type, rows = fallback, values.view(np.uint8)
     return [LinearPart(tensor_type, rows[e * n_rows : (e + 1) * n_rows], n_rows, n_cols, f"{name}[{e}]")

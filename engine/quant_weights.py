@@ -20,6 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from engine.gguf_file import GGUFFile
+from engine.units import MIB
 
 log = logging.getLogger("strata.weights")
 
@@ -55,7 +56,7 @@ def raw_part(gguf: GGUFFile, name: str, supported: Callable[[GGMLQuantizationTyp
     if not supported(tensor_type):
         dtype = _FALLBACK_DTYPES[fallback]
         log.warning("tensor %s: no kernel for type %s on this backend, uploading it dequantised as %s (%d MiB)",
-                    name, tensor_type.name, fallback.name, out_dim * in_dim * np.dtype(dtype).itemsize // 2**20)
+                    name, tensor_type.name, fallback.name, out_dim * in_dim * np.dtype(dtype).itemsize // MIB)
         tensor_type = fallback
         rows = gguf.tensor(name).astype(dtype).view(np.uint8)
     if unpermute_heads:

@@ -24,6 +24,7 @@ from engine.backends.cpu.prefill_attention import attend_tiled
 from engine.backends.cpu.quant_linear import KERNEL_KINDS, QuantLinear
 from engine.backends.reference.backend import NumpyBackend
 from engine.quant_weights import LinearPart
+from engine.units import MIB
 
 _F32 = np.float32
 log = logging.getLogger("strata.numpy")
@@ -97,7 +98,7 @@ class QuantizedNumpyBackend(NumpyBackend):
         repacked copy then replaces the raw rows), at start-up instead of in the first decode step."""
         if self.fused_decode and (decoder := self._fused_decoder(model)) is not None and decoder.released_bytes:
             log.info("repacked weights replace the file's rows: %.0f MiB of mapped pages handed back",
-                     decoder.released_bytes / 2**20)
+                     decoder.released_bytes / MIB)
 
     def _fused_decoder(self, model) -> FusedDecoder | None:
         if model not in self._fused:

@@ -17,6 +17,7 @@ import threading
 import numpy as np
 
 from engine.backends.cuda.arena import ArenaAllocator
+from engine.units import MIB
 
 try:  # cuda-python >= 12.6 (`cuda.bindings`); nothing else of it is needed here
     from cuda.bindings import driver
@@ -38,7 +39,7 @@ def leave_outside_arena(nbytes: int) -> None:
     _outside_arena["bytes"] = int(nbytes)
     if _devices:
         log.warning("cuda: %d MiB asked to stay outside the arena after the device was opened; set %s instead",
-                    nbytes // 2**20, ARENA_ENV)
+                    nbytes // MIB, ARENA_ENV)
 INSTALL_HINT = "pip install -e '.[cuda]'"
 
 
@@ -142,7 +143,7 @@ class Device:
         self._lock = threading.Lock()  # several stages (threads) may allocate on one device
         self.kernels = None  # launch.KernelSet, made on first use (it imports cuda_kernels)
         log.info("cuda device %d: %s, %d SMs, arena %.0f MiB", ordinal, self.name, self.sm_count,
-                 self.arena_bytes / 2**20)
+                 self.arena_bytes / MIB)
 
     def make_current(self) -> None:
         """Bind this device's context to the calling thread (every thread that calls the driver needs it)."""
@@ -157,16 +158,16 @@ class Device:
     def _arena_size(self) -> int:
         free, total = check(driver.cuMemGetInfo(), "cuMemGetInfo")
         if os.environ.get(ARENA_ENV):
-            wanted = int(float(os.environ[ARENA_ENV]) * 2**20)
+            wanted = int(float(os.environ[ARENA_ENV]) * MIB)
             if wanted > free:
                 raise ValueError(f"{ARENA_ENV}={os.environ[ARENA_ENV]} asks for more than the "
-                                 f"{free // 2**20} MiB free on the device")
+                                 f"{free // MIB} MiB free on the device")
             return wanted
         leave = _outside_arena["bytes"]
         if leave and leave > free * ARENA_FRACTION // 2:
-            raise ValueError(f"--kv-cache-max-mib {leave // 2**20} leaves less than half of the {free // 2**20} MiB "
+            raise ValueError(f"--kv-cache-max-mib {leave // MIB} leaves less than half of the {free // MIB} MiB "
                              f"free on the device for weights and activations; lower it or set {ARENA_ENV}")
-        return int(free * ARENA_FRACTION - leave) // 2**20 * 2**20
+        return int(free * ARENA_FRACTION - leave) // MIB * MIB
 
     # -- memory -----------------------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> int | None:
@@ -183,9 +184,9 @@ class Device:
         """Like reserve, but running out is an error naming what did not fit (weights, KV pool)."""
         address = self.reserve(nbytes)
         if address is None:
-            raise MemoryError(f"not enough GPU memory for {what}: {nbytes / 2**20:.0f} MiB wanted, largest "
-                              f"free piece {self.arena.largest_free / 2**20:.0f} MiB of the "
-                              f"{self.arena_bytes / 2**20:.0f} MiB arena (set {ARENA_ENV} or use fewer blocks)")
+            raise MemoryError(f"not enough GPU memory for {what}: {nbytes / MIB:.0f} MiB wanted, largest "
+                              f"free piece {self.arena.largest_free / MIB:.0f} MiB of the "
+                              f"{self.arena_bytes / MIB:.0f} MiB arena (set {ARENA_ENV} or use fewer blocks)")
         return address
 
     # -- streams, events, copies ------------------------------------------------------------------------

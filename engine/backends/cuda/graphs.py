@@ -23,9 +23,10 @@ from engine.backends.cuda.arena import GrowingPool
 from engine.backends.cuda.array import blocks_needed_by, pack_layout, step_arrays
 from engine.backends.cuda.device import PinnedBuffer, check, driver
 from engine.batch import BatchMeta
+from engine.units import MIB
 
 log = logging.getLogger("strata.cuda")
-GRAPH_REGION_BYTES = 8 * 2**20  # a graph's private activation pool grows in pieces of this size
+GRAPH_REGION_BYTES = 8 * MIB  # a graph's private activation pool grows in pieces of this size
 MAX_GRAPH_TOKENS = 16  # decode batches up to this many rows are graphed
 MAX_GRAPHS = 32  # least recently used graphs are destroyed beyond this
 MIN_TABLE_BLOCKS = 4

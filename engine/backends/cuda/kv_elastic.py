@@ -27,6 +27,7 @@ import logging
 from engine.backends.cuda.kv import KVPlanes, planes_of, row_words
 from engine.backends.cuda.vmm import VirtualRange
 from engine.kv import KVLayout
+from engine.units import MIB
 
 log = logging.getLogger("strata.cuda")
 SEGMENT_BLOCKS = 64  # blocks per layout segment (the cache's growth segment is its own fact, device_pool.py)
@@ -80,8 +81,8 @@ class ElasticKVPool(KVPlanes):
             caller.synchronize_stream(caller.stream)
         if self.vmm.mapped_bytes != before:
             log.info("cuda KV pool: %d blocks backed by %.1f MiB (%d chunks of %.1f MiB; %d ids reserved)",
-                     num_blocks, self.vmm.mapped_bytes / 2**20, self.vmm.mapped_bytes // self.vmm.chunk_bytes,
-                     self.vmm.chunk_bytes / 2**20, self.layout.num_blocks)
+                     num_blocks, self.vmm.mapped_bytes / MIB, self.vmm.mapped_bytes // self.vmm.chunk_bytes,
+                     self.vmm.chunk_bytes / MIB, self.layout.num_blocks)
 
     def close(self) -> None:
         self.backend.device.synchronize_context()

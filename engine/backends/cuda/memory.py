@@ -16,9 +16,10 @@ import numpy as np
 from engine.backends.cuda.arena import round_up
 from engine.backends.cuda.array import DeviceArray
 from engine.backends.cuda.device import PinnedBuffer
+from engine.units import MIB
 
-WORKSPACE_REGION_BYTES = 64 * 2**20  # activation memory is reserved from the arena in pieces of this size
-STAGING_BYTES = 2**20  # pinned buffer for a step's index arrays (grows when a step needs more)
+WORKSPACE_REGION_BYTES = 64 * MIB  # activation memory is reserved from the arena in pieces of this size
+STAGING_BYTES = MIB  # pinned buffer for a step's index arrays (grows when a step needs more)
 NAN_BITS = 0x7FC00000
 
 
@@ -72,7 +73,7 @@ class CudaMemory:
         self._is_idle = False
         if need > self._staging.nbytes:
             self._staging.close()
-            self._staging = PinnedBuffer(round_up(need, 2**20))
+            self._staging = PinnedBuffer(round_up(need, MIB))
         self._staging_used = 0
 
     def index_array(self, values: np.ndarray) -> DeviceArray:

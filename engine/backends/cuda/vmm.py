@@ -19,6 +19,7 @@ import logging
 
 from engine.backends.cuda.arena import round_up
 from engine.backends.cuda.device import CudaError, check, driver
+from engine.units import MIB
 
 log = logging.getLogger("strata.cuda")
 
@@ -79,8 +80,8 @@ class VirtualRange:
         address = self.base + self.mapped_bytes
         result = driver.cuMemCreate(self.chunk_bytes, self._prop, 0)
         if int(result[0]) != 0:
-            raise MemoryError(f"no GPU memory for another {self.chunk_bytes / 2**20:.0f} MiB chunk of the KV pool "
-                              f"({self.mapped_bytes / 2**20:.0f} MiB mapped; cuMemCreate: {result[0]!r}); the "
+            raise MemoryError(f"no GPU memory for another {self.chunk_bytes / MIB:.0f} MiB chunk of the KV pool "
+                              f"({self.mapped_bytes / MIB:.0f} MiB mapped; cuMemCreate: {result[0]!r}); the "
                               f"device's arena (STRATA_CUDA_ARENA_MIB) must leave room for --kv-cache-max-mib")
         handle = result[1]
         try:
