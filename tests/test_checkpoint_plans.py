@@ -9,6 +9,7 @@ from scheduler.cache.tree import CachedBlock
 from scheduler.cache.checkpoint_store import CheckpointStore
 from scheduler.cache.checkpoints import Checkpoints
 from scheduler.cache.prefix_cache import PrefixCache
+from tests.support.cache_requests import serve_request
 
 SHAPE = (1, 1, 2)
 
@@ -18,22 +19,12 @@ def _cache(num_blocks, host_blocks):
                        checkpoints=Checkpoints(1, every_blocks=0, store=CheckpointStore(SHAPE)))
 
 
-def _serve(cache, tokens):
-    """One request over `tokens` whose final state becomes a checkpoint at its end."""
-    match = cache.match(tokens, len(tokens) - 1)
-    plan = cache.plan_allocate(match, len(tokens), checkpoints=1)
-    alloc = cache.apply(plan)
-    cache.apply(cache.plan_release(tokens, len(tokens), alloc, final_state=np.full(SHAPE, len(tokens), np.float32)))
-    cache.check_integrity()
-    return alloc
-
-
 def test_a_restored_prefix_leaves_its_checkpoints_behind_when_they_do_not_fit_beside_the_prompt():
     cache = _cache(num_blocks=8, host_blocks=24)
     conversation = [1] * 16
     for end in (4, 8, 12, 16):  # four turns: a checkpoint at the end of each of its four blocks
-        _serve(cache, conversation[:end])
-    _serve(cache, [2] * 28)  # another conversation, the whole pool: the first one is parked
+        serve_request(cache, conversation[:end], checkpoint=True)
+    serve_request(cache, [2] * 28, checkpoint=True)  # another conversation, the whole pool: the first one is parked
     blocks = cache.match(conversation).shared
     assert [b.checkpoints for b in blocks] == [{4}] * 4 and not any(b.on_device for b in blocks)
     prompt = conversation + [5] * 12  # 7 blocks of an 8-block pool; with its prefix's 4 checkpoints, 11

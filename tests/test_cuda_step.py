@@ -77,7 +77,7 @@ def slow_gpu(request, monkeypatch, tmp_path):
     driver.close()
 
 
-def _serve(loaded, work, **config_fields):
+def _on_served_app(loaded, work, **config_fields):
     """Run `work(state, client)` on one event loop with the engine started and the app on an ASGI client."""
     fields = dict(batch=1, ctx_size=64, conversation_cache_mib=0, prefill_chunk=16) | config_fields
     config = replace(ServerConfig(port=0), **fields)
@@ -130,7 +130,7 @@ def test_the_loop_serves_health_while_a_long_cuda_step_is_in_flight(slow_gpu, mo
         return tokens, health_s, in_flight
 
     started = time.perf_counter()
-    tokens, health_s, in_flight = _serve(loaded, work)
+    tokens, health_s, in_flight = _on_served_app(loaded, work)
     elapsed = time.perf_counter() - started
     if isinstance(driver, _RecordingDriver):  # a GPU: steps take microseconds, so only the threads are checked
         assert tokens
@@ -171,7 +171,7 @@ def test_a_two_stage_cuda_pipeline_hands_off_through_awaited_events(slow_gpu):
 
         return await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts)))
 
-    got = _serve(loaded, work, layer_split="1", batch=2, batch_groups="2")
+    got = _on_served_app(loaded, work, layer_split="1", batch=2, batch_groups="2")
     reference = load_model(path, NumpyBackend())[0]
     assert got == [greedy_with_logits(reference, p, 4, chunk=16, kv_type="f16")[0] for p in prompts]
     assert {call for call, _ in driver.blocking_calls} <= {"cuEventSynchronize"}

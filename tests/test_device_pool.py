@@ -17,6 +17,7 @@ from scheduler.engine_loop import EngineLoop
 from scheduler.memory.admission import MemoryAdmission
 from scheduler.cache.prefix_cache import PrefixCache
 from scheduler.request import Request
+from tests.support.cache_requests import serve_request
 
 
 def _elastic(min_blocks=4, reserved=12, segment=4, host_blocks=8, checkpoint_units=0):
@@ -28,28 +29,10 @@ def _elastic(min_blocks=4, reserved=12, segment=4, host_blocks=8, checkpoint_uni
                        checkpoints=ckpt), mover
 
 
-def _serve_with_checkpoint(cache, tokens):
-    """A hybrid model's request: a device slot reserved for its state, which its release attaches."""
-    plan = cache.plan_allocate(cache.match(tokens, len(tokens) - 1), len(tokens), checkpoints=1)
-    assert plan is not None and cache.admission.grant(plan)
-    alloc = cache.apply(plan)
-    cache.apply(cache.plan_release(tokens, len(tokens), alloc, final_state=np.ones((1, 1, 2), np.float32)))
-    cache.check_integrity()
-    return alloc
-
-
-def _serve(cache, tokens):
-    alloc = cache.allocate(cache.match(tokens, len(tokens) - 1), len(tokens))
-    assert alloc is not None
-    cache.release(tokens, len(tokens), alloc)
-    cache.check_integrity()
-    return alloc
-
-
 def test_the_pool_grows_by_segments_before_anything_is_parked():
     cache, mover = _elastic()
-    _serve(cache, [1] * 16)  # 4 blocks: the whole initial pool
-    alloc = _serve(cache, [2] * 16)
+    serve_request(cache, [1] * 16)  # 4 blocks: the whole initial pool
+    alloc = serve_request(cache, [2] * 16)
     assert cache.num_blocks == 8 and alloc.block_table == [4, 5, 6, 7]
     assert cache.stats["parks"] == 0 and ("resize_device", 8) in mover.moves
 
@@ -57,14 +40,14 @@ def test_the_pool_grows_by_segments_before_anything_is_parked():
 def test_at_its_ceiling_the_pool_parks_as_a_fixed_one_does():
     cache, _ = _elastic(reserved=8)
     for first in (1, 2, 3):
-        _serve(cache, [first] * 16)
+        serve_request(cache, [first] * 16)
     assert cache.num_blocks == 8 and cache.stats["parks"] == 4 and cache.stats["dropped_blocks"] == 0
 
 
 def test_a_shrink_moves_cached_blocks_down_into_free_ids():
     cache, mover = _elastic(reserved=8)
-    _serve(cache, [1] * 8)  # blocks 0, 1
-    _serve(cache, [2] * 16)  # needs 4 more than the 2 free: grows, takes 2, 3, 4, 5
+    serve_request(cache, [1] * 8)  # blocks 0, 1
+    serve_request(cache, [2] * 16)  # needs 4 more than the 2 free: grows, takes 2, 3, 4, 5
     cache.release([9] * 4, 4, cache.allocate(cache.match([9] * 4, 3), 4))  # a one-block prompt on 6
     cache.check_integrity()
     tail = [b for b in cache.tiers.blocks("device").values() if b.device_id >= 4]
@@ -85,8 +68,8 @@ def test_a_shrink_moves_cached_blocks_down_into_free_ids():
 
 def test_a_shrink_never_drops_and_stops_without_host_room():
     cache, _ = _elastic(reserved=8, host_blocks=1)
-    _serve(cache, [1] * 16)
-    _serve(cache, [2] * 16)  # 8 blocks cached, none free
+    serve_request(cache, [1] * 16)
+    serve_request(cache, [2] * 16)  # 8 blocks cached, none free
     plan = cache.plan_shrink(4)
     assert plan.shrink_to == 7 and "host tier" in plan.stopped_by  # one park fits, then it stops
     cache.apply(plan)
@@ -96,7 +79,7 @@ def test_a_shrink_never_drops_and_stops_without_host_room():
 
 def test_a_shrink_stops_at_a_block_a_running_request_holds():
     cache, _ = _elastic(reserved=8)
-    _serve(cache, [1] * 16)
+    serve_request(cache, [1] * 16)
     held = cache.allocate(cache.match([2] * 16, 15), 16)  # running: ids 4-7, owned
     plan = cache.plan_shrink(4)
     assert plan.shrink_to == 8 and "running request" in plan.stopped_by
@@ -107,7 +90,7 @@ def test_a_shrink_stops_at_a_block_a_running_request_holds():
 def test_a_shrink_keeps_free_ids_for_the_device_checkpoints_and_relocated_blocks_keep_theirs():
     cache, _ = _elastic(reserved=8, checkpoint_units=1)
     held = cache.allocate(cache.match([5] * 8, 7), 8)  # ids 0, 1, held
-    _serve_with_checkpoint(cache, [2] * 8)  # 2 blocks + 1 checkpoint slot > 2 free: grows to 8; ids 2, 3
+    serve_request(cache, [2] * 8, checkpoint=True)  # 2 blocks + 1 checkpoint slot > 2 free: grows to 8; ids 2, 3
     cache.release([5] * 8, 0, held)  # computed nothing: ids 0, 1 free again
     tail = cache.tiers.blocks("device")[3]
     assert cache.num_blocks == 8 and tail.checkpoints == {4} and cache.tiers.num_free_ids("device") == 6
@@ -125,8 +108,8 @@ def test_a_shrink_keeps_free_ids_for_the_device_checkpoints_and_relocated_blocks
 
 def test_a_shrink_parks_a_checkpointed_block_with_its_checkpoints():
     cache, mover = _elastic(reserved=8, checkpoint_units=1)
-    _serve(cache, [1] * 8)  # ids 0, 1
-    _serve_with_checkpoint(cache, [2] * 8)  # grows to 8: ids 2, 3, the checkpoint on 3
+    serve_request(cache, [1] * 8)  # ids 0, 1
+    serve_request(cache, [2] * 8, checkpoint=True)  # grows to 8: ids 2, 3, the checkpoint on 3
     tail, head = cache.tiers.blocks("device")[3], cache.tiers.blocks("device")[2]
     plan = cache.plan_shrink(2)
     assert plan.shrink_to == 2 and plan.parks == [tail, head] and not plan.relocations and not plan.stopped_by
@@ -140,8 +123,8 @@ def test_a_shrink_parks_a_checkpointed_block_with_its_checkpoints():
 
 def test_a_parked_checkpoint_needs_a_host_slot_of_its_own():
     cache, _ = _elastic(reserved=8, host_blocks=2, checkpoint_units=1)
-    _serve(cache, [1] * 8)
-    _serve_with_checkpoint(cache, [2] * 8)  # ids 2, 3, the checkpoint on 3
+    serve_request(cache, [1] * 8)
+    serve_request(cache, [2] * 8, checkpoint=True)  # ids 2, 3, the checkpoint on 3
     plan = cache.plan_shrink(2)
     assert plan.shrink_to == 3 and plan.parks == [cache.tiers.blocks("device")[3]] and "host tier" in plan.stopped_by
 

@@ -59,7 +59,8 @@ def _engine(model, tokenizer, connect: bool, layer_split=(), groups: int = 1):
     return engine, budget
 
 
-async def _serve(engine, rid, prompt):
+async def _complete(engine, rid, prompt):
+    """One request through the running engine: (its generated ids, the cached tokens its usage reported)."""
     tokens, last = [], None
     async for delta in engine.submit(Request(rid, prompt, PARAMS)):
         tokens += delta.token_ids
@@ -102,9 +103,9 @@ def _sequence(model, tokenizer, connect: bool, after=None):
     async def run():
         engine, budget = _engine(model, tokenizer, connect)
         engine.start()
-        first, _ = await _serve(engine, "a", PROMPTS[0])
-        second, _ = await _serve(engine, "b", PROMPTS[1])
-        third, cached = await _serve(engine, "a2", PROMPTS[0] + first + [5, 6, 7])
+        first, _ = await _complete(engine, "a", PROMPTS[0])
+        second, _ = await _complete(engine, "b", PROMPTS[1])
+        third, cached = await _complete(engine, "a2", PROMPTS[0] + first + [5, 6, 7])
         extra = await after(engine, budget) if after else None
         await engine.shutdown(1)
         return [first, second, third], cached, engine, extra
@@ -162,8 +163,8 @@ def test_without_the_expert_cache_in_the_budget_the_same_sequence_parks(moe):
         engine, _ = _engine(model, tokenizer, False)
         engine.cache.admission.set_device_ceiling(RESERVED - 14)  # what all 16 slots leave the pool
         engine.start()
-        await _serve(engine, "a", PROMPTS[0])
-        await _serve(engine, "b", PROMPTS[1])
+        await _complete(engine, "a", PROMPTS[0])
+        await _complete(engine, "b", PROMPTS[1])
         await engine.shutdown(1)
         return engine.cache.stats["parks"]
 
@@ -249,7 +250,7 @@ def test_on_two_stages_and_two_groups_the_pool_takes_slots_while_the_other_group
     async def run():
         engine, budget = _engine(model, tokenizer, True, layer_split=(1,), groups=2)
         engine.start()
-        replies = await asyncio.gather(*(_serve(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        replies = await asyncio.gather(*(_complete(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
         _budget_holds(engine, budget)
         await engine.shutdown(1)
         return [r for r, _ in replies], engine
@@ -274,7 +275,7 @@ def test_the_growth_check_grows_the_cache_back_once_the_pool_has_room_and_expert
     async def after(engine, budget):
         await engine.resize_device_pool(MIN_BLOCKS)
         shrunk = cache.num_slots
-        await _serve(engine, "b2", PROMPTS[1] + [9, 9, 9])
+        await _complete(engine, "b2", PROMPTS[1] + [9, 9, 9])
         for _ in range(100):
             if cache.num_slots == 16:
                 break

@@ -10,6 +10,7 @@ from scheduler.cache.device_pool import resize_pool
 from scheduler.memory.admission import MemoryAdmission
 from scheduler.memory.service import MemoryService
 from scheduler.cache.prefix_cache import PrefixCache
+from tests.support.cache_requests import serve_request_via
 
 B = 4
 
@@ -19,14 +20,6 @@ def _service(min_blocks=4, reserved=12, host_blocks=8):
     admission.set_device_pool(min_blocks, reserved, 4)
     cache = PrefixCache(min_blocks, B, host_blocks=host_blocks, mover=RecordingMover(), admission=admission)
     return MemoryService(cache), cache
-
-
-def _serve(service, cache, tokens):
-    grant = service.grant(lambda: cache.plan_allocate(cache.match(tokens, len(tokens) - 1), len(tokens)))
-    assert grant.granted
-    assert service.grant(lambda: cache.plan_release(tokens, len(tokens), grant.allocation)).granted
-    cache.check_integrity()
-    return grant.allocation
 
 
 def _state(cache):
@@ -59,8 +52,8 @@ def test_a_queued_shrink_plans_at_its_turn_not_when_asked():
     """A shrink asked while ids 4-7 were cached and movable; a request queued ahead of it pins them. The
     shrink planned when asked would park blocks a running request now holds; planned at its turn, it stops."""
     service, cache = _service(reserved=8)
-    _serve(service, cache, [1] * 8)  # ids 0-1
-    _serve(service, cache, [2] * 24)  # grows to 8, ids 2-7
+    serve_request_via(service, cache, [1] * 8)  # ids 0-1
+    serve_request_via(service, cache, [2] * 24)  # grows to 8, ids 2-7
     stale = cache.plan_shrink(4)
     assert stale.shrink_to == 4 and any(b.tokens[0] == 2 for b in stale.parks + [b for b, _ in stale.relocations])
 
@@ -85,7 +78,7 @@ def test_a_queued_shrink_plans_at_its_turn_not_when_asked():
 
 def test_a_refused_queued_shrink_leaves_every_block_where_it_was():
     service, cache = _service(reserved=8)
-    _serve(service, cache, [1] * 32)  # the pool grows to 8, every id cached
+    serve_request_via(service, cache, [1] * 32)  # the pool grows to 8, every id cached
     before = _state(cache)
     cache.admission.refuse_points = {"park"}
     state = asyncio.run(service.request(lambda: resize_pool(service, 4), "resize"))
@@ -97,7 +90,7 @@ def test_a_refused_queued_shrink_leaves_every_block_where_it_was():
 def test_a_budget_holder_takes_spare_device_memory_then_shrinks_the_pool_by_parking():
     service, cache = _service(min_blocks=4, reserved=12)
     experts = service.register_budget("experts")
-    _serve(service, cache, [1] * 32)  # grows to 8 blocks; 4 of the 12-block budget spare
+    serve_request_via(service, cache, [1] * 32)  # grows to 8 blocks; 4 of the 12-block budget spare
     assert asyncio.run(experts.grow(4 * 64)) and cache.num_blocks == 8  # from the spare: nothing moved
     assert cache.admission.device_ceiling_blocks == 8 and cache.stats["parks"] == 0
     assert asyncio.run(experts.grow(2 * 64))  # 2 blocks more: the pool shrinks to 6, parking what was there
@@ -113,7 +106,7 @@ def test_a_budget_holder_takes_spare_device_memory_then_shrinks_the_pool_by_park
 def test_a_budget_holder_is_refused_whole_when_the_pool_cannot_shrink_far_enough():
     service, cache = _service(min_blocks=4, reserved=8, host_blocks=1)
     experts = service.register_budget("experts")
-    _serve(service, cache, [1] * 32)  # 8 blocks cached; the host tier has room to park only one
+    serve_request_via(service, cache, [1] * 32)  # 8 blocks cached; the host tier has room to park only one
     before = _state(cache)
     assert not asyncio.run(experts.grow(3 * 64))  # a shrink to 5 would stop at 7: refused, nothing moved
     assert _state(cache) == before and cache.admission.refusals == 1 and experts.held_bytes == 0

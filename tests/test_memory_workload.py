@@ -32,7 +32,9 @@ def _refuse_some(loop, seed, rate):
     admission.grant = flaky
 
 
-def _serve(tiny, turns, cache_on, num_blocks, host_blocks, refuse_rate=0.0, slots=4, elastic_min=None):
+def _run_workload(tiny, turns, cache_on, num_blocks, host_blocks, refuse_rate=0.0, slots=4, elastic_min=None):
+    """(replies, loop): `turns` (conversation, user ids, reply length) through a fresh engine loop, `slots` at
+    a time, each prompt the conversation's history so far plus the user's ids."""
     model, tokenizer = tiny
 
     async def main():
@@ -77,8 +79,8 @@ def _long_replies(seed):
 
 def test_preemption_under_a_small_pool_keeps_every_token_and_recomputes_nothing(tiny):
     turns = _long_replies(3)
-    on, loop = _serve(tiny, turns, cache_on=True, num_blocks=110, host_blocks=4000, refuse_rate=0.05)
-    off, _ = _serve(tiny, turns, cache_on=False, num_blocks=110, host_blocks=0)  # preempted: recomputes
+    on, loop = _run_workload(tiny, turns, cache_on=True, num_blocks=110, host_blocks=4000, refuse_rate=0.05)
+    off, _ = _run_workload(tiny, turns, cache_on=False, num_blocks=110, host_blocks=0)  # preempted: recomputes
     assert on == off and sum(map(bool, on)) > 0.9 * len(on)  # a few grew past the pool: refused alike
     stats = (loop.num_steps, loop.num_preemptions, loop.cache.admission.refusals, loop.cache.stats)
     assert loop.num_steps > 1000 and loop.num_preemptions > 0 and loop.cache.admission.refusals > 0, stats
@@ -88,9 +90,9 @@ def test_preemption_under_a_small_pool_keeps_every_token_and_recomputes_nothing(
 
 def test_an_elastic_pool_that_grows_and_shrinks_under_load_keeps_every_token(tiny):
     turns = _long_replies(5)
-    on, loop = _serve(tiny, turns, cache_on=True, num_blocks=160, host_blocks=4000, refuse_rate=0.03,
+    on, loop = _run_workload(tiny, turns, cache_on=True, num_blocks=160, host_blocks=4000, refuse_rate=0.03,
                       elastic_min=60)
-    off, _ = _serve(tiny, turns, cache_on=False, num_blocks=160, host_blocks=0)
+    off, _ = _run_workload(tiny, turns, cache_on=False, num_blocks=160, host_blocks=0)
     stats = loop.cache.stats
     assert on == off and loop.num_steps > 500, (loop.num_steps, stats)
     assert stats["device_grows"] > 0 and stats["device_shrinks"] > 0 and loop.shakes > 10, stats

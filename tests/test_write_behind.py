@@ -20,6 +20,7 @@ from scheduler.cache.checkpoint_store import CheckpointStore
 from scheduler.cache.checkpoints import Checkpoints
 from scheduler.cache.prefix_cache import PrefixCache
 from scheduler.cache.write_behind import WriteBehind
+from tests.support.cache_requests import serve_request
 
 
 class SavingMover(RecordingMover):
@@ -46,11 +47,6 @@ def _cache(num_blocks=8, host_blocks=4, disk_blocks=8):
                        mover=mover), mover
 
 
-def _serve(cache, tokens):
-    cache.release(tokens, len(tokens), cache.allocate(cache.match(tokens, len(tokens) - 1), len(tokens)))
-    cache.check_integrity()
-
-
 def _digests(cache, tokens):
     match = cache.match(tokens)
     return [b.digest for b in match.shared]
@@ -59,8 +55,8 @@ def _digests(cache, tokens):
 def test_released_blocks_are_queued_and_written_parents_first_newest_conversation_first():
     cache, mover = _cache()
     older, newer = [1] * 8, [2] * 8
-    _serve(cache, older)
-    _serve(cache, newer)
+    serve_request(cache, older)
+    serve_request(cache, newer)
     assert len(cache.unsaved) == 4
     wb = WriteBehind(cache, block_bytes=1024, mib_per_s=1)
     assert wb.tick(now=wb.last_tick + 1.0) == 4  # 1 MiB/s for 1 s: room for all four
@@ -71,7 +67,7 @@ def test_released_blocks_are_queued_and_written_parents_first_newest_conversatio
 
 def test_a_tick_writes_only_its_byte_budget_and_at_least_one_block():
     cache, mover = _cache()
-    _serve(cache, [3] * 16)
+    serve_request(cache, [3] * 16)
     wb = WriteBehind(cache, block_bytes=2**20, mib_per_s=2)
     assert wb.tick(now=wb.last_tick + 1.0) == 2
     assert wb.tick(now=wb.last_tick + 0.01) == 1  # under one block's worth of time: still one block
@@ -82,12 +78,12 @@ def test_a_tick_writes_only_its_byte_budget_and_at_least_one_block():
 def test_a_written_block_spills_without_a_second_write_and_the_flush_skips_it():
     cache, mover = _cache(num_blocks=2, host_blocks=1, disk_blocks=8)
     first = [1] * 8
-    _serve(cache, first)
+    serve_request(cache, first)
     wb = WriteBehind(cache, block_bytes=1024, mib_per_s=1)
     wb.tick(now=wb.last_tick + 1.0)
     assert len(mover.saved) == 2
     for other in (2, 3):  # push the first conversation down to the disk tier
-        _serve(cache, [other] * 8)
+        serve_request(cache, [other] * 8)
     first_blocks = cache.match(first).shared
     assert all(b.on_disk for b in first_blocks)
     assert mover.saved.count(first_blocks[0].digest) == 1  # the spill wrote nothing again
@@ -100,7 +96,7 @@ def test_a_written_block_spills_without_a_second_write_and_the_flush_skips_it():
 def test_a_block_loaded_from_disk_keeps_its_file_as_its_copy():
     cache, mover = _cache(num_blocks=2, host_blocks=1, disk_blocks=8)
     for first in (1, 2, 3):
-        _serve(cache, [first] * 8)
+        serve_request(cache, [first] * 8)
     alloc = cache.allocate(cache.match([1] * 8, 7), 8)
     assert alloc.reused_by_tier["disk"] > 0
     loaded = [b for b in cache.match([1] * 8).shared if b.on_device]
@@ -111,12 +107,12 @@ def test_a_block_loaded_from_disk_keeps_its_file_as_its_copy():
 
 def test_copies_give_way_when_spills_need_the_disk():
     cache, mover = _cache(num_blocks=2, host_blocks=1, disk_blocks=2)
-    _serve(cache, [1] * 8)
+    serve_request(cache, [1] * 8)
     wb = WriteBehind(cache, block_bytes=1024, mib_per_s=1)
     wb.tick(now=wb.last_tick + 1.0)
     assert cache.disk_free == 0 and not wb.has_work
     for other in (2, 3, 4):
-        _serve(cache, [other] * 8)
+        serve_request(cache, [other] * 8)
     assert cache.stats["spills"] >= 1
     assert len(cache.tiers.blocks("disk")) + len(cache.tiers.blocks("copies")) <= 2
     cache.check_integrity()
@@ -124,11 +120,11 @@ def test_copies_give_way_when_spills_need_the_disk():
 
 def test_a_dropped_block_takes_its_file_with_it():
     cache, mover = _cache(num_blocks=2, host_blocks=0, disk_blocks=2)
-    _serve(cache, [1] * 8)
+    serve_request(cache, [1] * 8)
     wb = WriteBehind(cache, block_bytes=1024, mib_per_s=1)
     wb.tick(now=wb.last_tick + 1.0)
     copies = list(cache.tiers.blocks("copies"))
-    _serve(cache, [2] * 8)  # no host tier: the first conversation's device blocks are dropped
+    serve_request(cache, [2] * 8)  # no host tier: the first conversation's device blocks are dropped
     assert set(copies) <= set(mover.deleted) and not cache.tiers.blocks("copies").keys() & set(copies)
     cache.check_integrity()
 
@@ -154,20 +150,11 @@ def _hybrid_cache(tmp_path, num_blocks=8, host_blocks=4, disk_blocks=12):
     return cache, cache.mover, store
 
 
-def _serve_hybrid(cache, tokens):
-    """One request over `tokens`, leaving its final state as a checkpoint at its end."""
-    match = cache.match(tokens, len(tokens) - 1)
-    alloc = cache.apply(cache.plan_allocate(match, len(tokens), checkpoints=1))
-    state = np.full(SHAPE, len(tokens), np.float32)
-    cache.apply(cache.plan_release(tokens, len(tokens), alloc, final_state=state))
-    cache.check_integrity()
-
-
 def test_checkpoints_are_written_after_their_block_from_the_same_budget(tmp_path):
     cache, mover, store = _hybrid_cache(tmp_path)
     older, newer = [1] * 8, [2] * 6
-    _serve_hybrid(cache, older)
-    _serve_hybrid(cache, newer)
+    serve_request(cache, older, checkpoint=True)
+    serve_request(cache, newer, checkpoint=True)
     tips = [cache.match(t).shared[-1] if len(t) % 4 == 0 else cache.match(t).cow_source for t in (older, newer)]
     assert len(cache.ckpt.unsaved) == 2 and cache.usage()["checkpoints_unsaved"] == 2
     wb = WriteBehind(cache, block_bytes=1000, mib_per_s=1)
@@ -187,7 +174,7 @@ def test_checkpoints_are_written_after_their_block_from_the_same_budget(tmp_path
 def test_a_checkpoint_taken_on_a_block_written_already_is_written_next(tmp_path):
     cache, mover, store = _hybrid_cache(tmp_path)
     tokens = [3] * 8
-    _serve_hybrid(cache, tokens[:4] + [9])  # block [3]*4 written with no checkpoint of its own
+    serve_request(cache, tokens[:4] + [9], checkpoint=True)  # block [3]*4 written with no checkpoint of its own
     wb = WriteBehind(cache, block_bytes=1000, mib_per_s=1)
     wb.tick(now=wb.last_tick + 1.0)
     head = cache.tree.root("").children[tuple(tokens[:4])]
@@ -205,13 +192,13 @@ def test_a_checkpoint_taken_on_a_block_written_already_is_written_next(tmp_path)
 def test_a_written_checkpoint_spills_and_loads_without_a_write_and_its_file_stays_as_the_copy(tmp_path):
     cache, mover, store = _hybrid_cache(tmp_path, num_blocks=4, host_blocks=3)
     first = [1] * 8
-    _serve_hybrid(cache, first)
+    serve_request(cache, first, checkpoint=True)
     wb = WriteBehind(cache, block_bytes=1000, mib_per_s=1)
     wb.tick(now=wb.last_tick + 1.0)
     tip = cache.match(first).shared[-1]
     key = (tip.digest, 4)
     for other in (2, 3, 4):  # push the first conversation down to the disk tier
-        _serve_hybrid(cache, [other] * 8)
+        serve_request(cache, [other] * 8, checkpoint=True)
     assert tip.on_disk and key in store.on_disk and mover.saved.count(key) == 1  # the spill wrote nothing
     match = cache.match(first + [5], 8)
     assert match.num_tokens == 8 and match.checkpoint == (tip, 4)
@@ -224,13 +211,14 @@ def test_a_written_checkpoint_spills_and_loads_without_a_write_and_its_file_stay
 def test_a_block_copy_deleted_for_room_takes_its_checkpoint_copies_and_both_are_queued_again(tmp_path):
     cache, mover, store = _hybrid_cache(tmp_path, num_blocks=4, host_blocks=3, disk_blocks=3)
     one, two = [1] * 8, [2] * 8
-    _serve_hybrid(cache, one)
-    _serve_hybrid(cache, two)  # the first conversation's tip (and its state) parked
+    serve_request(cache, one, checkpoint=True)
+    serve_request(cache, two, checkpoint=True)  # the first conversation's tip (and its state) parked
     wb = WriteBehind(cache, block_bytes=1000, mib_per_s=1)
     wb.tick(now=wb.last_tick + 1.0)
     head, tip = cache.match(two).shared
     assert head.disk_copy and tip.disk_copy and (tip.digest, 4) in store.copies and cache.disk_free == 0
-    _serve_hybrid(cache, [3] * 8)  # the first tip, never written, spills: the second's copies make room
+    # the first tip, never written, spills: the second's copies make room
+    serve_request(cache, [3] * 8, checkpoint=True)
     assert cache.stats["spills"] == 1 and mover.deleted == [head.digest, tip.digest]
     assert tip.on_host and not tip.disk_copy and tip.checkpoints == {4} and not store.copies
     assert not (tmp_path / f"{tip.digest.hex()}.4.state").exists()
