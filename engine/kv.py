@@ -92,7 +92,7 @@ def layout_for(config: ModelConfig, num_blocks: int, block_size: int = BLOCK_SIZ
 def resolve_kv_type(requested: str, backend) -> str:
     """--kv-type resolved for a backend: `auto` is the backend's first supported type (its default);
     a type the backend cannot run is a ValueError that names the ones it can."""
-    supported = tuple(getattr(backend, "kv_types", ("f32",)))
+    supported = backend.capabilities.kv_types
     if requested == "auto":
         return supported[0]
     if requested not in supported:

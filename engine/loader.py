@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engine.backends.base import Backend
+from engine.backends.placement import backend_for_arch
 from engine.chat_template import ChatTemplate
 from engine.gguf_file import GGUFFile
 from engine.model import LoadInfo, Model, load_model
@@ -15,7 +16,6 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("strata.loader")
 BACKEND_NAMES = ("auto", "numpy", "cuda")
-NUMPY_ONLY_ARCHS = ("lfm2", "qwen3next")  # hybrid models whose recurrent layers have no CUDA kernels yet
 # How the numpy backend holds linear weights: float32 (the reference) or the file's quantised blocks.
 CPU_WEIGHTS = ("f32", "quantized", "quantized-int8act", "quantized-f32act")
 _ACTIVATIONS = {"quantized": "int16", "quantized-int8act": "int8", "quantized-f32act": "f32"}
@@ -108,7 +108,7 @@ def open_model(
     resolved = resolve_model_source(name_or_path, fetch=fetch)
     path = resolved.path
     if backend is None and backend_name in ("auto", "cuda"):
-        backend_name = _backend_for_arch(GGUFFile(path).architecture, backend_name, path)
+        backend_name = backend_for_arch(GGUFFile(path).architecture, backend_name, path.name)
     backend = backend or create_backend(backend_name, cpu_weights=cpu_weights)
     if expert_cache_mib:  # before the weights load: the experts then go to the pinned host arena
         from engine.backends.cuda.expert_cache.setup import configure_expert_cache
@@ -118,24 +118,6 @@ def open_model(
     tokenizer = Tokenizer.from_gguf_fields(gguf.fields)
     template = ChatTemplate.from_gguf_fields(gguf.fields, model.config.arch, chat_template_path)
     return LoadedModel(model, tokenizer, template, info, resolved.name)
-
-
-def _backend_for_arch(arch: str, backend_name: str, path) -> str:
-    """The backend an arch may run on: a hybrid model (lfm2) runs on numpy only, so auto picks numpy and
-    --backend cuda is refused; auto -> numpy for a mixture-of-experts model too: cuda's expert path has run
-    on the kernel emulator but never on a GPU, so it is opt-in with --backend cuda."""
-    from engine.moe_config import MOE_ARCHITECTURES
-
-    if arch in NUMPY_ONLY_ARCHS:
-        if backend_name == "cuda":
-            raise ValueError(f"--backend cuda: {Path(path).name} is a hybrid model ({arch}), whose recurrent layers "
-                             "have no CUDA kernels yet; use --backend numpy or auto")
-        return "numpy"  # auto: its recurrent layers run on numpy only (logged by create_backend)
-    if backend_name == "auto" and arch in MOE_ARCHITECTURES:
-        log.info("backend auto -> numpy: %s is a mixture-of-experts model and the cuda expert path has not run "
-                 "on a GPU yet (--backend cuda to try it)", arch)
-        return "numpy"
-    return backend_name
 
 
 def encode_chat_prompt(tokenizer: Tokenizer, rendered: str | Sequence[str | list[int]]) -> list[int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.backends.base import Backend
+from engine.backends.placement import refusal
 from engine.batch import BatchMeta
 from engine.config import ModelConfig, config_from_gguf
 from engine.gguf_file import GGUFFile
@@ -136,11 +137,9 @@ def load_model(path: str | Path, backend: Backend, max_positions: int | None = N
     started = time.perf_counter()
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf.fields, vocab_size=gguf.tensor_shape("token_embd.weight")[0])
-    if config.is_hybrid and getattr(backend, "name", "numpy") != "numpy" and (
-            config.delta_net is not None or not hasattr(backend, "short_conv")):
-        raise ValueError(f"{Path(path).name}: {config.arch} (a hybrid model) runs on the numpy backend only"
-                         if config.delta_net is not None else
-                         f"{Path(path).name}: {config.arch} (short convolutions) needs a backend with short_conv")
+    reason = refusal(config.arch, backend.name, backend.capabilities)
+    if reason is not None:
+        raise ValueError(f"{Path(path).name}: {reason}")
     positions = max_positions or config.context_length
     weights = load_weights(gguf, config, backend, positions)
     weight_bytes = _count_bytes(weights)

@@ -15,7 +15,6 @@ runs at most min(E, B k) small products per projection.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 from engine.backends.base import Array, Backend
@@ -56,15 +55,3 @@ def moe_ffn(b: Backend, h: Array, moe: ExpertWeights, config) -> Array:
     if c.expert_weights_scale != 1.0:
         weights = weights * c.expert_weights_scale
     return b.expert_ffn(h, moe, ids, weights, c.expert_activation)  # [T, d]
-
-
-def require_moe_backend(backend, config) -> None:
-    """Refuse at load what a backend cannot compute: the MoE ops, and gpt-oss's attention sinks."""
-    arch = config.arch
-    missing = [op for op in ("route_experts", "expert_ffn") if not hasattr(backend, op)]
-    if missing:
-        raise ValueError(f"{arch} is a mixture-of-experts model and the {backend.name} backend has no "
-                         f"{'/'.join(missing)} yet; run it with --backend numpy")
-    if config.has_attn_sinks and "sinks" not in inspect.signature(backend.attention).parameters:
-        raise ValueError(f"{arch} needs attention sinks, which the {backend.name} backend does not compute yet; "
-                         "run it with --backend numpy")

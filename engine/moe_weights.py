@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from engine.gguf_file import GGUFFile
 from engine.moe import ExpertWeights
@@ -37,12 +36,12 @@ def load_moe_layer(gguf: GGUFFile, prefix: str, backend, linear) -> ExpertWeight
                      else [prefix + "ffn_gate_exps.weight", prefix + "ffn_up_exps.weight"])
     down_name = prefix + "ffn_down_exps.weight"
     device = None
-    if hasattr(backend, "upload_experts"):  # cuda: one stacked buffer per projection, biases with them
+    if backend.capabilities.stacked_experts:  # cuda: one stacked buffer per projection, biases with them
         gate_up, down = [], []
         biases = _split_gate_up_bias(gguf, prefix, fused) + (_host_opt(gguf, prefix + "ffn_down_exps.bias"),)
         device = backend.upload_experts(*_stacked_parts(gguf, gate_up_names, down_name),
                                         gguf.tensor_shape(down_name)[0], biases)
-    elif hasattr(backend, "upload_linear_quantized"):
+    elif backend.capabilities.quantized_linears:
         gate_up_parts = [_expert_parts(gguf, n, backend) for n in gate_up_names]
         down_parts = _expert_parts(gguf, down_name, backend)
         gate_up = [backend.upload_linear_quantized([p[e] for p in gate_up_parts]) for e in range(len(down_parts))]
@@ -105,9 +104,8 @@ def _expert_parts(gguf: GGUFFile, name: str, backend) -> list[LinearPart]:
     n_experts, n_rows, n_cols = gguf.tensor_shape(name)
     tensor_type, raw = gguf.tensor_raw(name)
     rows = raw.reshape(n_experts * n_rows, -1)  # [E*R, row_bytes]
-    supported = getattr(backend, "supports_quant_type", lambda t: True)
-    if not supported(tensor_type):
-        fallback = getattr(backend, "fallback_quant_type", GGMLQuantizationType.F16)
+    if not backend.supports_quant_type(tensor_type):
+        fallback = backend.capabilities.fallback_quant_type
         dtype = _FALLBACK_DTYPES[fallback]
         log.warning("tensor %s: no kernel for type %s on this backend, uploading it dequantised as %s (%d MiB)",
                     name, tensor_type.name, fallback.name, rows.shape[0] * n_cols * np.dtype(dtype).itemsize // MIB)

@@ -84,8 +84,8 @@ class QuantizedLinearLoader:
 
     def __init__(self, gguf: GGUFFile, backend):
         self.gguf, self.backend = gguf, backend
-        self.supported = getattr(backend, "supports_quant_type", lambda tensor_type: True)
-        self.fallback = getattr(backend, "fallback_quant_type", GGMLQuantizationType.F16)
+        self.supported = backend.supports_quant_type
+        self.fallback = backend.capabilities.fallback_quant_type
 
     def linear(self, names: list[str], unpermute_heads: list[int] | None = None):
         """Upload the row-stack of tensors `names` (each optionally Q/K un-permuted) as one linear."""

@@ -19,7 +19,6 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.gated_deltanet import DeltaNetStatePool
-from engine.short_conv import ConvStatePool
 from engine.state_window import state_window_tokens
 
 
@@ -34,7 +33,7 @@ class RecurrentStates:
         self.window_tokens = 0  # > 0: the state at p can be recomputed from [p - this, p) (start_window)
         if not self.enabled:
             return
-        if all(getattr(stage.backend, "writes_kv_rows", False) for stage in stages):  # else checkpoints only
+        if all(stage.backend.capabilities.writes_kv_rows for stage in stages):  # else checkpoints only
             self.window_tokens = state_window_tokens(config)
         for stage in stages:
             layers = tuple(i for i in stage.layers if config.layer_is_recurrent[i])
@@ -118,5 +117,4 @@ class RecurrentStates:
 def _state_pool(config: ModelConfig, layers: tuple[int, ...], backend):
     if config.delta_net is not None:
         return DeltaNetStatePool(layers, config.delta_net)
-    create = getattr(backend, "create_state_pool", ConvStatePool)  # cuda: on the device
-    return create(layers, config.conv_kernel, config.d_model)
+    return backend.create_state_pool(layers, config.conv_kernel, config.d_model)  # cuda: on the device

@@ -153,9 +153,8 @@ class ModelRunner:
         """Each stage's next step after the block moves just queued, in device order where the backend has
         streams (cuda: the stage's stream waits on the mover's event; numpy moves are done on return)."""
         for stage in self.stages:
-            fence = getattr(stage.mover, "move_fence", None)
-            if fence is not None and stage.mover is not stage.backend:
-                stage.backend.wait_for(fence(), stage.mover)
+            if stage.mover.capabilities.queued_moves and stage.mover is not stage.backend:
+                stage.backend.wait_for(stage.mover.move_fence(), stage.mover)
 
     def apply_moves(self, parks, restores, writes, copies) -> None:
         """A granted plan's block moves in one call: parks (device -> host), restores (host -> device),

@@ -127,6 +127,5 @@ def short_conv_block(b, w: ShortConvWeights, h: Array, batch: BatchMeta, pool: C
     d = pool.d_model
     bcx = b.linear(h, w.in_proj)  # [T, 3d]
     gate_b, gate_c, x = bcx[:, :d], bcx[:, d : 2 * d], bcx[:, 2 * d :]
-    conv = getattr(b, "short_conv", None) or numpy_short_conv
-    y = conv(gate_b * x, w.kernel, pool, layer, batch)  # [T, d]
+    y = b.short_conv(gate_b * x, w.kernel, pool, layer, batch)  # [T, d]
     return b.linear(gate_c * y, w.out_proj)

@@ -66,7 +66,7 @@ def warm_model(model: Model, kv_type: str, layer_split: tuple[int, ...] = ()) ->
     `kv_type` (resolved, never "auto") over `layer_split`, by running PLAN on a runner and pool of its own;
     logs what it did and returns it. None on a backend that compiles nothing lazily (cuda). Changes no
     state of anything else (the backend builds the model's fused decoder if nothing had yet)."""
-    if model.backend.name != "numpy":
+    if not model.backend.capabilities.compiles_lazily:
         return None
     started = time.perf_counter()
     before = kernel_counts()

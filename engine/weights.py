@@ -18,7 +18,7 @@ import numpy as np
 from engine.backends.base import Array, Backend
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFFile
-from engine.moe import ExpertWeights, require_moe_backend
+from engine.moe import ExpertWeights
 from engine.gated_deltanet import DeltaNetWeights, load_delta_net
 from engine.moe_weights import FFN_NORM_TENSOR, load_moe_layer
 from engine.qwen3next import SharedExpertWeights, load_shared_expert
@@ -81,7 +81,7 @@ def rope_tables(base: float, rope_dims: int, max_positions: int, linear_scale: f
 def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_positions: int) -> ModelWeights:
     """Hand every tensor to the backend in model layout: float32, or linears as raw rows (see above)."""
     c = config
-    quantized = QuantizedLinearLoader(gguf, backend) if hasattr(backend, "upload_linear_quantized") else None
+    quantized = QuantizedLinearLoader(gguf, backend) if backend.capabilities.quantized_linears else None
 
     def t(name: str) -> np.ndarray:
         return gguf.tensor(name)
@@ -98,8 +98,6 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
         return backend.upload_linear(mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0))
 
     qk_heads = [c.n_heads, c.n_kv_heads, 0] if c.permuted_qk else None
-    if c.n_experts:
-        require_moe_backend(backend, c)
     ffn_norm_name = FFN_NORM_TENSOR.get(c.arch, "ffn_norm.weight")
     layers = []
     for i in range(c.n_layers):
@@ -134,7 +132,7 @@ def load_weights(gguf: GGUFFile, config: ModelConfig, backend: Backend, max_posi
             )
         )
     output_name = "output.weight" if gguf.has_tensor("output.weight") else "token_embd.weight"  # tied
-    if quantized is not None and hasattr(backend, "upload_embedding_quantized"):
+    if quantized is not None and backend.capabilities.quantized_embedding:
         embedding = quantized.embedding("token_embd.weight")
         output = embedding if output_name == "token_embd.weight" else linear([output_name])
     elif quantized is not None:

@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine.backends.step_runner import create_step_runner
 from engine.batch import BatchMeta
 from engine.sequence import ModelRunner
 from engine.stages import Stage
@@ -72,7 +71,7 @@ class Pipeline:
         self.stats = [StageStats() for _ in self.stages]
         self._queues: list[asyncio.Queue] = []
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"strata-stage{s.index}") for s in self.stages]
-        self._runners = [create_step_runner(s.backend, w) for s, w in zip(self.stages, self._workers)]
+        self._runners = [s.backend.create_step_runner(w) for s, w in zip(self.stages, self._workers)]
         self._tasks: list[asyncio.Task] = []
         self._jobs: dict[int, _Job] = {}  # group -> its job in flight
         self.started_s = time.perf_counter()

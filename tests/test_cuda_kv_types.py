@@ -82,5 +82,5 @@ def test_the_cuda_backend_defaults_to_f16_kv():
     from engine.backends.cuda.backend import CudaBackend
     from engine.kv import resolve_kv_type
 
-    assert CudaBackend.kv_types[0] == "f16"
+    assert CudaBackend.capabilities.kv_types[0] == "f16"
     assert resolve_kv_type("auto", CudaBackend.__new__(CudaBackend)) == "f16"

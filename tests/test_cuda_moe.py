@@ -81,10 +81,12 @@ def test_a_fused_gate_up_tensor_is_split_for_the_device(emu, tmp_path):
 
 
 def test_a_backend_without_sinks_refuses_gpt_oss(tmp_path):
-    from engine.moe import require_moe_backend
+    from engine.backends.capabilities import Capabilities
+    from engine.backends.placement import require_runs
 
     class NoSinks:
         name = "other"
+        capabilities = Capabilities(moe=True)
 
         def route_experts(self): ...
 
@@ -95,7 +97,7 @@ def test_a_backend_without_sinks_refuses_gpt_oss(tmp_path):
     write_tiny_moe_gguf(tmp_path / "m.gguf", "gpt-oss")
     config = load_model(tmp_path / "m.gguf", NumpyBackend())[0].config
     with pytest.raises(ValueError, match="gpt-oss needs attention sinks, which the other backend does not"):
-        require_moe_backend(NoSinks(), config)
+        require_runs(NoSinks(), config.arch)
 
 
 def test_qwen3moe_decode_replays_a_cuda_graph_with_the_same_tokens(emulator_dir, monkeypatch, tmp_path):

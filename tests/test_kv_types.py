@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from engine.backends.capabilities import Capabilities
 from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout, layout_for, resolve_kv_type
@@ -128,7 +129,7 @@ def test_kv_type_auto_is_the_backends_first_and_an_unsupported_type_names_the_su
     assert resolve_kv_type("int8", NumpyBackend()) == "int8"
 
     class F16Only:
-        name, kv_types = "fake", ("f16",)
+        name, capabilities = "fake", Capabilities(kv_types=("f16",))
 
     assert resolve_kv_type("auto", F16Only()) == "f16"
     with pytest.raises(ValueError, match="--kv-type int8 is not supported by the fake backend .it runs: f16."):

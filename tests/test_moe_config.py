@@ -1,5 +1,7 @@
 """MoE config from GGUF metadata: the values each arch needs, and every unsupported variant refused at
 load with a message naming its key."""
+from dataclasses import replace
+
 import pytest
 
 from engine.backends.reference.backend import NumpyBackend
@@ -61,7 +63,7 @@ def test_more_experts_used_than_there_are_is_refused(tmp_path):
 def test_a_backend_without_moe_ops_refuses_the_model_and_says_what_to_use(tmp_path):
     class NoMoe(NumpyBackend):
         name = "cuda"
-        route_experts = expert_ffn = property(lambda self: (_ for _ in ()).throw(AttributeError()))
+        capabilities = replace(NumpyBackend.capabilities, moe=False)
 
     write_tiny_moe_gguf(tmp_path / "m.gguf", "gpt-oss")
     with pytest.raises(ValueError, match="gpt-oss is a mixture-of-experts model and the cuda backend has no "

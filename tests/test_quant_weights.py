@@ -1,5 +1,6 @@
 """Linear weights as raw GGUF rows (the quantised upload path), checked against the float32 path on the CPU."""
 import logging
+from dataclasses import replace
 
 import gguf
 import numpy as np
@@ -26,6 +27,8 @@ def _dequant(part: LinearPart) -> np.ndarray:
 
 class RecordingBackend(NumpyBackend):
     """Numpy backend with the quantised upload: records the parts, computes with their dequantised rows."""
+
+    capabilities = replace(NumpyBackend.capabilities, quantized_linears=True)
 
     def __init__(self, supported=(Q.Q8_0, Q.Q4_0, Q.F32, Q.F16)):
         self.uploads: list[list[LinearPart]] = []

@@ -11,10 +11,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from engine.backends.capabilities import Capabilities
 from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
 from engine.recurrent_state import RecurrentStates
 from engine.sequence import ModelRunner, Sequence
+from engine.short_conv import ConvStatePool
 from engine.state_window import state_window_tokens
 from tests.support.tiny_lfm2 import write_tiny_lfm2
 
@@ -133,7 +135,8 @@ def test_the_window_s_own_k_v_of_its_early_rows_is_wrong(model):
 def test_backends_without_row_writes_and_delta_nets_have_no_window(model):
     """A backend whose store_kv writes every row (no `writes_kv_rows`; numpy and CUDA both have it) keeps
     checkpoints only; a qwen3next config (gated DeltaNet, unbounded memory) has no window at all."""
-    stage = SimpleNamespace(layers=range(model.config.n_layers), backend=SimpleNamespace(), state_pool=None)
+    stage = SimpleNamespace(layers=range(model.config.n_layers), backend=SimpleNamespace(capabilities=Capabilities(), create_state_pool=ConvStatePool),
+                            state_pool=None)
     assert RecurrentStates(model.config, [stage]).window_tokens == 0
     delta = SimpleNamespace(delta_net=object(), is_hybrid=True, conv_kernel=4, recurrent_layers=(0, 1))
     assert state_window_tokens(delta) == 0

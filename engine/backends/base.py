@@ -5,19 +5,17 @@ default) and, later, on CUDA. Arrays are backend-owned handles; `to_host` brings
 Weights are uploaded once in the backend's preferred form (`upload_linear` takes the [out, in] float32
 matrix as stored in GGUF; a backend may keep it transposed, quantised or on a device).
 
-Optional capabilities, looked up with getattr (the float32 NumpyBackend has none of them):
-- `upload_linear_quantized(parts)` and `supports_quant_type(tensor_type)`: linears arrive as raw GGUF rows
-  (engine/quant_weights.LinearPart), never dequantised (engine/weights.py); `fallback_quant_type` (default
-  F16) is what a type without a kernel is converted to (cuda, and numpy with --cpu-weights quantized);
-- `upload_embedding_quantized(part)`: the token table arrives as raw rows too (numpy quantized);
-- `run_forward(model, batch, pool)`: runs model.forward its own way (cuda: CUDA-graph replay of decode steps);
-  engine/sequence.ModelRunner calls it when present.
-- `create_step_runner(worker)`: how a pipeline stage's step runs without blocking the event loop
-  (engine/backends/step_runner.py; default: on the stage's worker thread; cuda: launched from the loop, its
-  completion event awaited).
-- `move_fence()` on a mover handle and `wait_for(event, mover)` on a stage backend: block moves are queued,
-  not waited for, and the stage's next step is ordered after them on the device (cuda); ModelRunner calls
-  them after every batch of moves.
+What a backend can do beyond the required ops it declares in `capabilities` (engine/backends/capabilities.py),
+read by the model code instead of probing for methods; the ops a capability names exist when it is set:
+- `quantized_linears`: `upload_linear_quantized(parts)` and `supports_quant_type(tensor_type)`: linears arrive
+  as raw GGUF rows (engine/quant_weights.LinearPart), never dequantised (engine/weights.py); a type without a
+  kernel is converted to `fallback_quant_type` (cuda, and numpy with --cpu-weights quantized);
+- `quantized_embedding`: `upload_embedding_quantized(part)`: the token table arrives as raw rows too;
+- `moe`: `route_experts` / `expert_ffn`; `stacked_experts`: `upload_experts` (cuda);
+- `queued_moves`: `move_fence()` on a mover handle and `wait_for(event, mover)` on a stage backend: block
+  moves are queued, not waited for, and the stage's next step is ordered after them on the device (cuda);
+  ModelRunner calls them after every batch of moves.
+Which architecture runs on which backend follows from `capabilities.layer_kinds` (engine/backends/placement.py).
 """
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from engine.backends.capabilities import Capabilities
 from engine.batch import BatchMeta
 from engine.kv import KVLayout
 
@@ -33,6 +32,7 @@ Array = Any  # a backend's activation handle (numpy: np.ndarray)
 
 class Backend(Protocol):
     name: str
+    capabilities: Capabilities  # declared per class; see the module docstring
 
     # -- weights and memory ------------------------------------------------------------------------
     def upload(self, array: np.ndarray) -> Array:
@@ -124,4 +124,16 @@ class Backend(Protocol):
         """Start a step that enters at a later layer with the handed-off (x, h)."""
 
     def run_forward(self, model, batch: BatchMeta, pool: Any) -> np.ndarray:
-        """model.forward(batch, pool) for a one-stage model (cuda: replayed from a graph when it can)."""
+        """model.forward(batch, pool) for a one-stage model (cuda: replayed from a graph when it can);
+        engine/sequence.ModelRunner calls it."""
+
+    def create_step_runner(self, worker) -> Any:
+        """How a pipeline stage's step runs without blocking the event loop (engine/backends/step_runner.py:
+        numpy on the stage's worker thread; cuda launched from the loop, its completion event awaited)."""
+
+    # -- lfm2's short convolutions (engine/short_conv.py), where layer_kinds has short_conv -----------------
+    def create_state_pool(self, layers: tuple[int, ...], kernel: int, d_model: int) -> Any:
+        """The conv states of `layers` (ConvStatePool's interface; cuda keeps them on the device)."""
+
+    def short_conv(self, u: Array, kernel: Array, pool: Any, layer: int, batch: BatchMeta) -> Array:
+        """The depthwise causal convolution of u [T, d] with each sequence's state rows, rolling the states."""

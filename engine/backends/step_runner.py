@@ -7,8 +7,8 @@
 numpy (`ThreadStepRunner`): both on the stage's worker thread, so two stages really compute at once on two
 cores; the loop awaits the worker's future. cuda (engine/backends/cuda/step.py): launch on the loop thread
 (launches and a decode graph replay only enqueue), then the completion event is awaited through the
-backend's EventWaiter, and finish runs on the worker (sampling is milliseconds of numpy). Backends name
-theirs with `create_step_runner(worker)`; `create_step_runner` here picks it.
+backend's EventWaiter, and finish runs on the worker (sampling is milliseconds of numpy). Each backend
+makes its own with `create_step_runner(worker)` (engine/backends/base.py).
 """
 from __future__ import annotations
 
@@ -32,8 +32,3 @@ class ThreadStepRunner:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.worker, lambda: finish(launch()))
 
-
-def create_step_runner(backend, worker: Executor) -> StepRunner:
-    """The backend's own step runner (`create_step_runner(worker)`), else a worker-thread one."""
-    factory = getattr(backend, "create_step_runner", None)
-    return factory(worker) if factory is not None else ThreadStepRunner(worker)

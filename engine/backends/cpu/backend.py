@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import replace
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -33,8 +34,9 @@ log = logging.getLogger("strata.numpy")
 class QuantizedNumpyBackend(NumpyBackend):
     """NumpyBackend whose `linear` and `embedding` also accept QuantLinear weights."""
 
-    name = "numpy"
-    fallback_quant_type = GGMLQuantizationType.F32  # exact, unlike the GPU's F16 fallback
+    capabilities = replace(
+        NumpyBackend.capabilities, compiles_lazily=True, quantized_linears=True, quantized_embedding=True,
+        fallback_quant_type=GGMLQuantizationType.F32)  # exact, unlike the GPU's F16 fallback
 
     def __init__(self, fused_decode: bool = True, activations: str = "int16"):
         # fused_decode: decode steps run through fused_decoder (False: the unfused reference path);

@@ -21,6 +21,7 @@ import os
 
 import numpy as np
 
+from engine.backends.capabilities import ATTENTION, SHORT_CONV, Capabilities
 from engine.backends.cuda import linear as cuda_linear
 
 from engine.backends.cuda import moe as cuda_moe
@@ -53,10 +54,15 @@ class CudaBackend(CudaMemory, CudaStreams, CudaStepIndex, CudaOps):
     """
 
     name = "cuda"
-    # --kv-type: f16 by default (half the bytes of f32, logits within docs/BENCHMARKS.md's bound), int8 with
-    # per-token scales, f32 the reference; every type has its store and attention kernels (kv_blocks.cu, attention.cu).
-    kv_types = ("f16", "int8", "f32")
-    writes_kv_rows = True  # store_kv skips a state window's rows (slot -1, kv_blocks.cu): lfm2 windows run here
+    capabilities = Capabilities(
+        on_host=False,
+        # --kv-type: f16 by default (half the bytes of f32, logits within docs/BENCHMARKS.md's bound), int8 with
+        # per-token scales, f32 the reference; every type has its store and attention kernels (kv_blocks.cu,
+        # attention.cu).
+        kv_types=("f16", "int8", "f32"),
+        writes_kv_rows=True,  # store_kv skips a state window's rows (slot -1, kv_blocks.cu): lfm2 windows run here
+        quantized_linears=True, moe=True, stacked_experts=True, attention_sinks=True, expert_cache=True,
+        queued_moves=True, layer_kinds=frozenset({ATTENTION, SHORT_CONV}))  # short_conv.cu; no DeltaNet kernels
 
     def __init__(self, device: int = 0, stream=None, stage: int = 0, wait_mode: str | None = None,
                  graphs: bool | None = None):

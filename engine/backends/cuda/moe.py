@@ -73,7 +73,7 @@ def upload_experts(backend, gate: LinearPart, up: LinearPart, down: LinearPart, 
     the pinned host arena (device slots come at the first step); biases (gate [E, F], up [E, F], down [E, d]
     float32, or None) on the device either way."""
     bias = [None if b is None else backend.upload(b) for b in biases]
-    cache = getattr(backend, "expert_cache", None)
+    cache = backend.expert_cache
     rows = {role: _kernel_rows(part) for role, part in zip(("gate", "up", "down"), (gate, up, down))}
     if cache is None:
         stacked = [_stacked(part, tensor_type, backend.upload_bytes(data, f"experts {part.name}"), n_experts)

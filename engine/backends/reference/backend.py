@@ -13,16 +13,20 @@ scalar would silently promote the whole activation to float64.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Executor
 
 import numpy as np
 
+from engine.backends.capabilities import ATTENTION, DELTA_NET, SHORT_CONV, Capabilities
 from engine.backends.page_release import avoid_huge_pages, release_pages
 from engine.backends.reference import moe as numpy_moe
 from engine.backends.reference.host_pool import NumpyHostPool
+from engine.backends.step_runner import ThreadStepRunner
 from engine.batch import BatchMeta, SeqSlice
 from engine.kv import KVLayout
 from engine.kv_quant import encode_rows, split_rows
 from engine.moe_config import OAI_SWIGLU_ALPHA, OAI_SWIGLU_LIMIT
+from engine.short_conv import ConvStatePool, numpy_short_conv
 
 _F32 = np.float32
 _GELU_C = _F32(math.sqrt(2.0 / math.pi))
@@ -59,10 +63,12 @@ class NumpyBackend:
     """Backend protocol on numpy arrays (see engine/backends/base.py)."""
 
     name = "numpy"
-    # --kv-type auto: the first. f16: half the bytes, greedy ids as f32 on every reference prompt, and on the
-    # fused decode step (cpu/fused_step.py) faster at long contexts; prefill level (docs/BENCHMARKS.md)
-    kv_types = ("f16", "f32", "int8")
-    writes_kv_rows = True  # store_kv honours batch.kv_write_rows: hybrid models may recompute state windows
+    capabilities = Capabilities(
+        # --kv-type auto: the first. f16: half the bytes, greedy ids as f32 on every reference prompt, and on the
+        # fused decode step (cpu/fused_step.py) faster at long contexts; prefill level (docs/BENCHMARKS.md)
+        kv_types=("f16", "f32", "int8"),
+        writes_kv_rows=True,  # store_kv honours batch.kv_write_rows: hybrid models may recompute state windows
+        moe=True, attention_sinks=True, layer_kinds=frozenset({ATTENTION, SHORT_CONV, DELTA_NET}))
 
     def upload(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=_F32)
@@ -173,6 +179,14 @@ class NumpyBackend:
             return gate / (1.0 + np.exp(-_OAI_ALPHA * gate)) * (up + _F32(1.0))
         raise ValueError(f"unknown activation {kind!r}")
 
+    # -- lfm2's short convolution (engine/short_conv.py): the states are host arrays --
+    def create_state_pool(self, layers: tuple[int, ...], kernel: int, d_model: int) -> ConvStatePool:
+        return ConvStatePool(layers, kernel, d_model)
+
+    def short_conv(self, u: np.ndarray, kernel: np.ndarray, pool: ConvStatePool, layer: int,
+                   batch: BatchMeta) -> np.ndarray:
+        return numpy_short_conv(u, kernel, pool, layer, batch)
+
     # -- mixture of experts (engine/moe.py; the math is in reference/moe.py) --
     def route_experts(self, logits: np.ndarray, k: int, gating: str, normalize: bool):
         return numpy_moe.route_experts(logits, k, gating, normalize)
@@ -200,6 +214,9 @@ class NumpyBackend:
 
     def run_forward(self, model, batch: BatchMeta, pool: NumpyKVPool) -> np.ndarray:
         return model.forward(batch, pool)
+
+    def create_step_runner(self, worker: Executor) -> ThreadStepRunner:
+        return ThreadStepRunner(worker)  # the computation itself blocks the stage's worker thread
 
 
 def _block_views(pool, block: int) -> tuple[np.ndarray, np.ndarray]:

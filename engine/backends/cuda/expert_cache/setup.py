@@ -31,9 +31,9 @@ def configure_expert_cache(backend, spec) -> ExpertCache | None:
     budget = parse_expert_cache_mib(spec)
     if budget is None:
         return None
-    if getattr(backend, "name", None) != "cuda":
+    if not backend.capabilities.expert_cache:
         log.info("--expert-cache-mib %s ignored: the %s backend keeps every expert in host memory", spec,
-                 getattr(backend, "name", "?"))
+                 backend.name)
         return None
     cache = ExpertCache(backend.device, budget)
     backend.expert_cache = cache  # cuda.moe.upload_experts puts the experts of each MoE layer into it
