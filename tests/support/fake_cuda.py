@@ -184,11 +184,12 @@ def patch_driver(monkeypatch, fake) -> None:
 def install(monkeypatch) -> FakeDriver:
     """Route every CUDA module of the backend to a fresh FakeDriver and FakeKernelSet."""
     from engine.backends.cuda import device as cuda_device
+    from engine.backends.cuda import launch as cuda_launch
 
     fake = FakeDriver()
     patch_driver(monkeypatch, fake)
     monkeypatch.setattr(cuda_device, "_devices", {})
-    monkeypatch.setattr(cuda_device.Device, "kernel_set", lambda self: self.__dict__.setdefault(
+    monkeypatch.setattr(cuda_launch, "kernel_set", lambda device: device.__dict__.setdefault(
         "_fake_kernels", FakeKernelSet(fake)))
     monkeypatch.setitem(sys.modules, "cuda_kernels.quant_types", _fake_quant_types())
     monkeypatch.setenv("STRATA_CUDA_ARENA_MIB", str(ARENA_BYTES // 2**20))

@@ -180,11 +180,12 @@ class _SlowKernelSet(fake_cuda.FakeKernelSet):
 def install(monkeypatch, kernel_delay_s: float = 0.0) -> AsyncStreamsDriver:
     """fake_cuda.install with an AsyncStreamsDriver (and kernels slowed by kernel_delay_s)."""
     from engine.backends.cuda import device as cuda_device
+    from engine.backends.cuda import launch as cuda_launch
 
     fake = AsyncStreamsDriver(kernel_delay_s)
     fake_cuda.patch_driver(monkeypatch, fake)
     monkeypatch.setattr(cuda_device, "_devices", {})
-    monkeypatch.setattr(cuda_device.Device, "kernel_set", lambda self: self.__dict__.setdefault(
+    monkeypatch.setattr(cuda_launch, "kernel_set", lambda device: device.__dict__.setdefault(
         "_fake_kernels", _SlowKernelSet(fake)))
     monkeypatch.setitem(sys.modules, "cuda_kernels.quant_types", fake_cuda._fake_quant_types())
     monkeypatch.setenv("STRATA_CUDA_ARENA_MIB", str(fake_cuda.ARENA_BYTES // 2**20))

@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from engine.backends.capabilities import ATTENTION, SHORT_CONV, Capabilities
+from engine.backends.cuda import launch as cuda_launch
 from engine.backends.cuda import linear as cuda_linear
 
 from engine.backends.cuda import moe as cuda_moe
@@ -67,7 +68,7 @@ class CudaBackend(CudaMemory, CudaStreams, CudaStepIndex, CudaOps):
     def __init__(self, device: int = 0, stream=None, stage: int = 0, wait_mode: str | None = None,
                  graphs: bool | None = None):
         self.device = get_device(device)
-        self.kernels = self.device.kernel_set()
+        self.kernels = cuda_launch.kernel_set(self.device)
         self.stage = stage
         self.stream = stream if stream is not None else self.device.create_stream()
         self.copy_stream = self.device.create_stream()

@@ -141,7 +141,6 @@ class Device:
         self.arena_base = int(check(driver.cuMemAlloc(self.arena_bytes), f"cuMemAlloc({self.arena_bytes})"))
         self.arena = ArenaAllocator(self.arena_bytes)
         self._lock = threading.Lock()  # several stages (threads) may allocate on one device
-        self.kernels = None  # launch.KernelSet, made on first use (it imports cuda_kernels)
         log.info("cuda device %d: %s, %d SMs, arena %.0f MiB", ordinal, self.name, self.sm_count,
                  self.arena_bytes / MIB)
 
@@ -229,14 +228,6 @@ class Device:
         """Wait for all work queued on this device by every stream (before memory is unmapped under it)."""
         self.ensure_current()
         check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
-
-    def kernel_set(self):
-        """The loaded kernel modules of this device (compiled for its arch on first use)."""
-        if self.kernels is None:
-            from engine.backends.cuda.launch import KernelSet
-
-            self.kernels = KernelSet(self)
-        return self.kernels
 
 
 _devices: dict[int, Device] = {}

@@ -19,6 +19,16 @@ from engine.backends.cuda.device import check, driver
 
 log = logging.getLogger("strata.cuda")
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+_kernel_sets: dict = {}  # Device -> its KernelSet (devices live as long as the process: cuda.device._devices)
+_kernel_sets_lock = threading.Lock()
+
+
+def kernel_set(device) -> "KernelSet":
+    """The kernel modules of `device`, shared by all its backends (each compiled for its arch on first use)."""
+    with _kernel_sets_lock:
+        if device not in _kernel_sets:
+            _kernel_sets[device] = KernelSet(device)
+        return _kernel_sets[device]
 
 
 class KernelSet:
