@@ -8,6 +8,7 @@ import sys
 import time
 
 from api.config import add_serve_arguments, config_from_args
+from cuda_kernels.build import DEFAULT_ARCHS, SUPPORTED_ARCHS
 from engine.model_store import ModelFetchError, default_model_name, resolve_model
 
 _USER_ERRORS = (ValueError, FileNotFoundError, ModelFetchError, MemoryError)
@@ -83,8 +84,8 @@ def _build_parser() -> argparse.ArgumentParser:
     kernels = sub.add_parser("kernels", help="list the CUDA kernels; --check compiles them with NVRTC")
     kernels.add_argument("--check", action="store_true", help="compile every source and print registers, shared memory, spills")
     kernels.add_argument(
-        "--arch", nargs="+", default=["sm_80", "sm_86", "sm_89", "sm_90"], metavar="SM",
-        help="GPU archs to compile for (sm_80 sm_86 sm_89 sm_90 sm_100 sm_120)",
+        "--arch", nargs="+", default=list(DEFAULT_ARCHS), metavar="SM",
+        help=f"GPU archs to compile for ({' '.join(SUPPORTED_ARCHS)})",
     )
     kernels.set_defaults(func=_cmd_kernels)
     return parser

@@ -25,7 +25,10 @@ from cuda_kernels import registry
 from engine.model_store import strata_home
 
 INSTALL_HINT = "pip install -e '.[cuda]'"
+# The one home of the GPU archs: compiled by default (A100, RTX 30xx / A10, RTX 40xx / L4, H100 / H200), and every
+# arch the pinned NVRTC 12.9 knows (pyproject.toml's cuda extra) that `strata kernels --check --arch` accepts.
 DEFAULT_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+SUPPORTED_ARCHS = DEFAULT_ARCHS + ("sm_100", "sm_120")
 # Parity with the numpy reference first: no --use_fast_math (approximate exp/div/sqrt) by default.
 BASE_OPTIONS = ("--std=c++17", "-lineinfo", "--ptxas-options=-v")
 _CACHE_MAGIC = b"STRATA-CUBIN-1\n"

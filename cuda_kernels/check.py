@@ -8,13 +8,12 @@ from typing import TextIO
 
 from cuda_kernels import build, registry
 
-SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
 _ARCH = re.compile(r"^sm_\d{2,3}[af]?$")
 
 
 def validate_arch(arch: str) -> str:
     if not _ARCH.match(arch):
-        raise ValueError(f"--arch {arch!r} is not an arch name like sm_90 (known: {', '.join(SUPPORTED_ARCHS)})")
+        raise ValueError(f"--arch {arch!r} is not an arch name like sm_90 (known: {', '.join(build.SUPPORTED_ARCHS)})")
     return arch
 
 

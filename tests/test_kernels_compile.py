@@ -14,7 +14,7 @@ import pytest
 from api.cli import main
 from cuda_kernels import build, check, registry
 
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+ARCHS = build.DEFAULT_ARCHS
 ELEMENTWISE_SOURCES = ("elementwise.cu", "norms.cu", "rope.cu", "kv_blocks.cu")
 
 

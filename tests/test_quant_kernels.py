@@ -11,12 +11,13 @@ import pytest
 
 from cuda_kernels import gemm_quant, matvec_quant
 from cuda_kernels.registry import expand_includes, read_source
+from cuda_kernels.build import DEFAULT_ARCHS
 from cuda_kernels.quant_types import (MATVEC_MAX_T, QUANT_TYPES, check_in_dim, kernel_name, row_bytes,
                                       supported, use_gemm)
 from tests.support.cuda_helpers import KERNEL_DIR, Device, nvrtc_compile, random_weight
 
 SOURCES = {"matvec_quant.cu": "matvec", "gemm_quant.cu": "gemm"}
-ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+ARCHS = DEFAULT_ARCHS
 
 
 def _expected_names(source: str) -> set[str]:
