@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine.quant_types import CUDA_TYPES
+
 
 @dataclass(frozen=True)
 class QuantType:
@@ -21,21 +23,9 @@ class QuantType:
     suffix: str         # kernel name suffix: matvec_<suffix>, gemm_<suffix>
 
 
+# The types with kernels: engine/quant_types.py's `cuda` rows, their geometry gguf's.
 QUANT_TYPES: dict[str, QuantType] = {
-    qt.name: qt
-    for qt in (
-        QuantType("F32", 1, 4, "f32"),
-        QuantType("F16", 1, 2, "f16"),
-        QuantType("BF16", 1, 2, "bf16"),
-        QuantType("Q4_0", 32, 18, "q4_0"),
-        QuantType("Q4_1", 32, 20, "q4_1"),
-        QuantType("Q5_0", 32, 22, "q5_0"),
-        QuantType("Q8_0", 32, 34, "q8_0"),
-        QuantType("Q4_K", 256, 144, "q4_k"),
-        QuantType("Q6_K", 256, 210, "q6_k"),
-        QuantType("MXFP4", 32, 17, "mxfp4"),
-    )
-}
+    t.name: QuantType(t.name, t.block_elems, t.block_bytes, t.suffix) for t in CUDA_TYPES}
 
 # Both kernels decode 8 consecutive weights at a time, so `in` must also be a multiple of 8 for the float types.
 KERNEL_CHUNK_ELEMS = 8

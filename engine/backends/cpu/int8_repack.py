@@ -25,14 +25,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from engine.quant_types import HALF_SCALE_TYPES, INT8_TYPES  # the types repacked; those with float16 scales
+
 U4, U8 = 0, 1  # forms (a jitted function dispatches on an int)
-INT8_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-# Types whose repacked scales can be float16 bits exactly (the k-quants' d_super * sc products cannot).
-HALF_SCALE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 REPACK_ROWS = 4096
-_BLOCK_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q5_0: 22, Q.Q5_1: 24, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
 
 class Int8Part(NamedTuple):
@@ -59,7 +58,7 @@ def half_scales_fit(tensor_type: Q, rows: np.ndarray) -> bool:
     factor = {Q.Q4_0: 8.0, Q.Q5_0: 16.0, Q.Q8_0: 128.0}.get(tensor_type)
     if factor is None or rows.size == 0:
         return True
-    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, _BLOCK_BYTES[tensor_type])
+    blocks = np.ascontiguousarray(rows).reshape(rows.shape[0], -1, GGML_QUANT_SIZES[tensor_type][1])
     d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float32)
     return bool(np.all(np.abs(d) * np.float32(factor) <= np.float32(65504.0)))
 
@@ -118,7 +117,7 @@ def unpack(tensor_type: Q, rows: np.ndarray, in_dim: int):
     """(values [R, in] u8 (q8_0: int8), d [R, in/G] f32, m [R, in/32] f32 or None, G): w = d * value + m
     per group of G weights (q6_k: values 0..63, w = d * (value - 32), G = 16)."""
     n_rows = rows.shape[0]
-    blocks = np.ascontiguousarray(rows).reshape(n_rows, -1, _BLOCK_BYTES[tensor_type])
+    blocks = np.ascontiguousarray(rows).reshape(n_rows, -1, GGML_QUANT_SIZES[tensor_type][1])
     def f16(a, b):
         return np.ascontiguousarray(blocks[..., a:b]).view(np.float16)[..., 0].astype(np.float32)
     if tensor_type in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):  # m: q4_0 -8 d, q5_0 -16 d

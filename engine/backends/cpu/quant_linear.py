@@ -18,19 +18,17 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from gguf import GGMLQuantizationType as Q
 
 from engine.backends.cpu import gguf_dequant as decode
 from engine.backends.cpu.gguf_row_kernels import call_kernel, dequant_rows, gather_rows, matmul_rows
 from engine.backends.cpu.int8_gemm import gemm_part, quantize_act
 from engine.backends.cpu.repacked_rows import dequant_part, gather_part, matmul_part
 from engine.backends.page_release import release_pages
+from engine.quant_types import CPU_TYPES
 from engine.quant_weights import LinearPart
 
-# GGUF type -> kernel type id; the types the CPU kernels compute on directly.
-KERNEL_KINDS = {Q.F32: decode.F32, Q.F16: decode.F16, Q.BF16: decode.BF16, Q.Q4_0: decode.Q4_0,
-                Q.Q4_1: decode.Q4_1, Q.Q5_0: decode.Q5_0, Q.Q5_1: decode.Q5_1, Q.Q8_0: decode.Q8_0,
-                Q.Q4_K: decode.Q4_K, Q.Q5_K: decode.Q5_K, Q.Q6_K: decode.Q6_K, Q.MXFP4: decode.MXFP4}
+# GGUF type -> the decoders' id for it; the types the CPU kernels compute on directly (engine/quant_types.py).
+KERNEL_KINDS = {t: getattr(decode, t.name) for t in CPU_TYPES}
 KERNEL_MAX_ROWS = 8  # up to this many rows the kernel beats dequantise + BLAS (docs/BENCHMARKS.md)
 # One thread dequantises a tile, then BLAS uses them all: with both pools busy-waiting on shared cores a
 # parallel dequantisation made 512-token prefill 15-30% slower than float32; serial, it is level (measured,

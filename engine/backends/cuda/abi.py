@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import re
 
+from engine.quant_types import CUDA_TYPES
+
 # Copied from docs/CUDA_KERNELS.md (keep them identical; the test above compares).
 _ATTENTION = ("float* out, const float* q, const float* pool_k, const float* pool_v, const int* token_seq, "
               "const int* token_pos, const int* block_tables, int max_blocks, int T, int H, int KVH, int hd, "
@@ -76,7 +78,7 @@ MOE_MATVEC_SIGNATURE = ("float* y, const unsigned char* W, const unsigned long l
 # matvec_<q> / gemm_<q>: the table's signature plus `int ld_y` after `in` (the paragraph under that table).
 QUANT_SIGNATURE = ("float* y, const unsigned char* W, const float* x, const float* bias, int T, int out, int in, "
                    "int ld_y")
-QUANT_SUFFIXES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q6_k", "mxfp4")
+QUANT_SUFFIXES = tuple(t.suffix for t in CUDA_TYPES)  # the types with kernels (engine/quant_types.py)
 
 
 def signature(kernel: str) -> str:
