@@ -68,12 +68,13 @@ def test_an_edit_to_the_callee_alone_recompiles_the_caller_only_when_keyed(tmp_p
 
 @pytest.mark.parametrize("module, dependencies", [
     ("fused_layer", ["fused_matvec", "half", "repacked_rows", "int8_matvec", "int8_repack", "gguf_dequant",
-                     "simd_dot"]),
+                     "simd_dot", "llvm_ir"]),
     ("fused_step", ["fused_layer", "fused_matvec", "int8_matvec", "int8_repack", "gguf_dequant", "step_sync",
-                    "half", "repacked_rows", "simd_dot"]),
+                    "half", "repacked_rows", "simd_dot", "llvm_ir"]),
     ("repacked_rows", ["half", "int8_repack"]),
     ("fused_matvec", ["gguf_dequant"]), ("gguf_row_kernels", ["gguf_dequant"]),
-    ("int8_matvec", ["int8_repack", "simd_dot"])])
+    ("int8_matvec", ["int8_repack", "simd_dot", "llvm_ir"]),
+    ("int8_gemm", ["half", "int8_repack", "vnni_tile", "int8_matvec", "llvm_ir"])])
 def test_the_kernel_modules_key_every_cached_dispatcher_on_what_they_call(module, dependencies):
     import importlib
 

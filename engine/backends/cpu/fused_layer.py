@@ -238,4 +238,4 @@ def add_normed(x, delta, post_norm, eps):
 key_on_sources(globals(), ["engine.backends.cpu.fused_matvec", "engine.backends.cpu.half",
                            "engine.backends.cpu.repacked_rows", "engine.backends.cpu.int8_matvec",
                            "engine.backends.cpu.int8_repack", "engine.backends.cpu.gguf_dequant",
-                           "engine.backends.cpu.simd_dot"])
+                           "engine.backends.cpu.simd_dot", "engine.backends.cpu.llvm_ir"])

@@ -225,4 +225,4 @@ key_on_sources(globals(), ["engine.backends.cpu.fused_layer", "engine.backends.c
                            "engine.backends.cpu.int8_matvec", "engine.backends.cpu.int8_repack",
                            "engine.backends.cpu.gguf_dequant", "engine.backends.cpu.step_sync",
                            "engine.backends.cpu.half", "engine.backends.cpu.repacked_rows",
-                           "engine.backends.cpu.simd_dot"])
+                           "engine.backends.cpu.simd_dot", "engine.backends.cpu.llvm_ir"])

@@ -25,6 +25,7 @@ from numba.extending import overload
 
 from engine.backends.cpu.gguf_row_kernels import call_kernel
 from engine.backends.cpu.half import as_float
+from engine.backends.cpu.int8_matvec import block_scale, round_half_away
 from engine.backends.cpu.int8_repack import U8
 from engine.backends.cpu.numba_cache_deps import key_on_sources
 from engine.backends.cpu.vnni_tile import MAX_TOKENS, TILE_ROWS, tile_dot
@@ -41,16 +42,10 @@ def quantize_into(x, qmax, act):
     xq, dx32, sx32, dx16, sx16 = act
     for t in prange(x.shape[0]):
         for b in range(x.shape[1] // 32):
-            amax, finite = _F32(0.0), _F32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(x[t, b * 32 + j]))
-                finite += x[t, b * 32 + j] * _F32(0.0)  # NaN if any value is NaN or infinite
-            d = amax / qmax if finite == _F32(0.0) else _F32(np.nan)
-            inv = _F32(1.0) / d if d > _F32(0.0) else _F32(0.0)
+            d, inv = block_scale(x, t, b, qmax)  # the decode quantiser's rule (int8_matvec.py)
             low, high = _I32(0), _I32(0)
             for j in range(32):
-                v = x[t, b * 32 + j] * inv
-                q = _I32(v + _F32(0.5)) if v >= _F32(0.0) else -_I32(_F32(0.5) - v)
+                q = round_half_away(x[t, b * 32 + j] * inv)
                 xq[t, b * 32 + j] = q
                 if j < 16:
                     low += q
@@ -150,4 +145,5 @@ def gemm_part(part, act, y, col0):
 
 
 key_on_sources(globals(), ["engine.backends.cpu.half", "engine.backends.cpu.int8_repack",
-                           "engine.backends.cpu.vnni_tile"])
+                           "engine.backends.cpu.vnni_tile", "engine.backends.cpu.int8_matvec",
+                           "engine.backends.cpu.llvm_ir"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+from numba.extending import register_jitable
 
 from engine.backends.cpu.int8_repack import U8
 from engine.backends.cpu.numba_cache_deps import key_on_sources
@@ -33,6 +34,25 @@ from engine.backends.cpu.simd_dot import MAX_TOKENS, u4_rows, u8_rows16, u8_rows
 _F32, _I32, _I16 = np.float32, np.int32, np.int16
 _FASTMATH = {"reassoc", "contract", "nsz"}  # as gguf_row_kernels: no nnan / ninf
 _ROWS_PER_TASK = 16
+
+
+@register_jitable(inline="always")
+def block_scale(x, t, b, qmax):
+    """(dx, 1 / dx) of block b (32 values) of token t: dx = max|x_block| / qmax, NaN if the block holds a
+    non-finite value; 1 / dx is 0 for a block of zeros. Shared by the decode and prefill quantisers
+    (int8_gemm.py), so both round a token the same way; inlined, it takes the caller's fastmath flags."""
+    amax, finite = _F32(0.0), _F32(0.0)
+    for j in range(32):
+        amax = max(amax, abs(x[t, b * 32 + j]))
+        finite += x[t, b * 32 + j] * _F32(0.0)  # NaN if any value is NaN or infinite
+    d = amax / qmax if finite == _F32(0.0) else _F32(np.nan)
+    return d, (_F32(1.0) / d if d > _F32(0.0) else _F32(0.0))
+
+
+@register_jitable(inline="always")
+def round_half_away(v):
+    """v (|v| <= qmax) to the nearest int32, halves away from zero, as ggml's roundf."""
+    return _I32(v + _F32(0.5)) if v >= _F32(0.0) else -_I32(_F32(0.5) - v)
 
 
 @njit(cache=True)
@@ -68,16 +88,10 @@ def quantize_blocks(x, qmax, act, t, first, last):
     activations into units of blocks)."""
     xlo, xhi, x16, dx, dx16, sx, sx16 = act
     for b in range(first, last):
-        amax, finite = _F32(0.0), _F32(0.0)
-        for j in range(32):
-            amax = max(amax, abs(x[t, b * 32 + j]))
-            finite += x[t, b * 32 + j] * _F32(0.0)  # NaN if any value is NaN or infinite
-        d = amax / qmax if finite == _F32(0.0) else _F32(np.nan)
-        inv = _F32(1.0) / d if d > _F32(0.0) else _F32(0.0)
+        d, inv = block_scale(x, t, b, qmax)
         low_sum, high_sum = _I32(0), _I32(0)  # the two halves' sums
         for j in range(32):
-            v = x[t, b * 32 + j] * inv  # |v| <= qmax; rounded half away from zero, as ggml's roundf
-            q = _I16(_I32(v + _F32(0.5)) if v >= _F32(0.0) else -_I32(_F32(0.5) - v))
+            q = _I16(round_half_away(x[t, b * 32 + j] * inv))
             x16[t, b * 32 + j] = q
             if j < 16:
                 low_sum += _I32(q)
@@ -139,4 +153,5 @@ def project_i8(part0, part1, x, qmax):
 
 # numba caches each function against this file only; the jitted code and constants it calls in from
 # these modules are compiled into its entries, so their sources key the cache too.
-key_on_sources(globals(), ["engine.backends.cpu.int8_repack", "engine.backends.cpu.simd_dot"])
+key_on_sources(globals(), ["engine.backends.cpu.int8_repack", "engine.backends.cpu.simd_dot",
+                           "engine.backends.cpu.llvm_ir"])

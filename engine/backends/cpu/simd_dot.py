@@ -29,6 +29,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from engine.backends.cpu.llvm_ir import element_pointer, lane_mask, pair_sums, row_length, splat, target_has
+
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32, _HALF = ir.FloatType(), ir.HalfType()
 _V4F, _V8F, _V8I32 = ir.VectorType(_F32, 4), ir.VectorType(_F32, 8), ir.VectorType(_I32, 8)
@@ -40,14 +42,7 @@ U4_BLOCK, U8_GROUP32, U8_GROUP16 = "u4", "u8g32", "u8g16"  # the three group lay
 
 def simd_enabled() -> bool:
     """Whether the kernels compile with AVX2 (the features numba's JIT targets include +avx2)."""
-    from numba.core.registry import cpu_target
-
-    features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
-    return "+avx2" in features.split(",")
-
-
-def _mask(values):
-    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
+    return target_has("avx2")
 
 
 def _load(builder, base, index, vector_type):
@@ -71,18 +66,12 @@ def _madd(builder, weights, activations, x86):
         return builder.call(fn, [weights, activations])
     v16 = ir.VectorType(_I32, 16)
     products = builder.mul(builder.sext(weights, v16), builder.sext(activations, v16), flags=("nsw",))
-    return builder.add(builder.shuffle_vector(products, products, _mask(range(0, 16, 2))),
-                       builder.shuffle_vector(products, products, _mask(range(1, 16, 2))))
+    return pair_sums(builder, products, 16, 8)
 
 
 def _splat(builder, vector, lane):
     """<8 x float> of vector[lane]."""
-    return builder.shuffle_vector(vector, vector, _mask([lane] * 8))
-
-
-def _scalar_splat(builder, value):
-    vec = builder.insert_element(ir.Constant(_V8F, ir.Undefined), value, ir.Constant(_I32, 0))
-    return _splat(builder, vec, 0)
+    return builder.shuffle_vector(vector, vector, lane_mask([lane] * 8))
 
 
 def _scales4(builder, base, g0, half):
@@ -96,8 +85,8 @@ def _scales4(builder, base, g0, half):
 def _hsum(builder, acc, width):
     while width > 1:
         width //= 2
-        acc = builder.fadd(builder.shuffle_vector(acc, acc, _mask(range(width))),
-                           builder.shuffle_vector(acc, acc, _mask(range(width, 2 * width))), flags=_FAST)
+        acc = builder.fadd(builder.shuffle_vector(acc, acc, lane_mask(range(width))),
+                           builder.shuffle_vector(acc, acc, lane_mask(range(width, 2 * width))), flags=_FAST)
     return builder.extract_element(acc, ir.Constant(_I32, 0))
 
 
@@ -136,7 +125,7 @@ class _Row:
             return b.and_(w, ir.Constant(_V16I16, [15] * 16)), b.lshr(w, ir.Constant(_V16I16, [4] * 16))
         if self.layout == U8_GROUP32:
             w = b.zext(_load(b, qs, b.mul(g, ir.Constant(_I64, 32)), _V32I8), _V32I16)
-            return b.shuffle_vector(w, w, _mask(range(16))), b.shuffle_vector(w, w, _mask(range(16, 32)))
+            return b.shuffle_vector(w, w, lane_mask(range(16))), b.shuffle_vector(w, w, lane_mask(range(16, 32)))
         return (b.zext(_load(b, qs, b.mul(g, ir.Constant(_I64, 16)), _V16I8), _V16I16),)
 
     def sums(self, weights, g, t):
@@ -179,7 +168,7 @@ class _Row:
         weights = self.weights(g)
         for t in range(len(self.y)):
             s = b.fmul(d, b.load(b.gep(self.dx[t], [g])), flags=_FAST)
-            self.add(self.acc[t], b.fmul(self.sums(weights, g, t), _scalar_splat(b, s), flags=_FAST))
+            self.add(self.acc[t], b.fmul(self.sums(weights, g, t), splat(b, s, _V8F), flags=_FAST))
             self.add(self.off1[t], b.fmul(m, b.load(b.gep(self.sx[t], [g])), flags=_FAST))
 
     def store(self):
@@ -229,16 +218,6 @@ def _row_function(module, kind, tokens):
 MAX_TOKENS = 4  # tokens one call computes (the weights' unpacking is shared by them)
 
 
-def _row_pointer(context, builder, array_type, array, row, col=None):
-    ary = context.make_array(array_type)(context, builder, array)
-    col = context.get_constant(types.intp, 0) if col is None else col
-    return cgutils.get_item_pointer(context, builder, array_type, ary, [row, col]), ary
-
-
-def _row_length(builder, ary):
-    return cgutils.unpack_tuple(builder, ary.shape, 2)[1]
-
-
 def _rows_codegen(layout, x86):
     """codegen of (qs, d, m, xa, xb, dx, sx, r, t0, count, y, col): y[t0 + i, col] = row r . token t0 + i
     for i < count (1 .. MAX_TOKENS; other counts do nothing)."""
@@ -247,16 +226,16 @@ def _rows_codegen(layout, x86):
         types_ = signature.args
         r, t0, count, col = (context.cast(builder, v, types_[i], types.intp)
                              for i, v in ((7, r), (8, t0), (9, count), (11, col)))
-        qs_p, _ = _row_pointer(context, builder, types_[0], qs, r)
-        d_p, d_ary = _row_pointer(context, builder, types_[1], d, r)
-        m_p, _ = _row_pointer(context, builder, types_[2], m, r)
-        xa_p, xa_ary = _row_pointer(context, builder, types_[3], xa, t0)
-        xb_p, _ = _row_pointer(context, builder, types_[4], xb, t0)
-        dx_p, dx_ary = _row_pointer(context, builder, types_[5], dx, t0)
-        sx_p, _ = _row_pointer(context, builder, types_[6], sx, t0)
-        y_p, y_ary = _row_pointer(context, builder, types_[10], y, t0, col)
-        call_args = [qs_p, d_p, m_p, xa_p, xb_p, dx_p, sx_p, _row_length(builder, d_ary),
-                     _row_length(builder, xa_ary), _row_length(builder, dx_ary), y_p, _row_length(builder, y_ary)]
+        qs_p, _ = element_pointer(context, builder, types_[0], qs, r)
+        d_p, d_ary = element_pointer(context, builder, types_[1], d, r)
+        m_p, _ = element_pointer(context, builder, types_[2], m, r)
+        xa_p, xa_ary = element_pointer(context, builder, types_[3], xa, t0)
+        xb_p, _ = element_pointer(context, builder, types_[4], xb, t0)
+        dx_p, dx_ary = element_pointer(context, builder, types_[5], dx, t0)
+        sx_p, _ = element_pointer(context, builder, types_[6], sx, t0)
+        y_p, y_ary = element_pointer(context, builder, types_[10], y, t0, col)
+        call_args = [qs_p, d_p, m_p, xa_p, xb_p, dx_p, sx_p, row_length(builder, d_ary),
+                     row_length(builder, xa_ary), row_length(builder, dx_ary), y_p, row_length(builder, y_ary)]
         kind = (layout, types_[1].dtype == types.uint16, simd_enabled() if x86 is None else x86)
         done = builder.append_basic_block("rows_done")
         switch = builder.switch(count, done)

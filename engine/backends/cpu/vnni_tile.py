@@ -28,6 +28,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from engine.backends.cpu.llvm_ir import element_pointer, pair_sums, row_length, splat, target_has
+
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16I32, _V16F, _V64I8 = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(_I8, 64)
 # No fast-math flags on the float part: with contract / reassoc LLVM fused and ordered it differently in the
@@ -41,14 +43,7 @@ _VECS = TILE_ROWS // 16
 
 def vnni_enabled() -> bool:
     """Whether numba compiles for AVX-512 VNNI (its target features, which key its cache, not the host's)."""
-    from numba.core.registry import cpu_target
-
-    features = getattr(cpu_target.target_context.codegen(), "_tm_features", "") or ""
-    return "+avx512vnni" in features.split(",")
-
-
-def _mask(values):
-    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
+    return target_has("avx512vnni")
 
 
 def _dot(builder, acc, weights, activations, vnni, wide):
@@ -63,16 +58,7 @@ def _dot(builder, acc, weights, activations, vnni, wide):
     w = builder.bitcast(weights, vec)
     w = builder.sext(w, wide_i32) if wide else builder.zext(w, wide_i32)
     p = builder.mul(w, builder.sext(builder.bitcast(activations, vec), wide_i32), flags=("nsw",))
-    while lanes > 16:
-        p = builder.add(builder.shuffle_vector(p, p, _mask(range(0, lanes, 2))),
-                        builder.shuffle_vector(p, p, _mask(range(1, lanes, 2))))
-        lanes //= 2
-    return builder.add(acc, p)
-
-
-def _splat(builder, value, vector_type):
-    vec = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(vec, vec, _mask([0] * vector_type.count))
+    return builder.add(acc, pair_sums(builder, p, lanes, 16))
 
 
 def _tile_function(module, steps: int, tokens: int, vnni: bool, wide: bool):
@@ -108,15 +94,15 @@ def _tile_function(module, steps: int, tokens: int, vnni: bool, wide: bool):
             w = [b.load(b.gep(wt_v, [b.add(b.mul(kq, ir.Constant(_I64, _VECS)), ir.Constant(_I64, v))]), align=1)
                  for v in range(_VECS)]
             for t in range(tokens):
-                xb = _splat(b, b.load(b.gep(x_rows[t], [kq]), align=1), _V16I32)
+                xb = splat(b, b.load(b.gep(x_rows[t], [kq]), align=1), _V16I32)
                 for v in range(_VECS):
                     isum[t][v] = _dot(b, isum[t][v], w[v], xb, vnni, wide)
         slot = [b.add(b.mul(g, ir.Constant(_I64, _VECS)), ir.Constant(_I64, v)) for v in range(_VECS)]
         d = [b.load(b.gep(dt_v, [i]), align=4) for i in slot]
         m = [b.load(b.gep(mt_v, [i]), align=4) for i in slot]
         for t in range(tokens):
-            dxs = _splat(b, b.load(b.gep(dx_rows[t], [g])), _V16F)
-            sxs = _splat(b, b.load(b.gep(sx_rows[t], [g])), _V16F)
+            dxs = splat(b, b.load(b.gep(dx_rows[t], [g])), _V16F)
+            sxs = splat(b, b.load(b.gep(sx_rows[t], [g])), _V16F)
             for v in range(_VECS):
                 scaled = b.fmul(b.sitofp(isum[t][v], _V16F), b.fmul(d[v], dxs, flags=_FAST), flags=_FAST)
                 term = b.fadd(scaled, b.fmul(m[v], sxs, flags=_FAST), flags=_FAST)
@@ -127,16 +113,6 @@ def _tile_function(module, steps: int, tokens: int, vnni: bool, wide: bool):
             b.store(b.load(facc[t][v]), b.gep(y_v, [ir.Constant(_I64, t * _VECS + v)]), align=4)
     b.ret_void()
     return fn
-
-
-def _pointer(context, builder, array_type, array, index):
-    ary = context.make_array(array_type)(context, builder, array)
-    idx = [index] + [context.get_constant(types.intp, 0)] * (array_type.ndim - 1)
-    return cgutils.get_item_pointer(context, builder, array_type, ary, idx[: array_type.ndim]), ary
-
-
-def _stride(builder, ary):
-    return cgutils.unpack_tuple(builder, ary.shape, 2)[1]
 
 
 def tile_kernel(vnni=None):
@@ -160,19 +136,19 @@ def tile_kernel(vnni=None):
             zero = context.get_constant(types.intp, 0)
             t0_ = context.cast(builder, t0_, a[6], types.intp)
             count_ = context.cast(builder, count_, a[7], types.intp)
-            wt_p, _ = _pointer(context, builder, a[0], wt_, zero)
-            dt_p, _ = _pointer(context, builder, a[1], dt_, zero)
-            mt_p, _ = _pointer(context, builder, a[2], mt_, zero)
-            x_p, x_ary = _pointer(context, builder, a[3], x8_, t0_)
-            dx_p, dx_ary = _pointer(context, builder, a[4], dx_, t0_)
-            sx_p, _ = _pointer(context, builder, a[5], sx_, t0_)
-            y_p, _ = _pointer(context, builder, a[8], yt_, t0_)
-            n_groups, x_stride = _stride(builder, dx_ary), _stride(builder, x_ary)
+            wt_p, _ = element_pointer(context, builder, a[0], wt_, zero)
+            dt_p, _ = element_pointer(context, builder, a[1], dt_, zero)
+            mt_p, _ = element_pointer(context, builder, a[2], mt_, zero)
+            x_p, x_ary = element_pointer(context, builder, a[3], x8_, t0_)
+            dx_p, dx_ary = element_pointer(context, builder, a[4], dx_, t0_)
+            sx_p, _ = element_pointer(context, builder, a[5], sx_, t0_)
+            y_p, _ = element_pointer(context, builder, a[8], yt_, t0_)
+            n_groups, x_stride = row_length(builder, dx_ary), row_length(builder, x_ary)
             use_vnni = vnni_enabled() if vnni is None else vnni
             wide = a[3].dtype == types.int16
             elem = (_I16 if wide else _I8).as_pointer()
             call_args = [builder.bitcast(wt_p, elem), dt_p, mt_p, builder.bitcast(x_p, elem),
-                         dx_p, sx_p, n_groups, x_stride, _stride(builder, dx_ary), y_p]
+                         dx_p, sx_p, n_groups, x_stride, row_length(builder, dx_ary), y_p]
             per_step = 2 if wide else 4
             steps = builder.udiv(x_stride, builder.mul(n_groups, ir.Constant(_I64, per_step)))  # G / per_step
             done = builder.append_basic_block("tile_done")
