@@ -46,9 +46,7 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     loaded = loaded or open_model(config.model, chat_template_path=config.chat_template,
                                   max_positions=config.ctx_size or AUTO_CTX_CAP, backend_name=config.backend,
                                   cpu_weights=config.cpu_weights, expert_cache_mib=config.expert_cache_mib)
-    prepare = getattr(loaded.model.backend, "prepare_decode", None)  # numpy: the fused decoder's repacking
-    if prepare is not None:
-        prepare(loaded.model)
+    loaded.model.backend.prepare_decode(loaded.model)  # numpy: the fused decoder's repacking
     ctx_size = resolve_ctx_size(config.ctx_size, loaded.model.config.context_length)
     if ctx_size > loaded.model.config.context_length:
         log.warning("--ctx-size %d exceeds the model's trained context of %d tokens",

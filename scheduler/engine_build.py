@@ -66,14 +66,14 @@ def create_engine(config: EngineConfig, loaded: LoadedModel, ctx_size: int, *,
     backend = loaded.model.backend
     kv_type = resolve_kv_type(config.kv_type, backend)
     bytes_per_block = layout_for(loaded.model.config, 1, BLOCK_SIZE, kv_type).bytes_per_block
-    on_host = backend.name == "numpy"
+    on_host = backend.capabilities.on_host
     pool = size_kv_pool(config.kv_cache_range_mib, bytes_per_block=bytes_per_block,
                         slot_blocks=blocks_needed(ctx_size, BLOCK_SIZE), batch=config.batch,
                         backend=backend, weight_bytes=loaded.info.weight_bytes if on_host else 0,
                         min_free_mib=config.conversation_cache_min_free_mib)
     # What the engine itself holds in host RAM: numpy keeps weights and KV there; cuda keeps them on the GPU.
     engine_host_bytes = loaded.info.weight_bytes + pool.reserved_blocks * bytes_per_block if on_host else 0
-    expert_cache = getattr(backend, "expert_cache", None)  # --expert-cache-mib on cuda
+    expert_cache = backend.expert_cache if backend.capabilities.expert_cache else None  # --expert-cache-mib
     engine_host_bytes += expert_cache.host_arena_bytes if expert_cache is not None else 0  # its pinned experts
     plan = plan_memory(engine_host_bytes, config.conversation_cache_mib, config.conversation_cache_min_free_mib,
                        bytes_per_block)

@@ -127,6 +127,10 @@ class Backend(Protocol):
         """model.forward(batch, pool) for a one-stage model (cuda: replayed from a graph when it can);
         engine/sequence.ModelRunner calls it."""
 
+    def prepare_decode(self, model) -> None:
+        """Build what decode steps of `model` need before serving (numpy quantized: the fused decoder and its
+        repacked weights), so the first request does not pay for it."""
+
     def create_step_runner(self, worker) -> Any:
         """How a pipeline stage's step runs without blocking the event loop (engine/backends/step_runner.py:
         numpy on the stage's worker thread; cuda launched from the loop, its completion event awaited)."""

@@ -197,6 +197,9 @@ class CudaBackend(CudaMemory, CudaStreams, CudaStepIndex, CudaOps):
     def write_block(self, pool, block: int, k: np.ndarray, v: np.ndarray) -> None:
         self.kv.write_block(pool, block, k, v)
 
+    def prepare_decode(self, model) -> None:
+        pass  # decode graphs are captured per shape at their first step (graphs.py)
+
     def close(self) -> None:
         """Stop the waiter thread and free graphs (the device and its arena stay for other stages)."""
         self.waiter.close()

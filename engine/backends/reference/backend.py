@@ -215,6 +215,9 @@ class NumpyBackend:
     def run_forward(self, model, batch: BatchMeta, pool: NumpyKVPool) -> np.ndarray:
         return model.forward(batch, pool)
 
+    def prepare_decode(self, model) -> None:
+        pass  # the reference decodes with model.forward: nothing to build ahead
+
     def create_step_runner(self, worker: Executor) -> ThreadStepRunner:
         return ThreadStepRunner(worker)  # the computation itself blocks the stage's worker thread
 
