@@ -180,12 +180,8 @@ class NumpyBackend:
         raise ValueError(f"unknown activation {kind!r}")
 
     # -- lfm2's short convolution (engine/short_conv.py): the states are host arrays --
-    def create_state_pool(self, layers: tuple[int, ...], kernel: int, d_model: int) -> ConvStatePool:
-        return ConvStatePool(layers, kernel, d_model)
-
-    def short_conv(self, u: np.ndarray, kernel: np.ndarray, pool: ConvStatePool, layer: int,
-                   batch: BatchMeta) -> np.ndarray:
-        return numpy_short_conv(u, kernel, pool, layer, batch)
+    create_state_pool = staticmethod(ConvStatePool)  # (layers, kernel, d_model)
+    short_conv = staticmethod(numpy_short_conv)  # (u, kernel, pool, layer, batch)
 
     # -- mixture of experts (engine/moe.py; the math is in reference/moe.py) --
     def route_experts(self, logits: np.ndarray, k: int, gating: str, normalize: bool):
