@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import llguidance
 
-from engine.tokenizer import CONTROL, UNKNOWN, Tokenizer
+from engine.tokenizer import Tokenizer
 
 
 class _Encode:
@@ -54,8 +54,7 @@ class _Encode:
         # The merge model of Tokenizer (SentencePiece BPE with byte fallback) on the escaped text, with no
         # space prefix: Tokenizer.encode would prefix every fragment, which is right for a prompt but not for
         # text in the middle of a reply.
-        hf = self._tok._hf  # noqa: SLF001 -- the same model encode() runs, minus the prefix
-        return hf.encode(text.replace(" ", "\u2581"), add_special_tokens=False).ids
+        return self._tok.encode_merges(text.replace(" ", "\u2581"))  # the same model encode() runs, minus the prefix
 
     def greedy(self, data: bytes) -> list[int]:
         """Longest match at each position (bytes no token spells are skipped; a byte-level vocabulary and
@@ -78,9 +77,8 @@ class _Vocabulary:
 
     def __init__(self, tokenizer: Tokenizer):
         n = tokenizer.vocab_size
-        types = tokenizer._types  # noqa: SLF001 -- GGUF token types, read-only
         self.tokens = [tokenizer.token_piece(i) for i in range(n)]
-        self.special_token_ids = [i for i in range(n) if types[i] in (CONTROL, UNKNOWN)]
+        self.special_token_ids = sorted(tokenizer.special_ids)  # CONTROL and UNKNOWN
         self.eos_token_id = tokenizer.eos_id
         self.bos_token_id = tokenizer.bos_id
         self._encode = _Encode(tokenizer, self.tokens, set(self.special_token_ids))

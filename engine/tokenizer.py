@@ -245,7 +245,8 @@ class Tokenizer:
             raise ValueError(f"token id {token_id} out of range (vocab size {len(self._pieces)})")
         return self._pieces[token_id]
 
-    def _piece(self, token_id: int, special: bool) -> bytes:
+    def text_piece(self, token_id: int, special: bool) -> bytes:
+        """token_piece, or b"" for a control / unknown token when `special` is False (what decode shows)."""
         p = self.token_piece(token_id)
         return b"" if not special and self._types[token_id] in (CONTROL, UNKNOWN) else p
 
@@ -258,7 +259,7 @@ class Tokenizer:
             strip_space, ids = False, ids[1:]
         if skip_special and self.add_eos and ids and ids[-1] == self._eos:
             ids = ids[:-1]
-        pieces = [self._piece(i, not skip_special) for i in ids]
+        pieces = [self.text_piece(i, not skip_special) for i in ids]
         if pieces and strip_space and pieces[0].startswith(b" "):
             pieces[0] = pieces[0][1:]
         text = b"".join(pieces).decode("utf-8", errors="replace")
@@ -286,6 +287,11 @@ class Tokenizer:
     def eos_ids(self) -> frozenset[int]:
         """Ids that end generation: llama.cpp's EOG set (EOS, EOT, EOM, FIM, <|im_end|>-like texts)."""
         return self._eog
+
+    def encode_merges(self, text: str) -> list[int]:
+        """The merge model alone on `text` as given: no special-token split, no prefix, no normalisation
+        (grammar_tokenizer encodes text from the middle of a reply with it)."""
+        return self._hf.encode(text, add_special_tokens=False).ids
 
     @property
     def special_ids(self) -> frozenset[int]:
@@ -315,7 +321,7 @@ class IncrementalDecoder:
         """Add one token; return the newly completed text (may be empty)."""
         if token_id in self._hidden:
             return ""
-        return self._utf8.decode(self._tok._piece(token_id, not self._skip))
+        return self._utf8.decode(self._tok.text_piece(token_id, not self._skip))
 
     def flush(self) -> str:
         """Return whatever is still held back (an incomplete sequence becomes U+FFFD)."""
