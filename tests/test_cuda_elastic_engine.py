@@ -101,7 +101,7 @@ def test_a_cuda_server_grows_its_pool_and_shrinks_it_on_request(tmp_path, monkey
     from scheduler.request import Request
     from tests.support import fake_cuda
     from tests.support.fake_cuda_vmm import FakeVmm
-    from tests.test_cuda_step import _serve
+    from tests.support.server_harness import run_on_app
     from tests.support.tiny_gguf import write_tiny_gguf
 
     path = tmp_path / "m.gguf"
@@ -122,7 +122,7 @@ def test_a_cuda_server_grows_its_pool_and_shrinks_it_on_request(tmp_path, monkey
             again = await turn("c0-2", prompts[0] + replies[0][0] + [9, 8])
             return replies, again, grown, shrunk, (await client.get("/cache")).json()
 
-        return _serve(loaded, work, ctx_size=128, kv_cache_max_mib=1, conversation_cache_mib=1)
+        return run_on_app(loaded, work, ctx_size=128, kv_cache_max_mib=1, conversation_cache_mib=1)
 
     want = serve(open_model(str(path), backend=NumpyBackend()))
     fake = fake_cuda.install(monkeypatch)

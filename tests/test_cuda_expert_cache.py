@@ -254,7 +254,7 @@ def test_served_on_two_stages_the_cached_layers_run_off_the_event_loop_and_match
     from engine.loader import open_model
     from scheduler.request import Request, SamplingParams
     from tests.support.reference_helpers import greedy_with_logits
-    from tests.test_cuda_step import _serve
+    from tests.support.server_harness import run_on_app
 
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3, expert_quant="Q8_0")
     backend, _ = make_backend()
@@ -271,7 +271,7 @@ def test_served_on_two_stages_the_cached_layers_run_off_the_event_loop_and_match
 
         return await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts)))
 
-    got = _serve(loaded, work, layer_split="1", batch=2, batch_groups="2")
+    got = run_on_app(loaded, work, layer_split="1", batch=2, batch_groups="2")
     reference = load_model(tmp_path / "m.gguf", NumpyBackend())[0]
     assert got == [greedy_with_logits(reference, p, 4, chunk=16, kv_type="f16")[0] for p in prompts]
     assert threads and threading.main_thread().name not in threads, threads

@@ -203,7 +203,7 @@ def test_lfm2_served_with_steps_launched_from_the_loop_gives_numpy_tokens(tmp_pa
     from engine.backends.cuda.backend import CudaBackend
     from engine.loader import open_model
     from tests.support import fake_cuda_async
-    from tests.test_cuda_step import _serve
+    from tests.support.server_harness import run_on_app
 
     path = tmp_path / "lfm2.gguf"
     write_tiny_lfm2(path, seed=4, n_ctx=256)
@@ -218,7 +218,7 @@ def test_lfm2_served_with_steps_launched_from_the_loop_gives_numpy_tokens(tmp_pa
                 prompt = prompt + out[-1][0] + [40, 41]
             return out
 
-        return _serve(loaded, work, ctx_size=128, prefill_chunk=6, conversation_cache_mib=1)
+        return run_on_app(loaded, work, ctx_size=128, prefill_chunk=6, conversation_cache_mib=1)
 
     want = turns(open_model(str(path), backend=NumpyBackend()))
     driver = fake_cuda_async.install(monkeypatch, kernel_delay_s=0.0005)

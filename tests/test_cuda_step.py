@@ -6,15 +6,10 @@ threads of the stages only sample."""
 import asyncio
 import threading
 import time
-from dataclasses import replace
 
-import httpx
 import numpy as np
 import pytest
 
-from api.config import ServerConfig
-from api.serve import build_state
-from api.server import create_app
 from engine.backends.reference.backend import NumpyBackend
 from engine.loader import open_model
 from engine.model import load_model
@@ -22,6 +17,7 @@ from engine.sampling import SamplingParams
 from scheduler.request import Request
 from tests.conftest import GPU
 from tests.support.reference_helpers import greedy_with_logits
+from tests.support.server_harness import run_on_app
 from tests.support.tiny_gguf import write_tiny_gguf
 
 KERNEL_DELAY_S = 0.004  # every kernel this late: a step of the tiny model is tens of kernels
@@ -77,24 +73,6 @@ def slow_gpu(request, monkeypatch, tmp_path):
     driver.close()
 
 
-def _on_served_app(loaded, work, **config_fields):
-    """Run `work(state, client)` on one event loop with the engine started and the app on an ASGI client."""
-    fields = dict(batch=1, ctx_size=64, conversation_cache_mib=0, prefill_chunk=16) | config_fields
-    config = replace(ServerConfig(port=0), **fields)
-    state = build_state(config, loaded)
-
-    async def main():
-        state.engine.start()
-        transport = httpx.ASGITransport(app=create_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            try:
-                return await work(state, client)
-            finally:
-                await state.engine.shutdown(timeout_s=5)
-
-    return asyncio.run(main())
-
-
 @pytest.mark.parametrize("wait_mode", ["thread", "poll"])
 def test_the_loop_serves_health_while_a_long_cuda_step_is_in_flight(slow_gpu, monkeypatch, wait_mode):
     from engine.backends.cuda.backend import CudaBackend
@@ -130,7 +108,7 @@ def test_the_loop_serves_health_while_a_long_cuda_step_is_in_flight(slow_gpu, mo
         return tokens, health_s, in_flight
 
     started = time.perf_counter()
-    tokens, health_s, in_flight = _on_served_app(loaded, work)
+    tokens, health_s, in_flight = run_on_app(loaded, work)
     elapsed = time.perf_counter() - started
     if isinstance(driver, _RecordingDriver):  # a GPU: steps take microseconds, so only the threads are checked
         assert tokens
@@ -171,7 +149,7 @@ def test_a_two_stage_cuda_pipeline_hands_off_through_awaited_events(slow_gpu):
 
         return await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts)))
 
-    got = _on_served_app(loaded, work, layer_split="1", batch=2, batch_groups="2")
+    got = run_on_app(loaded, work, layer_split="1", batch=2, batch_groups="2")
     reference = load_model(path, NumpyBackend())[0]
     assert got == [greedy_with_logits(reference, p, 4, chunk=16, kv_type="f16")[0] for p in prompts]
     assert {call for call, _ in driver.blocking_calls} <= {"cuEventSynchronize"}

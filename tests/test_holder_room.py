@@ -3,7 +3,8 @@ scheduler/memory/holders.room_from_holders under MemoryService.grant, with a scr
 own tier is tests/test_expert_budget.py). Block bytes 64, 4-block growth segments."""
 import asyncio
 
-from tests.test_memory_service import _serve, _service, _state
+from tests.support.cache_requests import serve_request_via
+from tests.test_memory_service import _service, _state
 
 BLOCK = 64
 
@@ -50,7 +51,7 @@ def _allocate(service, cache, tokens):
 
 def test_a_request_that_would_park_waits_for_the_holder_then_grows_into_what_it_gave_back():
     service, cache, holder = _with_holder(held_blocks=8, floor_blocks=2)
-    _serve(service, cache, [1] * 16)  # 4 blocks cached: the pool is at its ceiling (12 - 8)
+    serve_request_via(service, cache, [1] * 16)  # 4 blocks cached: the pool is at its ceiling (12 - 8)
     before = _state(cache)
     grant = _allocate(service, cache, [2] * 8)  # 2 fresh blocks: would park two of the conversation's
     assert not grant.granted and grant.plan is not None and not grant.plan.parks  # refused for now
@@ -68,7 +69,7 @@ def test_a_request_that_would_park_waits_for_the_holder_then_grows_into_what_it_
 
 def test_a_holder_that_gives_back_at_once_lets_the_same_grant_through():
     service, cache, holder = _with_holder(held_blocks=8, floor_blocks=2, at_once=True)
-    _serve(service, cache, [1] * 16)
+    serve_request_via(service, cache, [1] * 16)
     grant = _allocate(service, cache, [2] * 8)
     assert grant.granted and not grant.plan.parks and cache.num_blocks == 6
     assert holder.user.asked == [2 * BLOCK] and cache.stats["parks"] == 0
@@ -76,7 +77,7 @@ def test_a_holder_that_gives_back_at_once_lets_the_same_grant_through():
 
 def test_a_holder_at_its_floor_changes_nothing_the_pool_parks_as_without_it():
     service, cache, holder = _with_holder(held_blocks=8, floor_blocks=8)
-    _serve(service, cache, [1] * 16)
+    serve_request_via(service, cache, [1] * 16)
     grant = _allocate(service, cache, [2] * 8)
     assert grant.granted and len(grant.plan.parks) == 2 and holder.user.asked == []
     assert cache.stats["parks"] == 2 and cache.stats["dropped_blocks"] == 0 and holder.held_bytes == 8 * BLOCK
@@ -92,7 +93,7 @@ def test_a_request_larger_than_the_ceiling_is_admitted_against_what_the_holder_c
 
 def test_a_grow_without_parking_takes_only_spare_budget_and_free_ids():
     service, cache, holder = _with_holder(held_blocks=4, floor_blocks=2)
-    _serve(service, cache, [1] * 32)  # 8 blocks cached, ceiling 8: no spare, no free id
+    serve_request_via(service, cache, [1] * 32)  # 8 blocks cached, ceiling 8: no spare, no free id
     before = _state(cache)
     assert not asyncio.run(holder.grow(2 * BLOCK, park=False))  # would park: refused whole
     assert _state(cache) == before

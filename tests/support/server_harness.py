@@ -1,14 +1,18 @@
 """Run the real server (uvicorn + uvloop + engine loop) in-process on a free port, in a background thread."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
 from dataclasses import replace
 
+import httpx
+
 from api.config import ServerConfig
 from api.sampling_defaults import store_entry_for
 from api.serve import build_state, create_server
+from api.server import create_app
 
 
 @contextlib.contextmanager
@@ -40,3 +44,22 @@ def running_server(loaded, with_server: bool = False, **config_fields):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def run_on_app(loaded, work, **config_fields):
+    """Run `work(state, client)` on one event loop with the engine started and the app on an ASGI client
+    (no socket, no thread: the engine's steps and the requests share the loop); returns what work returns."""
+    fields = dict(batch=1, ctx_size=64, conversation_cache_mib=0, prefill_chunk=16) | config_fields
+    config = replace(ServerConfig(port=0), **fields)
+    state = build_state(config, loaded)
+
+    async def main():
+        state.engine.start()
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            try:
+                return await work(state, client)
+            finally:
+                await state.engine.shutdown(timeout_s=5)
+
+    return asyncio.run(main())
