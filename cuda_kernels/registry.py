@@ -24,9 +24,14 @@ Grid = tuple[int, int, int]
 Geometry = tuple[Grid, Grid, int]
 
 
+def without_comments(source_text: str) -> str:
+    """A CUDA source text with its // and /* */ comments removed (what the declarations are read from)."""
+    return _COMMENTS.sub("", source_text)
+
+
 def kernel_names(source_text: str) -> tuple[str, ...]:
     """Names of the extern "C" kernels declared in a source text, in order, comments ignored."""
-    return tuple(_KERNEL_DECL.findall(_COMMENTS.sub("", source_text)))
+    return tuple(_KERNEL_DECL.findall(without_comments(source_text)))
 
 
 def discover_sources(directory: Path = KERNEL_DIR) -> dict[str, tuple[str, ...]]:

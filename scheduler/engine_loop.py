@@ -216,7 +216,7 @@ class EngineLoop:
             preemptions = self.num_preemptions
             self._write_behind_turn()
             self._drop_cancelled()
-            self._admit()
+            self.admit()
             for group in range(self.num_groups):
                 if group not in self.in_flight:
                     work = self.requests.schedule(group)
@@ -268,8 +268,9 @@ class EngineLoop:
             if request.group not in self.in_flight:  # in flight: its blocks are being written
                 self._finish(request, "abort")
 
-    def _admit(self) -> None:
-        """Waiting requests into free slots (scheduler/memory/requests.py), then the gauges."""
+    def admit(self) -> None:
+        """Waiting requests into free slots (scheduler/memory/requests.py), then the gauges. The loop calls it
+        before every step; a test calls it to see one admission without running a step."""
         self.requests.admit(lambda request, error: self._finish(request, "error", error=error))
         self.metrics.queue_depth.set(len(self.table.waiting))
         self.metrics.slots_in_use.set(self.table.num_running)

@@ -95,6 +95,11 @@ class Pipeline:
         finally:
             self._jobs.pop(group, None)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Groups whose step is in the stages now (queued or computing)."""
+        return len(self._jobs)
+
     def where(self, group: int) -> int | None:
         """The stage a group's step is in now (queued or computing), None when it is not in flight."""
         job = self._jobs.get(group)

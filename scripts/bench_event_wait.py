@@ -34,7 +34,7 @@ async def _steps(backend, driver, steps: int, device_s: float) -> dict:
             done_at.append(time.perf_counter())
 
         backend.device.ensure_current()
-        driver._run(backend.stream, device_work)
+        driver.run_on_stream(backend.stream, device_work)
         event = backend.record_event()
         cpu, proc = time.thread_time(), time.process_time()
         await backend.wait(event)

@@ -44,7 +44,8 @@ def _decode(model, fused: bool, prompt_lens=PROMPT_LENS, together=True, shuffle_
         model.backend._fused.clear()  # the decoder holds the repacked weights of one choice
     runner = ModelRunner(model, num_blocks=40, block_size=4, kv_type=kv_type)
     if shuffle_blocks:  # hand out the free ids in a scrambled order: tables are not one run of blocks
-        runner.allocator._free = type(runner.allocator._free)(np.random.default_rng(0).permutation(40).tolist())
+        everything = runner.allocator.allocate(40)  # a freed id goes to the end of the free list
+        runner.allocator.free([everything[i] for i in np.random.default_rng(0).permutation(40)])
     seqs = [Sequence([(7 * i + 3 * n) % 60 + 3 for i in range(n)]) for n in prompt_lens]
     for s in seqs:
         assert runner.ensure_blocks(s, len(s.token_ids) + DECODE_STEPS)

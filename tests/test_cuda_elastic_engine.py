@@ -134,5 +134,5 @@ def test_a_cuda_server_grows_its_pool_and_shrinks_it_on_request(tmp_path, monkey
     assert shrunk["device_blocks"] == 8 and not shrunk["stopped_by"] and after["dropped_blocks"] == 0
     assert again[1] == len(prompts[0]) + len(replies[0][0]) - 1  # every computed token of turn one reused
     assert got[:2] == want[:2]
-    calls = [c[0] for c in fake._vmm_state().calls]
+    calls = [c[0] for c in fake.vmm_state().calls]
     assert calls.count("map") >= 2 and "unmap" in calls[calls.index("map") + 1:]  # grew by a chunk, gave it back

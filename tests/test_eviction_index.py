@@ -30,7 +30,7 @@ class _Compare:
         self.kinds: set[str] = set()
 
     def __call__(self, view, plan, count, exclude):
-        reference._active = view.index.is_active
+        reference.active = view.index.is_active
         copy = dataclasses.replace(plan, parks=list(plan.parks), device_drops=list(plan.device_drops),
                                    spills=list(plan.spills), host_drops=list(plan.host_drops),
                                    disk_drops=list(plan.disk_drops), copy_drops=list(plan.copy_drops),
@@ -67,7 +67,7 @@ def compare(monkeypatch):
     checker = _Compare()
     monkeypatch.setattr(planner_module, "plan_device_room", checker)
     yield checker
-    reference._active = lambda block: False
+    reference.active = lambda block: False
 
 
 def _cache(num_blocks=12, host_blocks=6, disk_blocks=8, machine_room=None, units=0, state_dir=None):

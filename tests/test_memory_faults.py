@@ -114,7 +114,7 @@ def test_a_step_the_table_already_holds_asks_the_admission_for_nothing(tiny):
         loop = EngineLoop(ModelRunner(model, 16, 4), tokenizer, num_slots=1, prefill_chunk=16, max_queue=4)
         loop.memory.start()
         loop.submit(Request("r", list(range(3, 13)), SamplingParams(temperature=0, max_tokens=4)))
-        loop._admit()  # 10 tokens: a table of 3 blocks (12 tokens)
+        loop.admit()  # 10 tokens: a table of 3 blocks (12 tokens)
         request, asked = loop.table.slots[0], []
         grant = loop.memory.grant
         loop.memory.grant = lambda planner: asked.append(1) or grant(planner)

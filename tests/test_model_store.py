@@ -99,8 +99,8 @@ def test_verified_sidecar_skips_rehash_until_file_changes(home, fake_pypi, monke
     assert calls == []
 
     hashed = []
-    real = pw._sha256_file
-    monkeypatch.setattr(pw, "_sha256_file", lambda p: hashed.append(p) or real(p))
+    real = pw.sha256_file
+    monkeypatch.setattr(pw, "sha256_file", lambda p: hashed.append(p) or real(p))
     resolve_model("fake", log=_quiet)
     assert hashed == []  # trusted from the sidecar
     st = target.stat()

@@ -78,7 +78,7 @@ def _run_conversations(tiny, split, groups, prompts, max_tokens=10, slots=4, wra
         real_run = loop.pipeline.run
 
         async def counting_run(group, work):
-            peak["groups"] = max(peak["groups"], len(loop.pipeline._jobs) + 1)
+            peak["groups"] = max(peak["groups"], loop.pipeline.num_in_flight + 1)
             return await real_run(group, work)
 
         loop.pipeline.run = counting_run

@@ -35,7 +35,7 @@ def test_load_counts_waiting_prompts_then_the_blocks_an_admitted_request_holds(l
         loop.submit(Request("r1", list(range(3, 13)), params))  # 10 tokens
         loop.submit(Request("r2", list(range(3, 10)), params))  # 7 tokens
         before = loop.load_snapshot()
-        loop._admit()  # one slot: r1 runs, holding blocks for its first chunk (10 tokens -> 3 blocks of 4)
+        loop.admit()  # one slot: r1 runs, holding blocks for its first chunk (10 tokens -> 3 blocks of 4)
         return before, loop.load_snapshot()
 
     before, after = asyncio.run(main())

@@ -191,14 +191,14 @@ def _device_parent(cache: "PrefixCache", exclude: set[int]) -> Callable[[CachedB
 
 def _device_rank(block: CachedBlock, gone: set[int]) -> tuple:
     has_device_child = any(c.on_device and id(c) not in gone for c in block.children.values())
-    return (has_device_child, not is_superseded(block), _active(block), block.last_used)
+    return (has_device_child, not is_superseded(block), active(block), block.last_used)
 
 
 def _host_rank(block: CachedBlock) -> tuple:
-    return (not is_superseded(block), _active(block), block.last_used)
+    return (not is_superseded(block), active(block), block.last_used)
 
 
-_active: Callable[[CachedBlock], bool] = lambda block: False  # noqa: E731  set by the test to the cache's
+active: Callable[[CachedBlock], bool] = lambda block: False  # noqa: E731  set by the test to the cache's
 
 
 def _pick(candidates: list[CachedBlock], count: int, rank, parent_of, weight) -> list[CachedBlock] | None:

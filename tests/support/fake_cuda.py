@@ -89,7 +89,8 @@ class FakeDriver(FakeVmm):
     def cuMemFreeHost(self, ptr): self._keep.pop(int(ptr)); return (OK,)
 
     # -- work on streams (recorded while the stream is being captured)
-    def _run(self, stream, work):
+    def run_on_stream(self, stream, work):
+        """Run `work` on `stream`: now, or recorded while the stream is captured. Returns (CUresult,)."""
         if not self.has_context():  # as on a GPU: work from a thread without a current context fails
             return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
         if stream in self.capturing:
@@ -106,13 +107,13 @@ class FakeDriver(FakeVmm):
     def cuMemcpyHtoDAsync(self, dst, src, n, stream):
         if self.unmapped((dst, n), (src, n)):
             return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
-        return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
+        return self.run_on_stream(stream, lambda: ctypes.memmove(int(dst), int(src), n))
     cuMemcpyDtoHAsync = cuMemcpyDtoDAsync = cuMemcpyHtoDAsync
 
     def cuMemsetD32Async(self, dst, value, count, stream):
         if self.unmapped((dst, 4 * count)):
             return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
-        return self._run(stream, lambda: view(dst, count, np.uint32).fill(value))
+        return self.run_on_stream(stream, lambda: view(dst, count, np.uint32).fill(value))
 
     def cuStreamCreate(self, flags): return (OK, self._handle())
     def cuEventCreate(self, flags): return (OK, self._handle())
@@ -161,7 +162,7 @@ class FakeKernelSet:
              for (p, kind), v in zip(cuda_abi.params(kernel), values)}
         self.driver.launches.append(kernel)
         base = kernel.split("_")[0] if kernel.startswith(("matvec_", "gemm_")) else kernel
-        err, = self.driver._run(stream, lambda: KERNELS[base](kernel, a))
+        err, = self.driver.run_on_stream(stream, lambda: KERNELS[base](kernel, a))
         assert err == OK, f"{kernel} launched from a thread without a current context"
 
 

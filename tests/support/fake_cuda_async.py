@@ -63,7 +63,7 @@ class AsyncStreamsDriver(FakeDriver):
         self.blocking_calls.append((call, threading.current_thread().name))
         self.blocking_stacks.append("".join(traceback.format_stack(limit=12)))
 
-    def _run(self, stream, work):
+    def run_on_stream(self, stream, work):
         if not self.has_context():
             return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
         if stream in self.capturing:
@@ -95,15 +95,15 @@ class AsyncStreamsDriver(FakeDriver):
         if self.unmapped((dst, n), (src, n)):
             return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
         if self._is_pinned(int(src)):  # read in stream order (a graph replays it with new inputs)
-            return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
+            return self.run_on_stream(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         data = ctypes.string_at(int(src), n)  # pageable: read now, the source may be a temporary
-        return self._run(stream, lambda: ctypes.memmove(int(dst), data, n))
+        return self.run_on_stream(stream, lambda: ctypes.memmove(int(dst), data, n))
 
     def cuMemcpyDtoHAsync(self, dst, src, n, stream):
         self.copy_log.append("DtoH")
         if self.unmapped((dst, n), (src, n)):
             return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
-        result = self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
+        result = self.run_on_stream(stream, lambda: ctypes.memmove(int(dst), int(src), n))
         if not self._is_pinned(int(dst)) and stream not in self.capturing:
             self._block("cuMemcpyDtoHAsync(pageable)")
             self._drain(stream)
@@ -113,7 +113,7 @@ class AsyncStreamsDriver(FakeDriver):
         self.copy_log.append("DtoD")
         if self.unmapped((dst, n), (src, n)):
             return (CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,)
-        return self._run(stream, lambda: ctypes.memmove(int(dst), int(src), n))
+        return self.run_on_stream(stream, lambda: ctypes.memmove(int(dst), int(src), n))
 
     def _drain(self, stream) -> None:
         done = threading.Event()
@@ -123,7 +123,7 @@ class AsyncStreamsDriver(FakeDriver):
     def cuEventRecord(self, event, stream):
         done = threading.Event()
         self._events[event] = done
-        return self._run(stream, done.set)
+        return self.run_on_stream(stream, done.set)
 
     def cuEventQuery(self, event):
         done = self._events.get(event)
@@ -138,7 +138,7 @@ class AsyncStreamsDriver(FakeDriver):
 
     def cuStreamWaitEvent(self, stream, event, flags):
         done = self._events.get(event)
-        return (OK,) if done is None else self._run(stream, done.wait)
+        return (OK,) if done is None else self.run_on_stream(stream, done.wait)
 
     def cuStreamSynchronize(self, stream):
         if stream in self.capturing:
@@ -149,7 +149,7 @@ class AsyncStreamsDriver(FakeDriver):
 
     def cuGraphLaunch(self, graph_exec, stream):
         for work in graph_exec:
-            self._run(stream, work)
+            self.run_on_stream(stream, work)
         return (OK,)
 
     def cuCtxSynchronize(self):
@@ -173,7 +173,7 @@ class _SlowKernelSet(fake_cuda.FakeKernelSet):
         self.driver.launches.append(kernel)
         self.driver.launch_threads.add(threading.current_thread().name)
         base = kernel.split("_")[0] if kernel.startswith(("matvec_", "gemm_")) else kernel
-        err, = self.driver._run(stream, self.driver.kernel(kernel, lambda: KERNELS[base](kernel, a)))
+        err, = self.driver.run_on_stream(stream, self.driver.kernel(kernel, lambda: KERNELS[base](kernel, a)))
         assert err == OK, f"{kernel} launched from a thread without a current context"
 
 

@@ -64,11 +64,11 @@ class EmulatedDriver(FakeDriver):
             if ctypes.string_at(address + nbytes, REDZONE) != CANARY:
                 raise AssertionError(f"{what} wrote past the end of the {nbytes}-byte allocation at {address:#x}")
 
-    def _run(self, stream, work, what: str = "a copy or memset"):
+    def run_on_stream(self, stream, work, what: str = "a copy or memset"):
         def checked():
             work()
             self.check_redzones(what)
-        return super()._run(stream, checked)
+        return super().run_on_stream(stream, checked)
 
     def cuModuleLoadData(self, image: bytes):
         name = bytes(image).decode()
@@ -119,7 +119,7 @@ class EmulatedDriver(FakeDriver):
         def work():
             with _RUN_LOCK:
                 source.launch_raw(kernel, (gx, gy, gz), (bx, by, bz), int(shared), args)
-        return self._run(stream, work, grid_what)
+        return self.run_on_stream(stream, work, grid_what)
 
     @staticmethod
     def _check_alignment(kernel: str, ctype: str, name: str, pointer: int | None) -> None:

@@ -90,7 +90,9 @@ class FakeVmm:
     vmm_granularity = GRANULARITY
     vmm_limit_bytes: int | None = None
 
-    def _vmm_state(self):
+    def vmm_state(self):
+        """The fake's virtual-memory bookkeeping: handles, physical bytes, and the calls in order (tests read
+        `calls` to see the pool grow and shrink)."""
         if not hasattr(self, "_vmm"):
             self._vmm = types.SimpleNamespace(handles={}, physical=0, calls=[])
         return self._vmm
@@ -109,7 +111,7 @@ class FakeVmm:
         with _LOCK:
             _RESERVATIONS[start] = _Reservation(start, size)
             bisect.insort(_STARTS, start)
-        self._vmm_state().calls.append(("reserve", start, size))
+        self.vmm_state().calls.append(("reserve", start, size))
         return (0, start)
 
     def cuMemAddressFree(self, ptr, size):
@@ -123,7 +125,7 @@ class FakeVmm:
         return (0,)
 
     def cuMemCreate(self, size, prop, flags):
-        state = self._vmm_state()
+        state = self.vmm_state()
         if size % self.vmm_granularity or not self._prop_ok(prop):
             return (INVALID_VALUE, 0)
         if self.vmm_limit_bytes is not None and state.physical + size > self.vmm_limit_bytes:
@@ -145,7 +147,7 @@ class FakeVmm:
         return None
 
     def cuMemMap(self, ptr, size, offset, handle, flags):
-        h, r = self._vmm_state().handles.get(handle), self._reservation(int(ptr), size)
+        h, r = self.vmm_state().handles.get(handle), self._reservation(int(ptr), size)
         if h is None or h.released or r is None or offset != 0 or size != h.size or (int(ptr) - r.start) % self.vmm_granularity:
             return (INVALID_VALUE,)
         if any(a < int(ptr) + size and int(ptr) < a + s for a, (s, _) in r.mapped.items()):
@@ -154,7 +156,7 @@ class FakeVmm:
         with _LOCK:
             r.mapped[int(ptr)] = (size, handle)
         h.maps += 1
-        self._vmm_state().calls.append(("map", int(ptr), size))
+        self.vmm_state().calls.append(("map", int(ptr), size))
         return (0,)
 
     def cuMemSetAccess(self, ptr, size, descs, count):
@@ -177,14 +179,14 @@ class FakeVmm:
             _, handle = r.mapped.pop(int(ptr))
             r.accessible.discard(int(ptr))
         _mmap(int(ptr), size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE)
-        h = self._vmm_state().handles[handle]
+        h = self.vmm_state().handles[handle]
         h.maps -= 1
         self._free_if_done(handle)
-        self._vmm_state().calls.append(("unmap", int(ptr), size))
+        self.vmm_state().calls.append(("unmap", int(ptr), size))
         return (0,)
 
     def cuMemRelease(self, handle):
-        h = self._vmm_state().handles.get(handle)
+        h = self.vmm_state().handles.get(handle)
         if h is None or h.released:
             return (INVALID_VALUE,)
         h.released = True
@@ -193,7 +195,7 @@ class FakeVmm:
         return (0,)
 
     def _free_if_done(self, handle) -> None:
-        state = self._vmm_state()
+        state = self.vmm_state()
         h = state.handles[handle]
         if h.released and h.maps == 0:
             state.physical -= h.size
@@ -202,7 +204,7 @@ class FakeVmm:
     @property
     def physical_bytes(self) -> int:
         """Physical memory the fake's cuMemCreate chunks hold now (released and unmapped ones not counted)."""
-        return self._vmm_state().physical
+        return self.vmm_state().physical
 
     def cuCtxSynchronize(self):
         return (0,)

@@ -37,7 +37,7 @@ def compiler_available() -> bool:
 
 def kernel_params(source_text: str, kernel: str) -> list[tuple[str, str]]:
     """(C type, name) of each kernel parameter, read from the source."""
-    declaration = re.search(rf"\b{kernel}\s*\(([^)]*)\)", registry._COMMENTS.sub("", source_text)).group(1)
+    declaration = re.search(rf"\b{kernel}\s*\(([^)]*)\)", registry.without_comments(source_text)).group(1)
     params = []
     for part in declaration.split(","):
         ctype, name = part.strip().rsplit(None, 1)

@@ -43,10 +43,10 @@ class FakeHub:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
-                hub._answer(self, body=True)
+                hub.answer(self, body=True)
 
             def do_HEAD(self):
-                hub._answer(self, body=False)
+                hub.answer(self, body=False)
 
             def log_message(self, *args):
                 pass
@@ -60,7 +60,8 @@ class FakeHub:
             digest.update(path.encode() + hashlib.sha256(data).digest())
         return digest.hexdigest()
 
-    def _answer(self, handler: BaseHTTPRequestHandler, body: bool) -> None:
+    def answer(self, handler: BaseHTTPRequestHandler, body: bool) -> None:
+        """Answer one GET (`body`) or HEAD the request handler received, recording it in `requests`."""
         path = urlsplit(handler.path).path
         self.requests.append((handler.command, path, handler.headers.get("Range", ""),
                               handler.headers.get("Authorization", "")))
