@@ -66,9 +66,8 @@ class ReplyAssembler:
         return bool(self.calls)
 
     def finish_reason(self, engine_reason: str) -> str:
-        """The client's finish reason: "tool_calls" when the reply ended normally after calling tools."""
-        if engine_reason == "abort":
-            engine_reason = "stop"
+        """The client's finish reason: "tool_calls" when the reply ended normally after calling tools (the
+        engine's "abort" arrives as "stop": api/reply_stream.classify)."""
         return "tool_calls" if engine_reason == "stop" and self.calls else engine_reason
 
     def message(self) -> dict[str, Any]:

@@ -9,42 +9,32 @@ failure after the stream began is an ``error`` event. Errors before it are Anthr
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, Mapping
 
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from api.chat_turn import ChatTurn, encode_turn, render_turn
-from api.errors import APIError, internal_error
-from api.messages_events import BlockWriter, message_shell, sse_event, stop_reason, usage_body
+from api.errors import APIError
+from api.messages_events import BlockWriter, message_shell, stop_reason, usage_body
 from api.messages_schema import CountTokensRequest, MessagesRequest, chat_turn
-from api.sampling_defaults import SamplingDefaults
+from api.reply_stream import (Failed, Keepalive, Piece, ReplyEvent, Started, collect_or_disconnect,
+                              whole_reply)
+from api.sampling_defaults import sampling_for
 from api.schemas import parse_body
+from api.sse import encode_stream, sse_frame, sse_response
 from api.tenancy import api_keys, cache_salt_for
 from api.tool_specs import normalise_tools
-from api.turn_runner import TurnRun, collect_or_disconnect, start_chat_turn
-from engine.sampling import SamplingParams
+from api.turn_runner import TurnRun, served_model, start_chat_turn
 from engine.tokenizer import Tokenizer
 from scheduler.request import Delta
 
 log = logging.getLogger("strata.api")
-PING_INTERVAL_S = 5.0  # a ping after this long without another event keeps idle-timeouts quiet during prefill
-ADMISSION_WAIT_S = 10.0  # how long message_start waits to learn the cache reuse (known once a slot takes it)
-PING = sse_event("ping", {"type": "ping"})
+PING = sse_frame({"type": "ping"}, "ping")  # Anthropic's keepalive (api/reply_stream.py sets the interval)
 SESSION_HEADER = "x-claude-code-session-id"  # Claude Code >= 2.1.86 sends one per session
-_mapped_models: set[str] = set()
 _system_turns: dict[str, bool] = {}  # chat template source -> whether it renders a system turn mid-conversation
-
-
-def _check_model(state, name: str) -> None:
-    """Claude Code asks for its own names (claude-sonnet-*, a haiku for background work): any name this
-    server does not serve is answered by the served model, logged once per name."""
-    if name not in state.model_aliases and name not in _mapped_models:
-        _mapped_models.add(name)
-        log.info("model %r is not served here; %s answers for it", name, state.served_name)
 
 
 def _takes_system_turns(state) -> bool:
@@ -100,7 +90,7 @@ def _tenant_salt(state, headers: Mapping[str, str]) -> str | None:
 async def count_tokens(state, http_request: HTTPRequest, request_id: str, raw: bytes) -> Response:
     """{"input_tokens": N}: the prompt the same body would render to, tokenized."""
     body = parse_body(CountTokensRequest, raw)
-    _check_model(state, body.model)
+    served_model(state, body.model, any_name=True)  # Claude Code's names: answered by the served model
     turn = _turn(state, body, http_request.headers)
     salt = cache_salt_for(state.config, http_request.headers.get("authorization", ""),
                           _tenant_salt(state, http_request.headers))
@@ -108,44 +98,36 @@ async def count_tokens(state, http_request: HTTPRequest, request_id: str, raw: b
     return JSONResponse({"input_tokens": len(encode_turn(state, turn, render_turn(state, turn), salt).ids)})
 
 
-def sampling_for(body: MessagesRequest, defaults: SamplingDefaults,
-                 default_seed: int | None) -> Callable[[int], SamplingParams]:
-    """max_tokens -> the request's sampling; what the body leaves out takes the model's ``defaults``."""
-    def make(max_tokens: int) -> SamplingParams:
-        return defaults.params(max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
-                               top_p=body.top_p, seed=default_seed, stop=tuple(body.stop_sequences or ()))
-    return make
-
-
 async def create_message(state, http_request: HTTPRequest, request_id: str, raw: bytes) -> Response:
     """One Messages request: a stream of Anthropic's events, or the whole message object."""
     body = parse_body(MessagesRequest, raw)
-    _check_model(state, body.model)
+    served_model(state, body.model, any_name=True)  # Claude Code's names: answered by the served model
     stops = tuple(body.stop_sequences or ())
     # max_tokens 0 pre-warms the cache: the prompt is read and the one token sampled after it is dropped.
     run = start_chat_turn(state, http_request, request_id, _turn(state, body, http_request.headers),
                           requested_max_tokens=max(1, body.max_tokens),
-                          make_params=sampling_for(body, state.sampling_defaults, state.config.seed),
+                          make_params=sampling_for(body.requested_sampling(), state.sampling_defaults,
+                                                   state.config.seed),
                           client_salt=_tenant_salt(state, http_request.headers), num_tools=len(body.tools or []),
                           top_logprobs=0 if stops else None)  # see StopTracker
     message_id = "msg_" + request_id.removeprefix("req-")
     tracker = StopTracker(stops, state.loaded.tokenizer)
-    if body.stream:
-        events = _stream_events(run, BlockWriter(keeps=body.max_tokens > 0), tracker, message_id, body.model)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    outcome = await collect_or_disconnect(http_request, tracker.watch(run.stream))
-    if outcome is None:
-        return Response(status_code=499)
-    text, _, last = outcome
-    if last.finish_reason == "error":
-        raise internal_error(last.error or "generation failed")
     writer = BlockWriter(keeps=body.max_tokens > 0)
-    writer.feed(run.assembler.feed(text))
+    if body.stream:
+        encoder = MessagesStreamEncoder(run, writer, tracker, message_id, body.model)
+        return sse_response(encode_stream(run.events, encoder.encode, encoder.on_bug))
+    collected = await collect_or_disconnect(http_request, run.events)
+    if collected is None:
+        return Response(status_code=499)
+    reply = whole_reply(collected)
+    for delta in reply.deltas:
+        tracker.add(delta)
+    writer.feed(run.assembler.feed(reply.text))
     writer.feed(run.assembler.finish())
     writer.close()
-    stop_sequence = tracker.matched(last)
-    usage = usage_body(last.usage, generated=writer.keeps)
-    reason = stop_reason(last.finish_reason, writer.has_tool_calls, stop_sequence)
+    stop_sequence = tracker.matched(reply.finished.delta)
+    usage = usage_body(reply.finished.delta.usage, generated=writer.keeps)
+    reason = stop_reason(reply.finished.reason, writer.has_tool_calls, stop_sequence)
     return JSONResponse(message_shell(message_id, body.model, writer.blocks, usage, reason, stop_sequence))
 
 
@@ -164,14 +146,6 @@ class StopTracker:
         self.text.append(delta.text)
         self.ids += delta.token_ids
 
-    async def watch(self, stream: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
-        try:
-            async for delta in stream:
-                self.add(delta)
-                yield delta
-        finally:
-            await stream.aclose()
-
     def matched(self, last: Delta) -> str | None:
         if last.finish_reason != "stop" or not self.stops:
             return None
@@ -181,59 +155,43 @@ class StopTracker:
         return next((stop for stop in self.stops if tail.startswith(stop)), None)
 
 
-async def _wait_for_admission(run: TurnRun) -> None:
-    request, waited = run.request, 0.0
-    while request.admitted_s is None and not request.is_finished and request.outbox.empty():
-        if waited >= ADMISSION_WAIT_S:
-            return
-        await asyncio.sleep(0.01)
-        waited += 0.01
+class MessagesStreamEncoder:
+    """Anthropic's events for a reply's events: ``message_start`` once the request took a slot (its usage
+    then says what the cache reused) and a ``ping``, the content blocks, ``message_delta`` and
+    ``message_stop``; a ``ping`` for each keepalive; a failure is an ``error`` event."""
 
+    def __init__(self, run: TurnRun, writer: BlockWriter, tracker: StopTracker, message_id: str, model: str):
+        self.run, self.writer, self.tracker = run, writer, tracker
+        self.message_id, self.model = message_id, model
 
-async def _stream_events(run: TurnRun, writer: BlockWriter, tracker: StopTracker, message_id: str,
-                         model: str) -> AsyncIterator[bytes]:
-    stream, pending = run.stream, None
-    try:
-        await _wait_for_admission(run)
-        usage = usage_body(None, len(run.prepared.prompt_ids), run.request.cached_tokens)
-        yield sse_event("message_start", {"type": "message_start",
-                                          "message": message_shell(message_id, model, [], usage)})
-        yield PING
-        while True:
-            pending = asyncio.ensure_future(anext(stream))
-            while not (await asyncio.wait({pending}, timeout=PING_INTERVAL_S))[0]:
-                yield PING
-            try:
-                delta = pending.result()
-            except StopAsyncIteration:  # the engine always ends with a finish delta; never hang if not
-                delta = Delta(finish_reason="error", error="the reply ended without a finish")
-            pending = None
-            if delta.finish_reason == "error":
-                yield _error_event(delta.error or "generation failed")
-                return
-            tracker.add(delta)
-            events = writer.feed(run.assembler.feed(delta.text))
-            if delta.finish_reason is not None:
-                events += writer.feed(run.assembler.finish()) + writer.close()
-            for name, data in events:
-                yield sse_event(name, data)
-            if delta.finish_reason is not None:
-                stop_sequence = tracker.matched(delta)
-                reason = stop_reason(delta.finish_reason, writer.has_tool_calls, stop_sequence)
-                yield sse_event("message_delta", {"type": "message_delta",
-                                                  "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
-                                                  "usage": usage_body(delta.usage, generated=writer.keeps)})
-                yield sse_event("message_stop", {"type": "message_stop"})
-                return
-    except Exception:  # a bug: the client still gets Anthropic's error event, the log the traceback
-        log.exception("the Messages stream failed")
-        yield _error_event("internal server error")
-    finally:
-        if pending is not None:  # the client went away while we waited for a token
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        await stream.aclose()  # closing the stream aborts the request
+    def encode(self, event: ReplyEvent) -> list[bytes]:
+        """The frames of one event (mutates the writer, the tracker and the run's assembler)."""
+        if isinstance(event, Started):
+            usage = usage_body(None, len(self.run.prepared.prompt_ids), event.cached_tokens)
+            start = {"type": "message_start", "message": message_shell(self.message_id, self.model, [], usage)}
+            return [sse_frame(start, "message_start"), PING]
+        if isinstance(event, Keepalive):
+            return [PING]
+        if isinstance(event, Failed):
+            return [_error_event(event.message)]
+        writer, assembler, delta = self.writer, self.run.assembler, event.delta
+        self.tracker.add(delta)
+        events = writer.feed(assembler.feed(delta.text))
+        if isinstance(event, Piece):
+            return [sse_frame(data, name) for name, data in events]
+        events += writer.feed(assembler.finish()) + writer.close()
+        stop_sequence = self.tracker.matched(delta)
+        reason = stop_reason(event.reason, writer.has_tool_calls, stop_sequence)
+        events.append(("message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+                                         "usage": usage_body(delta.usage, generated=writer.keeps)}))
+        events.append(("message_stop", {"type": "message_stop"}))
+        return [sse_frame(data, name) for name, data in events]
+
+    @staticmethod
+    def on_bug() -> list[bytes]:  # the client still gets Anthropic's error event, the log the traceback
+        return [_error_event("internal server error")]
 
 
 def _error_event(message: str) -> bytes:
-    return sse_event("error", {"type": "error", "error": {"type": "api_error", "message": message}})
+    return sse_frame({"type": "error", "error": {"type": "api_error", "message": message}}, "error")

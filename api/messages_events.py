@@ -20,7 +20,6 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from api.errors import APIError
-from api.sse_json import sse_json
 from api.tool_calls import ParsedDelta, ToolCallDelta
 from scheduler.request import Usage
 
@@ -33,11 +32,6 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 529: "overloaded_error"}
 # api.errors.context_overflow's wording, read back for Claude Code's "prompt is too long" form
 _OVERFLOW = re.compile(r"maximum context length is (?P<limit>\d+) tokens.*?\((?P<prompt>\d+) in the prompt")
-
-
-def sse_event(name: str, data: dict[str, Any]) -> bytes:
-    """One server-sent event in Anthropic's framing: the event name, then its JSON (which repeats the type)."""
-    return b"event: " + name.encode() + b"\ndata: " + sse_json(data) + b"\n\n"
 
 
 def usage_body(usage: Usage | None, prompt_tokens: int = 0, cached_tokens: int = 0,
@@ -59,7 +53,8 @@ def message_shell(message_id: str, model: str, content: list[dict[str, Any]], us
 
 
 def stop_reason(engine_reason: str, has_tool_calls: bool, stop_sequence: str | None) -> str:
-    """Anthropic's stop_reason for the engine's finish reason ("stop", "length", "abort")."""
+    """Anthropic's stop_reason for the finish reason ("stop" or "length"; api/reply_stream.py makes the
+    engine's "abort" a "stop")."""
     if engine_reason == "length":
         return "max_tokens"
     if stop_sequence is not None:

@@ -67,6 +67,11 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
 
+    def requested_sampling(self) -> dict[str, Any]:
+        """The body's sampling fields, None where left out (api/sampling_defaults.sampling_for)."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "stop": tuple(self.stop_sequences or ())}
+
 
 def system_text(system: str | list[dict[str, Any]] | None) -> str | None:
     """The system prompt as one string (text blocks joined by newlines), without the billing header line."""

@@ -1,9 +1,12 @@
-"""OpenAI response objects (chat and legacy completions, whole and as SSE chunks), built from Deltas."""
+"""OpenAI response objects (chat and legacy completions, whole and as SSE chunks), built from Deltas, and the
+encoders that write a reply's events (api/reply_stream.py) as their SSE frames."""
 from __future__ import annotations
 
 import time
 
-from api.sse_json import sse_json
+from api.chat_output import ReplyAssembler
+from api.reply_stream import Failed, Finished, Keepalive, Piece, ReplyEvent, Started
+from api.sse import COMMENT_KEEPALIVE, sse_frame
 from engine.tokenizer import Tokenizer
 from scheduler.request import Delta, TokenLogprob, Usage
 
@@ -15,11 +18,6 @@ def usage_body(usage: Usage) -> dict:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
-
-
-def sse(obj: dict | str) -> bytes:
-    payload = obj.encode() if isinstance(obj, str) else sse_json(obj)
-    return b"data: " + payload + b"\n\n"
 
 
 class ResponseBuilder:
@@ -102,3 +100,79 @@ class ResponseBuilder:
     def _token_entry(self, token_id: int, logprob: float) -> dict:
         raw = self.tokenizer.token_piece(token_id)
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+DONE = sse_frame("[DONE]")
+
+
+def error_frame(message: str) -> bytes:
+    """An error inside a stream, in OpenAI's error object shape."""
+    return sse_frame({"error": {"message": message, "type": "server_error", "param": None, "code": None}})
+
+
+class ChatStreamEncoder:
+    """Chat chunks: the role first, then parsed deltas (markup held back by the parser), a last chunk with
+    the finish reason (always, even after an error: "error"), the usage chunk when asked, [DONE]."""
+
+    def __init__(self, builder: ResponseBuilder, assembler: ReplyAssembler, include_usage: bool,
+                 want_logprobs: bool):
+        self.builder, self.assembler = builder, assembler
+        self.include_usage, self.want_logprobs = include_usage, want_logprobs
+
+    def opening(self) -> list[bytes]:
+        return [sse_frame(self.builder.chat_chunk({"role": "assistant", "content": ""}))]
+
+    def encode(self, event: ReplyEvent) -> list[bytes]:
+        """The frames of one event (mutates the assembler)."""
+        if isinstance(event, Keepalive):
+            return [COMMENT_KEEPALIVE]
+        if isinstance(event, Started):
+            return []
+        builder, assembler, delta = self.builder, self.assembler, event.delta
+        frames = [error_frame(event.message)] if isinstance(event, Failed) else []
+        body = assembler.delta(assembler.feed(delta.text))
+        logprobs = delta.logprobs if self.want_logprobs else None
+        if body or logprobs:
+            frames.append(sse_frame(builder.chat_chunk(body, logprobs=logprobs)))
+        if isinstance(event, Piece):
+            return frames
+        tail = assembler.delta(assembler.finish())
+        if tail:
+            frames.append(sse_frame(builder.chat_chunk(tail)))
+        reason = assembler.finish_reason(event.reason) if isinstance(event, Finished) else "error"
+        frames.append(sse_frame(builder.chat_chunk({}, reason)))
+        return frames + _usage_and_done(builder, delta, self.include_usage)
+
+    @staticmethod
+    def on_bug() -> list[bytes]:
+        return [error_frame("internal server error"), DONE]
+
+
+class CompletionStreamEncoder:
+    """Text-completion chunks: each delta with text (or logprobs), the finish chunk, usage when asked, [DONE]."""
+
+    def __init__(self, builder: ResponseBuilder, include_usage: bool, want_logprobs: bool):
+        self.builder, self.include_usage, self.want_logprobs = builder, include_usage, want_logprobs
+
+    def encode(self, event: ReplyEvent) -> list[bytes]:
+        """The frames of one event."""
+        if isinstance(event, Keepalive):
+            return [COMMENT_KEEPALIVE]
+        if isinstance(event, Started):
+            return []
+        delta = event.delta
+        frames = [error_frame(event.message)] if isinstance(event, Failed) else []
+        if delta.text or delta.finish_reason or (self.want_logprobs and delta.logprobs):
+            frames.append(sse_frame(self.builder.chunk(delta, want_logprobs=self.want_logprobs)))
+        if isinstance(event, Piece):
+            return frames
+        return frames + _usage_and_done(self.builder, delta, self.include_usage)
+
+    @staticmethod
+    def on_bug() -> list[bytes]:
+        return [error_frame("internal server error"), DONE]
+
+
+def _usage_and_done(builder: ResponseBuilder, last: Delta, include_usage: bool) -> list[bytes]:
+    usage = [sse_frame(builder.usage_chunk(last.usage))] if include_usage and last.usage is not None else []
+    return usage + [DONE]

@@ -15,25 +15,24 @@ A stream always ends with one of those events, never by just closing.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
-from api.errors import APIError, not_found_model
+from api.errors import APIError
+from api.reply_stream import Failed, Finished, Keepalive, Piece, ReplyEvent, Started, collect_or_disconnect
 from api.response_store import ResponseStore
-from api.responses_events import ResponseWriter, sse_event
+from api.responses_events import ResponseWriter
 from api.responses_schema import ResponsesRequest, turn_from_request
-from api.sampling_defaults import SamplingDefaults
+from api.sampling_defaults import sampling_for
 from api.schemas import parse_body
-from api.turn_runner import TurnRun, start_chat_turn, wait_for_disconnect
+from api.sse import encode_stream, sse_frame, sse_response
+from api.turn_runner import TurnRun, served_model, start_chat_turn
 from engine.sampling import SamplingParams
 
 log = logging.getLogger("strata.api")
-KEEPALIVE_S = 15.0  # a keepalive event after this long without one (prefill of a long prompt on a CPU)
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def response_store(state) -> ResponseStore:
@@ -78,26 +77,15 @@ def _echo(body: ResponsesRequest, parallel_by_default: bool, params: SamplingPar
             "metadata": body.metadata or {}, "prompt_cache_key": body.prompt_cache_key, "background": False}
 
 
-def sampling_for(body: ResponsesRequest, defaults: SamplingDefaults,
-                 default_seed: int | None) -> Callable[[int], SamplingParams]:
-    """max_tokens -> the request's sampling; what the body leaves out takes the model's ``defaults``."""
-    def make(max_tokens: int) -> SamplingParams:
-        seed = default_seed if body.seed is None else body.seed
-        return defaults.params(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, seed=seed)
-    return make
-
-
 async def create(state, http_request: HTTPRequest, request_id: str, raw: bytes) -> Response:
     body = parse_body(ResponsesRequest, raw)
-    model = state.served_name if body.model is None else body.model
-    if model not in state.model_aliases:
-        raise not_found_model(model, [state.served_name])
+    model = served_model(state, body.model)
     store = response_store(state)
     history = store.get(body.previous_response_id, "previous_response_id").conversation \
         if body.previous_response_id else []
     turn = turn_from_request(body, history)
 
-    make_params = sampling_for(body, state.sampling_defaults, state.config.seed)
+    make_params = sampling_for(body.requested_sampling(), state.sampling_defaults, state.config.seed)
 
     def writer_for(custom_tool_names: frozenset[str], params: SamplingParams) -> ResponseWriter:
         return ResponseWriter("resp_" + request_id.removeprefix("req-"), model,
@@ -111,8 +99,7 @@ async def create(state, http_request: HTTPRequest, request_id: str, raw: bytes) 
             raise
         writer = writer_for(frozenset(), make_params(1))  # no reply: the echo reads only temperature and top_p
         events = writer.start() + writer.finish("failed", error={"code": exc.code, "message": exc.message})
-        return StreamingResponse(iter([sse_event(e) for e in events]), media_type="text/event-stream",
-                                 headers=_SSE_HEADERS)
+        return sse_response([sse_frame(e, e["type"]) for e in events])
     writer = writer_for(run.prepared.custom_tool_names, run.request.params)
     conversation = history + body.input_items()
 
@@ -120,83 +107,57 @@ async def create(state, http_request: HTTPRequest, request_id: str, raw: bytes) 
         if body.store:
             store.put(writer.response, conversation + writer.response["output"])
 
-    events = _events(run, writer, keep)
+    encoder = ResponsesEncoder(writer, run, keep)
+    opening = [sse_frame(e, e["type"]) for e in writer.start()]
     if body.stream:
-        return StreamingResponse(_sse(events, writer), media_type="text/event-stream", headers=_SSE_HEADERS)
-    return await _whole(http_request, events, writer)
-
-
-async def _events(run: TurnRun, writer: ResponseWriter, on_end: Callable[[], None]) -> AsyncIterator[dict]:
-    """Every event of the response, keepalives included; ends with a terminal event, and closing it early
-    (a client that went away) aborts the engine request."""
-    assembler, stream = run.assembler, run.stream
-    pending: asyncio.Future | None = None
-    try:
-        for event in writer.start():
-            yield event
-        while True:
-            pending = asyncio.ensure_future(stream.__anext__())
-            while not (await asyncio.wait({pending}, timeout=KEEPALIVE_S))[0]:
-                yield writer.keepalive()
-            try:
-                delta = pending.result()
-            except StopAsyncIteration:  # the engine never ends a stream without a finish reason; be safe anyway
-                delta = None
-            pending = None
-            if delta is None or delta.finish_reason in ("error", "abort"):
-                why = (delta.error if delta is not None else None) or "generation stopped: the server is shutting down"
-                for event in writer.feed(assembler.finish()):
-                    yield event
-                for event in writer.finish("failed", delta.usage if delta else None, assembler.reasoning_tokens,
-                                           error={"code": "server_error", "message": why}):
-                    yield event
-                break
-            for event in writer.feed(assembler.feed(delta.text, len(delta.token_ids))):
-                yield event
-            if delta.finish_reason is not None:
-                for event in writer.feed(assembler.finish()):
-                    yield event
-                status = "incomplete" if delta.finish_reason == "length" else "completed"
-                for event in writer.finish(status, delta.usage, assembler.reasoning_tokens):
-                    yield event
-                break
-        on_end()
-    finally:
-        if pending is not None:
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
-        await stream.aclose()  # aborts the request when the reply is not complete
-
-
-async def _sse(events: AsyncIterator[dict], writer: ResponseWriter) -> AsyncIterator[bytes]:
-    try:
-        async for event in events:
-            yield sse_event(event)
-    except Exception:  # a bug: logged, and the stream still ends the way clients expect
-        log.exception("the response stream failed")
-        if writer.response["status"] == "in_progress":
-            yield sse_event(writer.finish("failed", error={"code": "server_error", "message": "internal error"})[-1])
-    finally:
-        await events.aclose()
-
-
-async def _whole(http_request: HTTPRequest, events: AsyncIterator[dict], writer: ResponseWriter) -> Response:
-    """The whole Response object, or 499 when the client went away first (the request is then aborted)."""
-    async def drain() -> None:
-        async for _ in events:
-            pass
-
-    drainer = asyncio.ensure_future(drain())
-    watcher = asyncio.ensure_future(wait_for_disconnect(http_request))
-    done, _ = await asyncio.wait({drainer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if drainer not in done:
-        drainer.cancel()
-        await asyncio.gather(drainer, return_exceptions=True)
-        await events.aclose()
+        return sse_response(encode_stream(run.events, encoder.frames, encoder.on_bug, opening))
+    collected = await collect_or_disconnect(http_request, run.events)
+    if collected is None:  # the client went away first (the request is then aborted)
         return Response(status_code=499)
-    watcher.cancel()
-    drainer.result()
+    for event in collected:
+        encoder.encode(event)
     return JSONResponse(writer.response)
+
+
+class ResponsesEncoder:
+    """The Responses API events (dicts) of a reply's events: a keepalive event for each keepalive; a finish
+    as ``response.completed`` (``response.incomplete`` at the token budget); a failure, or a reply the server
+    stopped (shutdown: Codex retries a failed response), as ``response.failed``. ``on_end`` runs once the
+    response has ended (not when the client went away first)."""
+
+    def __init__(self, writer: ResponseWriter, run: TurnRun, on_end: Callable[[], None]):
+        self.writer, self.assembler, self.on_end = writer, run.assembler, on_end
+
+    def encode(self, event: ReplyEvent) -> list[dict]:
+        """The events of one reply event (mutates the writer and the assembler)."""
+        writer, assembler = self.writer, self.assembler
+        if isinstance(event, Started):
+            return []
+        if isinstance(event, Keepalive):
+            return [writer.keepalive()]
+        if isinstance(event, Piece):
+            return writer.feed(assembler.feed(event.delta.text, len(event.delta.token_ids)))
+        delta = event.delta
+        if isinstance(event, Failed) or event.interrupted:
+            why = "generation stopped: the server is shutting down" if isinstance(event, Finished) else event.message
+            events = writer.feed(assembler.finish()) + writer.finish(
+                "failed", delta.usage, assembler.reasoning_tokens, error={"code": "server_error", "message": why})
+        else:
+            events = writer.feed(assembler.feed(delta.text, len(delta.token_ids))) + writer.feed(assembler.finish())
+            status = "incomplete" if event.reason == "length" else "completed"
+            events += writer.finish(status, delta.usage, assembler.reasoning_tokens)
+        self.on_end()
+        return events
+
+    def frames(self, event: ReplyEvent) -> list[bytes]:
+        return [sse_frame(e, e["type"]) for e in self.encode(event)]
+
+    def on_bug(self) -> list[bytes]:
+        """A bug: the stream still ends the way clients expect."""
+        if self.writer.response["status"] != "in_progress":
+            return []
+        failed = self.writer.finish("failed", error={"code": "server_error", "message": "internal error"})[-1]
+        return [sse_frame(failed, failed["type"])]
 
 
 async def retrieve(state, http_request: HTTPRequest, request_id: str) -> Response:

@@ -24,18 +24,12 @@ from typing import Any
 import orjson
 
 from api.chat_output import custom_tool_input
-from api.sse_json import sse_json
 from api.tool_calls import ParsedDelta
 from scheduler.request import Usage
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
-
-
-def sse_event(event: dict[str, Any]) -> bytes:
-    """One SSE frame with the ``event:`` line OpenAI sends (clients that read only ``data:`` work too)."""
-    return b"event: " + event["type"].encode() + b"\ndata: " + sse_json(event) + b"\n\n"
 
 
 def usage_object(usage: Usage | None, reasoning_tokens: int = 0) -> dict[str, Any] | None:

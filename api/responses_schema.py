@@ -55,6 +55,10 @@ class ResponsesRequest(RequestBody):
     include: list[Any] | None = None
     stream: bool = False
 
+    def requested_sampling(self) -> dict[str, Any]:
+        """The body's sampling fields, None where left out (api/sampling_defaults.sampling_for)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _check_tool_choice(cls, value: Any) -> Any:

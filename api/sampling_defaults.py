@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from gguf.constants import Keys
 
+from api.errors import bad_request
 from engine.gguf_file import GGUFFile
 from engine.model_store import KNOWN_MODELS, ModelSource
 from engine.sampling import SamplingParams
@@ -84,6 +85,23 @@ class SamplingDefaults:
                 text += f" over the last {self.repetition_last_n} generated tokens"
             groups.setdefault(self.source_of(f.name), []).append(text)
         return "; ".join(f"{' '.join(texts)} (from {where})" for where, texts in groups.items())
+
+
+def sampling_for(requested: Mapping[str, Any], defaults: SamplingDefaults,
+                 default_seed: int | None) -> Callable[[int], SamplingParams]:
+    """How every dialect builds a request's sampling: max_tokens (known once the context's room is) ->
+    SamplingParams. ``requested`` holds the body's sampling fields under SamplingParams' names, None where
+    the body left one out: those take the model's ``defaults``, the seed ``--seed`` (``default_seed``).
+    A value SamplingParams refuses is a 400 naming the field."""
+    given = {name: value for name, value in requested.items() if value is not None}
+    seed = given.pop("seed", default_seed)
+
+    def make(max_tokens: int) -> SamplingParams:
+        try:
+            return defaults.params(max_tokens=max_tokens, seed=seed, **given)
+        except ValueError as exc:  # SamplingParams messages start with the field's name
+            raise bad_request(str(exc), param=str(exc).split()[0]) from exc
+    return make
 
 
 _KINDS = SamplingDefaults()  # each field's type, int or float, read from its default

@@ -19,9 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from api.errors import bad_request
 from api.schemas_base import ChatMessage, Messages, RequestBody, parse_body, usage_dict
-from api.sampling_defaults import SamplingDefaults
 from api.schemas_utility import ApplyTemplateRequest, DetokenizeRequest, DevicePoolRequest, TokenizeRequest
-from engine.sampling import SamplingParams
 
 __all__ = [
     "ApplyTemplateRequest", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest",
@@ -113,22 +111,13 @@ class SamplingFields(RequestBody):
         """Whether a streamed response ends with a usage chunk."""
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params_for(self, max_tokens: int, defaults: SamplingDefaults,
-                            default_seed: int | None = None) -> SamplingParams:
-        """Engine sampling settings with ``max_tokens`` as the server decided it (clamped to the context's
-        room); ``defaults`` (the model's, api/sampling_defaults.py) and ``--seed`` fill what the client left
-        out. Raises APIError."""
-        seed = default_seed if self.seed in (None, -1) else self.seed
-        top_k = None if self.top_k is None else max(0, self.top_k)
-        try:
-            return defaults.params(
-                max_tokens=max_tokens, temperature=self.temperature, top_k=top_k, top_p=self.top_p,
-                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                presence_penalty=_default(self.presence_penalty, 0.0),
-                frequency_penalty=_default(self.frequency_penalty, 0.0),
-                seed=seed, stop=self.stop, ignore_eos=self.ignore_eos)
-        except ValueError as exc:  # SamplingParams messages start with the field's name
-            raise bad_request(str(exc), param=str(exc).split()[0]) from exc
+    def requested_sampling(self) -> dict[str, Any]:
+        """The body's sampling fields under SamplingParams' names, None where left out (seed -1 and top_k
+        -1 are llama.cpp's "unset" and "off"), for api/sampling_defaults.sampling_for."""
+        return {"temperature": self.temperature, "top_k": None if self.top_k is None else max(0, self.top_k),
+                "top_p": self.top_p, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "seed": None if self.seed == -1 else self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos}
 
 
 def _default(value: Any, default: Any) -> Any:

@@ -7,7 +7,6 @@ The dialect only translates the assembler's deltas into its own events or whole 
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -18,8 +17,9 @@ from starlette.requests import Request as HTTPRequest
 from api.checkpoint_hints import line_starts, message_starts
 from api.chat_output import ReplyAssembler
 from api.chat_turn import ChatTurn, PreparedTurn, encode_turn, prepare_turn, render_turn
-from api.errors import APIError, bad_request, context_overflow, overloaded
+from api.errors import APIError, bad_request, context_overflow, not_found_model, overloaded
 from api.reply_recording import note_kept_replies, remember_reply
+from api.reply_stream import ReplyEvent, reply_events
 from api.tenancy import cache_salt_for
 from engine.sampling import SamplingParams
 from scheduler.engine_loop import QueueFullError, ShuttingDownError
@@ -32,10 +32,11 @@ CONVERSATION_HEADERS = ("x-smg-routing-key", "x-conversation-id")  # lower case:
 
 @dataclass
 class TurnRun:
-    """A submitted turn: the engine request, its delta stream, the prepared prompt, the reply's parser."""
+    """A submitted turn: the engine request, its reply's events (api/reply_stream.py), the prepared prompt,
+    the reply's parser."""
 
     request: Request
-    stream: AsyncIterator[Delta]
+    events: AsyncIterator[ReplyEvent]
     prepared: PreparedTurn
     assembler: ReplyAssembler
 
@@ -95,7 +96,7 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
         state.protocol.note_recovered(shape)
         state.metrics.tool_calls_recovered.labels(shape=shape).inc()
 
-    return TurnRun(request, stream, prepared,
+    return TurnRun(request, reply_events(request, stream), prepared,
                    ReplyAssembler(prepared.create_parser(on_recovered), state.protocol.reasoning_field))
 
 
@@ -128,31 +129,21 @@ def position_describer(state, turn: ChatTurn, salt: str = "") -> Callable[[int],
     return describe
 
 
-async def collect_or_disconnect(http_request: HTTPRequest, stream: AsyncIterator[Delta]):
-    """(text, logprobs, last delta) of a whole reply, or None when the client went away first (the request
-    is then aborted)."""
-    async def collect():
-        text, logprobs, last = [], [], None
-        async for delta in stream:
-            text.append(delta.text)
-            logprobs += delta.logprobs
-            last = delta
-        return "".join(text), logprobs, last
-
-    collector = asyncio.ensure_future(collect())
-    watcher = asyncio.ensure_future(wait_for_disconnect(http_request))
-    done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    if collector not in done:  # the client went away: stop computing for it
-        collector.cancel()
-        await asyncio.gather(collector, return_exceptions=True)
-        await stream.aclose()
-        return None
-    watcher.cancel()
-    return collector.result()
+def served_model(state, requested: str | None, *, any_name: bool = False) -> str:
+    """The model name a reply shows, the one policy of every dialect: a name this server serves (or an
+    alias) as asked; none asked (Responses' optional field): the served name; any other name is a 404
+    naming the served model, unless ``any_name`` (Messages: Claude Code asks for its own names, claude-sonnet-*
+    and a haiku for background work), when the served model answers for it, logged once per name."""
+    if requested is None:
+        return state.served_name
+    if requested in state.model_aliases:
+        return requested
+    if not any_name:
+        raise not_found_model(requested, [state.served_name])
+    if requested not in _mapped_models:
+        _mapped_models.add(requested)
+        log.info("model %r is not served here; %s answers for it", requested, state.served_name)
+    return requested
 
 
-async def wait_for_disconnect(http_request: HTTPRequest) -> None:
-    while True:
-        message = await http_request.receive()
-        if message["type"] == "http.disconnect":
-            return
+_mapped_models: set[str] = set()  # the names logged as answered by the served model

@@ -64,6 +64,7 @@ class Request:
     slot_id: int | None = None
     group: int = 0  # the batch group (a row map of slots) whose steps carry this request
     admitted_s: float | None = None
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)  # set with admitted_s (api/reply_stream.py)
     prefill_done_s: float | None = None
     last_progress_s: float | None = None
     cached_tokens: int = 0

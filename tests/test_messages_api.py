@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from api import messages_api
+from api import reply_stream
 from api.messages_api import conversation_key
 from api.messages_events import BlockWriter
 from api.messages_schema import function_tools, template_messages, tool_choice
@@ -159,7 +159,7 @@ def test_tool_use_whole_streamed_and_counted(server, client):
 
 
 def test_streamed_text_events_usage_and_stop_sequence(server, client, monkeypatch):
-    monkeypatch.setattr(messages_api, "PING_INTERVAL_S", 0.02)  # every gap between tokens gets a ping
+    monkeypatch.setattr(reply_stream, "KEEPALIVE_S", 0.02)  # every gap between tokens gets a ping
     body = {"model": "smollm2", "max_tokens": 12, "messages": [{"role": "user", "content": "Tell me about Paris."}],
             "system": "Be brief.", **GREEDY}
     events = raw_events(server[0], body)

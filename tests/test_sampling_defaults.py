@@ -9,12 +9,11 @@ import httpx
 import orjson
 import pytest
 
-from api import messages_api, responses_api
 from api.config import ServerConfig
 from api.errors import APIError
 from api.messages_schema import MessagesRequest
 from api.responses_schema import ResponsesRequest
-from api.sampling_defaults import SamplingDefaults, load_sampling_defaults, resolve_sampling_defaults
+from api.sampling_defaults import SamplingDefaults, load_sampling_defaults, resolve_sampling_defaults, sampling_for
 from api.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from api.turn_runner import fit_max_tokens
 from engine.loader import open_model
@@ -130,13 +129,13 @@ def test_chat_and_completions_without_sampling_fields_get_the_defaults():
                                                                                        "content": "hi"}]}))
     completion = parse_body(CompletionRequest, orjson.dumps({"model": "m", "prompt": "hi"}))
     for body in (chat, completion):
-        assert sampled_with(body.sampling_params_for(9, MODEL_DEFAULTS)) == EXPECTED
+        assert sampled_with(sampling_for(body.requested_sampling(), MODEL_DEFAULTS, None)(9)) == EXPECTED
 
 
 def test_chat_takes_repetition_penalty_as_vllm_names_it():
     raw = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1.3}
-    assert parse_body(ChatCompletionRequest, orjson.dumps(raw)).sampling_params_for(9, MODEL_DEFAULTS) \
-        .repetition_penalty == 1.3
+    body = parse_body(ChatCompletionRequest, orjson.dumps(raw))
+    assert sampling_for(body.requested_sampling(), MODEL_DEFAULTS, None)(9).repetition_penalty == 1.3
     with pytest.raises(APIError) as refused:
         parse_body(ChatCompletionRequest, orjson.dumps({**raw, "repetition_penalty": 0}))
     assert (refused.value.status, refused.value.param) == (400, "repetition_penalty")
@@ -146,8 +145,8 @@ def test_messages_and_responses_without_sampling_fields_get_the_defaults():
     messages = MessagesRequest.model_validate({"model": "claude", "max_tokens": 9,
                                                "messages": [{"role": "user", "content": "hi"}]})
     responses = ResponsesRequest.model_validate({"input": "hi"})
-    assert sampled_with(messages_api.sampling_for(messages, MODEL_DEFAULTS, None)(9)) == EXPECTED
-    assert sampled_with(responses_api.sampling_for(responses, MODEL_DEFAULTS, None)(9)) == EXPECTED
+    assert sampled_with(sampling_for(messages.requested_sampling(), MODEL_DEFAULTS, None)(9)) == EXPECTED
+    assert sampled_with(sampling_for(responses.requested_sampling(), MODEL_DEFAULTS, None)(9)) == EXPECTED
 
 
 @pytest.mark.parametrize(("prompt_len", "requested", "expected"), [

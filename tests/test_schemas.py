@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from api import schemas_base
 from api.errors import APIError, context_overflow, from_validation_error, not_found_model, overloaded
-from api.sampling_defaults import SamplingDefaults
+from api.sampling_defaults import SamplingDefaults, sampling_for
 from api.schemas import (
     ApplyTemplateRequest,
     ChatCompletionRequest,
@@ -125,14 +125,14 @@ def test_max_completion_tokens_wins_over_max_tokens():
 
 def test_unset_fields_take_defaults():
     body = parse_body(ChatCompletionRequest, chat(temperature=None, top_k=-1))
-    params = body.sampling_params_for(100, SamplingDefaults(temperature=0.5, top_k=9), default_seed=3)
+    params = sampling_for(body.requested_sampling(), SamplingDefaults(temperature=0.5, top_k=9), 3)(100)
     assert (params.temperature, params.top_k, params.max_tokens, params.seed) == (0.5, 0, 100, 3)  # -1: off
 
 
 def test_stop_string_becomes_a_tuple():
     body = parse_body(ChatCompletionRequest, chat(stop="END"))
     assert body.stop == ("END",)
-    assert body.sampling_params_for(10, SamplingDefaults()).stop == ("END",)
+    assert sampling_for(body.requested_sampling(), SamplingDefaults(), None)(10).stop == ("END",)
 
 
 def test_too_many_stop_strings_are_rejected():
@@ -274,10 +274,11 @@ def test_parallel_tool_calls_is_accepted_either_way():
 
 def test_default_temperature_fills_only_an_unset_temperature():
     unset = parse_body(ChatCompletionRequest, chat())
-    assert unset.sampling_params_for(8, SamplingDefaults()).temperature == 0.8  # llama-server's default
-    assert unset.sampling_params_for(8, SamplingDefaults(temperature=0.0)).temperature == 0.0
+    assert sampling_for(unset.requested_sampling(), SamplingDefaults(), None)(8).temperature == 0.8  # llama-server's
+    zero = SamplingDefaults(temperature=0.0)
+    assert sampling_for(unset.requested_sampling(), zero, None)(8).temperature == 0.0
     explicit = parse_body(ChatCompletionRequest, chat(temperature=0.7))
-    assert explicit.sampling_params_for(8, SamplingDefaults(temperature=0.0)).temperature == 0.7
+    assert sampling_for(explicit.requested_sampling(), zero, None)(8).temperature == 0.7
     assert unset.parallel_tool_calls is None  # unsaid: the tool format's default applies
 
 

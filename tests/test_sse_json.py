@@ -1,16 +1,14 @@
-"""SSE data lines survive clients that split decoded text on Unicode line breaks (api/sse_json.py)."""
+"""SSE data lines survive clients that split decoded text on Unicode line breaks (api/sse.py)."""
 import orjson
 import pytest
 
-from api.messages_events import sse_event as messages_event
-from api.openai_format import sse
-from api.responses_events import sse_event as responses_event
+from api.sse import sse_frame
 
 TEXT = "a\u2028b\u2029c\u0085d\r\ne\x1cf"  # the three raw in orjson's output, and escaped control characters
 
 
-@pytest.mark.parametrize("encode", [lambda obj: sse(obj), lambda obj: messages_event("x", obj),
-                                    lambda obj: responses_event({"type": "x", **obj})])
+@pytest.mark.parametrize("encode", [lambda obj: sse_frame(obj), lambda obj: sse_frame(obj, "x"),
+                                    lambda obj: sse_frame({"type": "x", **obj}, "x")])
 def test_every_dialect_writes_one_data_line_that_parses_back_to_the_same_text(encode):
     chunk = encode({"text": TEXT}).decode()
     lines = [line for line in chunk.splitlines() if line.startswith("data: ")]  # str.splitlines: the strictest
@@ -19,4 +17,4 @@ def test_every_dialect_writes_one_data_line_that_parses_back_to_the_same_text(en
 
 
 def test_done_marker_is_unchanged():
-    assert sse("[DONE]") == b"data: [DONE]\n\n"
+    assert sse_frame("[DONE]") == b"data: [DONE]\n\n"

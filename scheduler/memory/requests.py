@@ -112,6 +112,7 @@ class RequestMemory:
             request.cached_tokens = allocation.cached_tokens - allocation.state_window
             request.sampler = Sampler(request.params)
             request.admitted_s = time.perf_counter()
+            request.admitted.set()
         request.allocation = allocation
         request.seq = Sequence(list(tokens), allocation.block_table, allocation.cached_tokens)
         self.hybrid.admit(request, match)  # its state slot, loaded from the checkpoint the match ends at
