@@ -7,8 +7,10 @@ import os
 import sys
 import time
 
-from api.config import add_serve_arguments, config_from_args
+from api.config import KV_TYPE_CHOICES, ServerConfig
+from api.config_load import add_serve_arguments, config_from_args
 from cuda_kernels.build import DEFAULT_ARCHS, SUPPORTED_ARCHS
+from engine.loader import CPU_WEIGHTS
 from engine.model_store import ModelFetchError, default_model_name, resolve_model
 
 _USER_ERRORS = (ValueError, FileNotFoundError, ModelFetchError, MemoryError)
@@ -71,14 +73,15 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ctx-size", type=int, default=4096, help="tokens of KV memory to reserve")
-    gen.add_argument("--prefill-chunk", type=int, default=256)
+    # The server's defaults and choices, from their one home (ServerConfig's fields)
+    server = ServerConfig.model_fields
+    gen.add_argument("--prefill-chunk", type=int, default=server["prefill_chunk"].default,
+                     help="most prompt tokens computed in one step (as for strata serve)")
     gen.add_argument("--threads", type=int, default=None, help="BLAS and kernel threads (default: all cores)")
-    gen.add_argument("--kv-type", choices=("auto", "f32", "f16", "int8"), default="auto",
+    gen.add_argument("--kv-type", choices=KV_TYPE_CHOICES, default=server["kv_type"].default,
                      help="how K/V is stored (as for strata serve)")
-    gen.add_argument("--cpu-weights", choices=("quantized", "quantized-int8act", "quantized-f32act", "f32"),
-                     default="quantized", help="numpy backend: keep the file's quantised blocks (decode on "
-                     "int16 activations; int8 or float32 ones with the -int8act / -f32act values), or "
-                     "dequantise to float32")
+    gen.add_argument("--cpu-weights", choices=CPU_WEIGHTS, default=server["cpu_weights"].default,
+                     help=server["cpu_weights"].description)
     gen.set_defaults(func=_cmd_generate)
 
     kernels = sub.add_parser("kernels", help="list the CUDA kernels; --check compiles them with NVRTC")
@@ -193,7 +196,7 @@ def _cmd_generate(args) -> int:
     from engine.generate import Completion, generate_stream
     from engine.loader import encode_chat_prompt, open_model
     from engine.sampling import SamplingParams
-    from engine.kv import resolve_kv_type
+    from engine.kv import BLOCK_SIZE, blocks_needed, resolve_kv_type
     from engine.sequence import ModelRunner
 
     params = SamplingParams(
@@ -212,8 +215,7 @@ def _cmd_generate(args) -> int:
             prompt_ids = encode_chat_prompt(loaded.tokenizer, text)
         else:
             prompt_ids = loaded.tokenizer.encode(args.prompt, add_special=True, parse_special=False)
-        block_size = 16
-        runner = ModelRunner(loaded.model, num_blocks=-(-args.ctx_size // block_size), block_size=block_size,
+        runner = ModelRunner(loaded.model, num_blocks=blocks_needed(args.ctx_size, BLOCK_SIZE), block_size=BLOCK_SIZE,
                              kv_type=resolve_kv_type(args.kv_type, loaded.model.backend))
         completion = Completion(prompt_ids)
         started = time.perf_counter()

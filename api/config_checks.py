@@ -1,13 +1,20 @@
-"""The checks every ServerConfig passes on construction (api/config.py): each failure is a ValueError naming
-the flag and what to change, so a bad value from a file, the environment or the command line reads the same."""
+"""What ServerConfig's declared limits cannot say, and its errors in words that name the flag.
+
+The limits and choices themselves are declared on the fields (api/config.py: ``ge``, ``gt``, ``Literal``);
+pydantic checks them. This module holds the checks that are more than a bound (a size that is N, MIN:MAX or
+auto; increasing layer numbers) and ``explain``, which turns pydantic's first error into a sentence naming
+the flag and what to change, so a bad value from a file, the environment or the command line reads the same.
+It imports nothing from api/config.py (it is handed the fields), so the two form no import circle.
+"""
 from __future__ import annotations
 
-import math
 import re
-from typing import TYPE_CHECKING
+import typing
+from typing import Any, Mapping
 
-if TYPE_CHECKING:
-    from api.config import ServerConfig
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 MIN_CTX_SIZE = 16
 # --ctx-size 0 takes the model's trained context up to this: Claude Code's first prompt is ~19K tokens, and
@@ -25,61 +32,95 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def validate_config(cfg: "ServerConfig") -> None:
-    """Raises ValueError naming the flag and what to change. Called on every construction."""
-    def need(ok: bool, message: str) -> None:
-        if not ok:
-            raise ValueError(message)
+def check_ctx_size(value: int) -> int:
+    if value != 0 and value < MIN_CTX_SIZE:
+        raise ValueError(f"--ctx-size must be 0 (auto) or >= {MIN_CTX_SIZE} (got {value})")
+    return value
 
-    for name in ("model", "host"):
-        need(bool(getattr(cfg, name)), f"{flag_name(name)} must not be empty")
-    need(0 <= cfg.port <= 65535, f"--port {cfg.port} is out of range; use 1-65535 (or 0 for a free port)")
-    need(cfg.batch >= 1, f"--batch must be >= 1 (got {cfg.batch})")
-    groups = cfg.batch_groups
-    need(groups == "auto" or (groups.isdigit() and 1 <= int(groups) <= cfg.batch),
-         f"--batch-groups must be auto or 1..--batch ({cfg.batch}) (got {groups!r})")
+
+def check_layer_split(value: str) -> str:
     try:
-        cuts = cfg.layer_cuts
+        cuts = [int(v) for v in value.split(",") if v.strip()] if value else []
     except ValueError:
         cuts = None
-    need(cuts is not None and all(c > 0 for c in cuts) and list(cuts) == sorted(set(cuts)),
-         f"--layer-split {cfg.layer_split!r} must be strictly increasing layer numbers > 0, e.g. 16,32")
-    need(cfg.prefill_chunk >= 1, f"--prefill-chunk must be >= 1 (got {cfg.prefill_chunk})")
-    need(cfg.prefill_step_tokens >= 1, f"--prefill-step-tokens must be >= 1 (got {cfg.prefill_step_tokens})")
-    need(cfg.max_queue >= 0,
-         f"--max-queue must be >= 0 (got {cfg.max_queue}; 0 rejects requests when every slot is busy)")
-    need(cfg.ctx_size == 0 or cfg.ctx_size >= MIN_CTX_SIZE,
-         f"--ctx-size must be 0 (auto) or >= {MIN_CTX_SIZE} (got {cfg.ctx_size})")
-    need(cfg.kv_cache_max_mib >= 0, f"--kv-cache-max-mib must be >= 0 (got {cfg.kv_cache_max_mib})")
-    need(cfg.default_temperature is None or 0.0 <= cfg.default_temperature <= 2.0,
-         f"--default-temperature must be in 0..2 (got {cfg.default_temperature})")
-    need(cfg.default_max_tokens >= 0, f"--default-max-tokens must be >= 0 (got {cfg.default_max_tokens}; 0 gives a "
-         f"reply all the room its context leaves)")
-    need(not cfg.kv_cache_mib.startswith("-"),
-         f"--kv-cache-mib must be >= 0 (got {cfg.kv_cache_mib}; 0 sizes it from --batch * --ctx-size)")
-    need(cfg.expert_cache_mib in ("", "auto") or re.fullmatch(r"\d+(\.\d+)?", cfg.expert_cache_mib) is not None
-         and float(cfg.expert_cache_mib) > 0, f"--expert-cache-mib takes a MiB count > 0 or auto (got "
-         f"{cfg.expert_cache_mib!r})")
-    cfg.kv_cache_range_mib  # noqa: B018 -- raises a ValueError naming the flag on a bad N, MIN:MAX or auto
-    every = cfg.state_checkpoint_every
-    need(isinstance(every, str) and (every == "auto" or re.fullmatch(r"\d+", every) is not None),
-         f"--state-checkpoint-every must be auto or a whole number of KV blocks >= 0 (got {every!r}; 0 keeps "
-         f"only message starts, prompt and reply ends)")
-    for name in ("conversation_cache_mib", "conversation_cache_min_free_mib", "conversation_cache_disk_mib",
-                 "conversation_cache_write_behind_mib_s"):
-        need(getattr(cfg, name) >= 0, f"{flag_name(name)} must be >= 0 (got {getattr(cfg, name)})")
-    for name in ("max_body_mib", "progress_interval_s"):
-        value = getattr(cfg, name)
-        need(math.isfinite(value) and value > 0, f"{flag_name(name)} must be a number > 0 (got {value})")
-    need(math.isfinite(cfg.conversation_active_s) and cfg.conversation_active_s >= 0,
-         f"--conversation-active-s must be a number >= 0 (got {cfg.conversation_active_s}; 0 turns it off)")
-    need(math.isfinite(cfg.shutdown_timeout_s) and cfg.shutdown_timeout_s >= 0,
-         f"--shutdown-timeout-s must be a number >= 0 (got {cfg.shutdown_timeout_s})")
-    for name in ("api_key", "served_model_name", "chat_template", "conversation_cache_dir"):
-        need(getattr(cfg, name) != "", f"{flag_name(name)} must not be empty; leave it unset instead")
-    need(cfg.threads is None or cfg.threads >= 1, f"--threads must be >= 1 (got {cfg.threads}; unset uses every core)")
-    need(cfg.seed is None or 0 <= cfg.seed < 2**64, f"--seed must be in 0..2**64-1 (got {cfg.seed})")
-    for name in ("log_format", "log_level", "backend", "cpu_weights", "kv_type"):
-        choices = type(cfg).__dataclass_fields__[name].metadata["choices"]
-        value = getattr(cfg, name)
-        need(value in choices, f"{flag_name(name)} {value!r} is not one of: {', '.join(choices)}")
+    if cuts is None or not all(c > 0 for c in cuts) or cuts != sorted(set(cuts)):
+        raise ValueError(f"--layer-split {value!r} must be strictly increasing layer numbers > 0, e.g. 16,32")
+    return value
+
+
+def check_batch_groups(groups: str, batch: int) -> None:
+    if not (groups == "auto" or (groups.isdigit() and 1 <= int(groups) <= batch)):
+        raise ValueError(f"--batch-groups must be auto or 1..--batch ({batch}) (got {groups!r})")
+
+
+def check_kv_cache_mib(value: str) -> str:
+    if value.startswith("-"):
+        raise ValueError(f"--kv-cache-mib must be >= 0 (got {value}; 0 sizes it from --batch * --ctx-size)")
+    return value
+
+
+def check_expert_cache_mib(value: str) -> str:
+    if not (value in ("", "auto") or re.fullmatch(r"\d+(\.\d+)?", value) is not None and float(value) > 0):
+        raise ValueError(f"--expert-cache-mib takes a MiB count > 0 or auto (got {value!r})")
+    return value
+
+
+def check_checkpoint_every(value: str) -> str:
+    if not (value == "auto" or re.fullmatch(r"\d+", value) is not None):
+        raise ValueError(f"--state-checkpoint-every must be auto or a whole number of KV blocks >= 0 (got "
+                         f"{value!r}; 0 keeps only message starts, prompt and reply ends)")
+    return value
+
+
+def choices_of(field: FieldInfo) -> tuple[str, ...]:
+    """A field's choices: the values of its Literal annotation; () for a field without."""
+    annotation = field.annotation
+    return typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else ()
+
+
+def explain(exc: ValidationError, fields: Mapping[str, FieldInfo]) -> str:
+    """The first error of ``exc`` as a sentence naming the flag ("--batch must be >= 1 (got 0)")."""
+    error = exc.errors()[0]
+    if not error["loc"]:  # a check across fields: its own sentence
+        return error["msg"].removeprefix("Value error, ")
+    name, value, kind = str(error["loc"][0]), error.get("input"), error["type"]
+    if name not in fields:
+        return f"unknown setting {name!r}; valid ones are: {', '.join(fields)}"
+    field, flag = fields[name], flag_name(name)
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    hint = f"; {extra['hint']}" if extra.get("hint") else ""
+    if kind == "value_error":
+        return error["msg"].removeprefix("Value error, ")
+    if extra.get("message"):
+        return str(extra["message"]).format(value=value)
+    if kind == "literal_error":
+        return f"{flag} {value!r} is not one of: {', '.join(choices_of(field))}"
+    if kind == "string_too_short":
+        unset = "; leave it unset instead" if field.default is None else ""
+        return f"{flag} must not be empty{unset}"
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than", "finite_number"):
+        return f"{flag} must be {_bounds(field)} (got {value}{hint})"
+    return f"{flag}: {error['msg']} (got {value!r})"
+
+
+def _bounds(field: FieldInfo) -> str:
+    """">= 1", "a number > 0", "in 0..2": the field's declared limits in words."""
+    low = high = None
+    for limit in field.metadata:
+        if isinstance(limit, (Ge, Gt)):
+            low = ">=" if isinstance(limit, Ge) else ">", getattr(limit, "ge", getattr(limit, "gt", None))
+        elif isinstance(limit, (Le, Lt)):
+            high = getattr(limit, "le", None) if isinstance(limit, Le) else limit.lt - 1
+    number = "a number " if _base_type(field) is float else ""
+    if low is not None and high is not None:
+        return f"in {_text(low[1])}..{_text(high)}"
+    return f"{number}{low[0]} {_text(low[1])}" if low is not None else f"{number}<= {_text(high)}"
+
+
+def _text(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _base_type(field: FieldInfo) -> type:
+    args = [a for a in typing.get_args(field.annotation) if a is not type(None)]
+    return args[0] if args and typing.get_origin(field.annotation) is not typing.Literal else field.annotation

@@ -27,6 +27,7 @@ from typing import Any, TextIO
 import orjson
 
 LOG_FORMATS = ("kv", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # uvicorn's own loggers get the same handler so its start-up and error lines share the format; the server
 # runs uvicorn with log_config=None and access_log=False, since strata writes its own per-request line.
 OWNED_LOGGERS = ("strata", "uvicorn")
@@ -63,7 +64,7 @@ def configure_logging(log_format: str, level: str, stream: TextIO | None = None)
         raise ValueError(f"--log-format {log_format!r} is not one of: {', '.join(LOG_FORMATS)}")
     level_no = logging.getLevelName(level.upper())
     if not isinstance(level_no, int):
-        raise ValueError(f"--log-level {level!r} is not one of: debug, info, warning, error, critical")
+        raise ValueError(f"--log-level {level!r} is not one of: {', '.join(LOG_LEVELS)}")
     handler = _StrataHandler(stream if stream is not None else sys.stderr)
     handler.setFormatter(JsonFormatter() if log_format == "json" else KeyValueFormatter())
     for name in OWNED_LOGGERS:

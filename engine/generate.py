@@ -1,17 +1,21 @@
 """Generating a completion for one prompt without the server: used by `strata generate` and the tests.
 
 The prompt is computed in chunks (chunked prefill is both what the server does and faster on numpy for
-long prompts), then one token per step until max_tokens, an end-of-generation token or a stop string.
+long prompts), then one token per step until the reply ends by the server's rules (engine/reply_text.py:
+an end-of-generation token, a stop string, max_tokens).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from engine.reply_text import ReplyText
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import ModelRunner, Sequence
-from engine.stop import StopStringMatcher
-from engine.tokenizer import IncrementalDecoder, Tokenizer
+from engine.tokenizer import Tokenizer
+
+# Most prompt tokens computed in one step: the server's --prefill-chunk default (api/config.py reads it here).
+PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -40,7 +44,7 @@ def generate_stream(
     tokenizer: Tokenizer,
     prompt_ids: list[int],
     params: SamplingParams,
-    prefill_chunk: int = 256,
+    prefill_chunk: int = PREFILL_CHUNK,
     completion: Completion | None = None,
 ) -> Iterator[str]:
     """Yield text deltas of the completion; fills `completion` (if given) as it goes.
@@ -55,31 +59,27 @@ def generate_stream(
             f"context of {limit} tokens"
         )
     seq = Sequence(list(prompt_ids))
-    sampler, decoder = Sampler(params), IncrementalDecoder(tokenizer)
-    stops = StopStringMatcher(params.stop)
-    eos_ids = set() if params.ignore_eos else set(tokenizer.eos_ids)
+    sampler, reply = Sampler(params), ReplyText(tokenizer, params)
     try:
         logits = prefill(runner, seq, prefill_chunk)
         while True:
             token = sampler.sample(logits[-1])
-            if token in eos_ids:
+            if reply.ends_on(token):
                 completion.finish_reason = "stop"
                 break
             completion.token_ids.append(token)
-            delta = stops.push(decoder.push(token))
+            delta = reply.push(token)
             completion.text += delta
             if delta:
                 yield delta
-            if stops.stopped:
-                completion.finish_reason = "stop"
-                break
-            if len(completion.token_ids) >= params.max_tokens:
-                completion.finish_reason = "length"
+            reason = reply.finish_reason(len(completion.token_ids))
+            if reason is not None:
+                completion.finish_reason = reason
                 break
             seq.token_ids.append(token)
             runner.ensure_blocks(seq, len(seq.token_ids))
             logits = runner.step([(seq, 1)])
-        tail = "" if stops.stopped else stops.push(decoder.flush()) + stops.flush()
+        tail = reply.flush()
         if tail:
             completion.text += tail
             yield tail
@@ -87,7 +87,7 @@ def generate_stream(
         runner.release(seq)
 
 
-def generate(runner, tokenizer, prompt_ids, params, prefill_chunk: int = 256) -> Completion:
+def generate(runner, tokenizer, prompt_ids, params, prefill_chunk: int = PREFILL_CHUNK) -> Completion:
     """Non-streaming form of generate_stream."""
     completion = Completion(list(prompt_ids))
     for _ in generate_stream(runner, tokenizer, prompt_ids, params, prefill_chunk, completion):

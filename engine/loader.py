@@ -17,7 +17,7 @@ from engine.tokenizer import Tokenizer
 log = logging.getLogger("strata.loader")
 BACKEND_NAMES = ("auto", "numpy", "cuda")
 # How the numpy backend holds linear weights: float32 (the reference) or the file's quantised blocks.
-CPU_WEIGHTS = ("f32", "quantized", "quantized-int8act", "quantized-f32act")
+CPU_WEIGHTS = ("quantized", "quantized-int8act", "quantized-f32act", "f32")  # the default first
 _ACTIVATIONS = {"quantized": "int16", "quantized-int8act": "int8", "quantized-f32act": "f32"}
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.stop import StopStringMatcher
-from engine.tokenizer import IncrementalDecoder, Tokenizer
+from engine.reply_text import ReplyText
+from engine.tokenizer import Tokenizer
 from scheduler.request import Delta, Request
 from scheduler.request_history import RequestHistory, miss_summary
 from scheduler.step import StepResult
@@ -24,43 +24,33 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.hidden_token_ids = hidden_token_ids  # control tokens whose text a reply leaves out
         self.progress_interval_s = progress_interval_s
-        self._text_state: dict[str, tuple[IncrementalDecoder, StopStringMatcher]] = {}
+        self._text_state: dict[str, ReplyText] = {}
         self._misses: dict[str, dict] = {}  # request id -> its miss, until the request's record is written
         self.history = RequestHistory()  # the last finished requests (GET /requests, the dashboard)
 
     def accept_token(self, request: Request, result: StepResult) -> str | None:
-        """Record a sampled token and stream its text; returns a finish reason when the request is done."""
-        params = request.params
-        if result.token in self.tokenizer.eos_ids and not params.ignore_eos:
+        """Record a sampled token and stream its text; returns a finish reason when the request is done
+        (the rules: engine/reply_text.py)."""
+        reply = self._state(request)
+        if reply.ends_on(result.token):
             return "stop"
-        decoder, stops = self._state(request)
         request.output_ids.append(result.token)
-        text = stops.push(decoder.push(result.token))
         constraint = request.constraint
-        grammar_done = False
         if constraint is not None:
             constraint.accept(result.token)
-            # A complete grammar ends the reply with this token: no EOS-only step, and finish("stop") does not
-            # flush, so the held-back text (a partial UTF-8 character, a stop-string prefix) goes out now.
-            grammar_done = constraint.is_finished
-            if grammar_done and not stops.stopped:
-                text += stops.push(decoder.flush())
-                text += stops.flush()
+        # A complete grammar ends the reply with this token: no EOS-only step, so the held-back text goes now.
+        grammar_done = constraint is not None and constraint.is_finished
+        text = reply.push(result.token, grammar_done)
         logprobs = [result.logprob] if result.logprob is not None else []
-        if text or logprobs or not stops.stopped:
+        if text or logprobs or not reply.stopped:
             request.outbox.put_nowait(Delta(text=text, token_ids=[result.token], logprobs=logprobs))
-        if stops.stopped or grammar_done:
-            return "stop"
-        if len(request.output_ids) >= params.max_tokens:
-            return "length"
-        return None
+        return reply.finish_reason(len(request.output_ids), grammar_done)
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """Flush held-back text, send the final delta with usage, and log the request's summary."""
-        decoder, stops = self._text_state.pop(request.request_id, (None, None))
-        tail = ""
-        if decoder is not None:  # a reply ending on EOS too: a held-back "#" of a "###" stop string is text
-            tail = stops.push(decoder.flush()) + stops.flush()
+        reply = self._text_state.pop(request.request_id, None)
+        # a reply ending on EOS too: a held-back "#" of a "###" stop string is text
+        tail = reply.flush() if reply is not None else ""
         usage = request.usage()
         request.outbox.put_nowait(Delta(text=tail, finish_reason=reason, usage=usage, error=error))
         self._log_summary(request, reason, error)
@@ -124,10 +114,10 @@ class OutputProcessor:
             log.info("%sprompt diverged from the nearest cached sequence (%s) at token %d%s", named,
                      miss["conversation"], position, where, extra={"fields": {**base, "miss": "diverged"}})
 
-    def _state(self, request: Request):
+    def _state(self, request: Request) -> ReplyText:
         state = self._text_state.get(request.request_id)
         if state is None:
-            state = (IncrementalDecoder(self.tokenizer, hidden_ids=self.hidden_token_ids), StopStringMatcher(request.params.stop))
+            state = ReplyText(self.tokenizer, request.params, hidden_ids=self.hidden_token_ids)
             self._text_state[request.request_id] = state
         return state
 

@@ -7,7 +7,8 @@ from fractions import Fraction
 
 import pytest
 
-from api.config import ServerConfig, load_config
+from api.config import ServerConfig
+from api.config_load import load_config
 from engine.backends.reference.backend import NumpyBackend
 from engine.kv import KVLayout
 from engine.model import load_model

@@ -175,7 +175,7 @@ def test_the_flag_parses_mib_or_auto_and_is_ignored_on_numpy():
 
 
 def test_serve_takes_expert_cache_mib_as_mib_or_auto():
-    from api.config import load_config
+    from api.config_load import load_config
 
     assert load_config([], environ={}).expert_cache_mib == ""
     assert load_config(["--expert-cache-mib", "auto"], environ={}).expert_cache_mib == "auto"
@@ -209,7 +209,7 @@ def test_metrics_name_every_figure_expert_cache(make_backend, tmp_path):
 
 def test_serve_counts_the_arena_as_engine_ram_and_wires_metrics_and_admission(make_backend, tmp_path,
                                                                               monkeypatch):
-    from api.config import load_config
+    from api.config_load import load_config
     from api.serve import build_state
     from engine.loader import open_model
     from scheduler.memory import sizing

@@ -10,7 +10,6 @@ from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 
 def _served_state(tmp_path, monkeypatch, emulator_dir, expert_cache_mib, **moe):  # noqa: F811
-    from dataclasses import replace
 
     from api.config import ServerConfig
     from api.serve import build_state
@@ -22,7 +21,7 @@ def _served_state(tmp_path, monkeypatch, emulator_dir, expert_cache_mib, **moe):
     fake_cuda_emulated.install(monkeypatch, emulator_dir).vmm_granularity = PAGE
     backend = CudaBackend(graphs=False)
     loaded = open_model(str(tmp_path / "m.gguf"), backend=backend, fetch=False, expert_cache_mib=expert_cache_mib)
-    config = replace(ServerConfig(port=0), batch=1, ctx_size=64, conversation_cache_mib=0, kv_cache_mib="0:1",
+    config = ServerConfig(port=0).replace(batch=1, ctx_size=64, conversation_cache_mib=0, kv_cache_mib="0:1",
                      expert_cache_mib=expert_cache_mib, backend="cuda")
     return backend, lambda: build_state(config, loaded)
 

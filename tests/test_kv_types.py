@@ -148,7 +148,6 @@ def test_the_cache_snapshot_shows_the_type_and_its_bytes_per_token(load_tiny):
 
 
 def test_serve_sizes_the_pool_from_the_types_bytes_and_logs_them(tmp_path, caplog):
-    from dataclasses import replace
 
     from api.config import ServerConfig
     from api.serve import build_state
@@ -159,7 +158,7 @@ def test_serve_sizes_the_pool_from_the_types_bytes_and_logs_them(tmp_path, caplo
     loaded = open_model(str(tmp_path / "m.gguf"), backend=NumpyBackend())
     blocks = {}
     for kv_type in ("f32", "int8"):
-        config = replace(ServerConfig(port=0), kv_type=kv_type, kv_cache_mib=1, ctx_size=64, batch=1,
+        config = ServerConfig(port=0).replace(kv_type=kv_type, kv_cache_mib=1, ctx_size=64, batch=1,
                          conversation_cache_mib=0)
         with caplog.at_level("INFO", logger="strata.serve"):
             runner = build_state(config, loaded).engine.runner

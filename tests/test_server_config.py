@@ -1,13 +1,14 @@
 """ServerConfig: defaults < config file < STRATA_* environment < flags, typed, validated, secrets hidden."""
 import argparse
-import dataclasses
 import json
 import re
 from pathlib import Path
 
+import pydantic
 import pytest
 
-from api.config import ServerConfig, add_serve_arguments, config_from_args, load_config, read_config_file
+from api.config import ServerConfig
+from api.config_load import add_serve_arguments, config_from_args, load_config, read_config_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -140,7 +141,7 @@ def test_direct_construction_is_validated_too():
 
 
 def test_config_is_frozen():
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         ServerConfig().port = 1
 
 
@@ -148,7 +149,7 @@ def test_as_log_dict_hides_the_api_key():
     logged = ServerConfig(api_key="sk-secret").as_log_dict()
     assert logged["api_key"] == "***" and "sk-secret" not in json.dumps(logged)
     assert ServerConfig().as_log_dict()["api_key"] is None
-    assert set(logged) == {f.name for f in dataclasses.fields(ServerConfig)}
+    assert set(logged) == set(ServerConfig.model_fields)
 
 
 def test_public_model_name_defaults_to_the_file_stem():
@@ -170,7 +171,7 @@ def test_operations_doc_example_has_every_key_and_loads(tmp_path):
     doc = (REPO / "docs" / "OPERATIONS.md").read_text()
     example = re.search(r"```json\n(\{.*?\})\n```", doc, re.S).group(1)
     keys = {k.replace("-", "_") for k in json.loads(example)}
-    assert keys == {f.name for f in dataclasses.fields(ServerConfig)}
+    assert keys == set(ServerConfig.model_fields)
     assert load_config(["--config", write_config(tmp_path, example)], environ={}) == ServerConfig()
 
 
@@ -199,6 +200,6 @@ def test_a_bad_kv_cache_mib_says_what_to_write(argv, message):
 
 def test_kv_cache_mib_from_a_file_may_be_a_number_or_a_range(tmp_path):
     assert load_config(["--config", write_config(tmp_path, '{"kv-cache-mib": 17}')], environ={}).kv_cache_mib == "17"
-    assert ServerConfig(kv_cache_mib=17).kv_cache_range_mib == (17, 0)  # dataclasses.replace in the tests
+    assert ServerConfig(kv_cache_mib=17).kv_cache_range_mib == (17, 0)  # ServerConfig.replace in the tests
     cfg = load_config(["--config", write_config(tmp_path, '{"kv_cache_mib": "64:256"}')], environ={})
     assert cfg.kv_cache_range_mib == (64, 256)

@@ -7,7 +7,6 @@ import contextlib
 import signal
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ HI = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_
 
 def _config(smollm2) -> ServerConfig:
     """As tests/support/server_harness.py's: the served name is "smollm2" (--model), the model itself `smollm2`."""
-    return replace(ServerConfig(port=0), model="smollm2", conversation_cache_mib=64, ctx_size=512, batch=2)
+    return ServerConfig(port=0).replace(model="smollm2", conversation_cache_mib=64, ctx_size=512, batch=2)
 
 
 @contextlib.contextmanager

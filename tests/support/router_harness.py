@@ -11,7 +11,6 @@ import socket
 import subprocess
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -45,7 +44,7 @@ class Replica:
         self.port = free_port()
         entry = store_entry_for(loaded.path)  # --model as a user names it: requests for "smollm2" are served
         config_fields.setdefault("model", entry.name if entry is not None else str(loaded.path))
-        self.config = replace(ServerConfig(port=self.port), **config_fields)
+        self.config = ServerConfig(port=self.port).replace(**config_fields)
         self.url = f"http://127.0.0.1:{self.port}"
         self.state = self.server = self.thread = None
 

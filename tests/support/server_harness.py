@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import threading
 import time
-from dataclasses import replace
 
 import httpx
 
@@ -27,7 +26,7 @@ def running_server(loaded, with_server: bool = False, **config_fields):
     if loaded is not None:
         entry = store_entry_for(loaded.path)  # --model as a user names it: requests for "smollm2" are served
         config_fields.setdefault("model", entry.name if entry is not None else str(loaded.path))
-    config = replace(ServerConfig(port=0), **config_fields)
+    config = ServerConfig(port=0).replace(**config_fields)
     state = build_state(config, loaded)
     server = create_server(state, port=0)
     thread = threading.Thread(target=server.run, name="strata-test-server", daemon=True)
@@ -50,7 +49,7 @@ def run_on_app(loaded, work, **config_fields):
     """Run `work(state, client)` on one event loop with the engine started and the app on an ASGI client
     (no socket, no thread: the engine's steps and the requests share the loop); returns what work returns."""
     fields = dict(batch=1, ctx_size=64, conversation_cache_mib=0, prefill_chunk=16) | config_fields
-    config = replace(ServerConfig(port=0), **fields)
+    config = ServerConfig(port=0).replace(**fields)
     state = build_state(config, loaded)
 
     async def main():
