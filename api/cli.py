@@ -12,6 +12,7 @@ from api.config_load import add_serve_arguments, config_from_args
 from cuda_kernels.build import DEFAULT_ARCHS, SUPPORTED_ARCHS
 from engine.loader import CPU_WEIGHTS
 from engine.model_store import ModelFetchError, default_model_name, resolve_model
+from engine.units import MIB
 
 _USER_ERRORS = (ValueError, FileNotFoundError, ModelFetchError, MemoryError)
 
@@ -173,7 +174,7 @@ def _print_model_list() -> None:
     for entry in list_known_models():
         src = entry.source
         default = " (default)" if src.name == default_model_name() else ""
-        rows.append((src.name + default, f"{src.size / 2**20:.0f} MiB", f"{src.context_length}",
+        rows.append((src.name + default, f"{src.size / MIB:.0f} MiB", f"{src.context_length}",
                      src.tool_format or "-", str(entry.path) if entry.on_disk else "no", src.description))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
@@ -181,7 +182,7 @@ def _print_model_list() -> None:
     from engine.model_list import list_local_models
 
     local = [("on disk (--model)", "size", "path")]
-    local += [(m.spec, f"{m.size / 2**20:.0f} MiB", str(m.path)) for m in list_local_models()]
+    local += [(m.spec, f"{m.size / MIB:.0f} MiB", str(m.path)) for m in list_local_models()]
     if len(local) == 1:
         print("\nno models in Ollama's store, LM Studio's folder or the Hugging Face cache")
         return

@@ -26,6 +26,7 @@ from api.sampling_defaults import SamplingDefaults
 from api.tenancy import api_keys, is_known_key
 from api.schemas import ApplyTemplateRequest, DetokenizeRequest, DevicePoolRequest, TokenizeRequest, parse_body
 from engine.loader import LoadedModel, encode_chat_prompt
+from engine.units import MIB
 from scheduler.engine_loop import EngineLoop
 from scheduler.metrics import Metrics
 
@@ -114,7 +115,7 @@ def _check_api_key(state: ServerState, http_request: HTTPRequest) -> None:
 
 async def read_body(state: ServerState, http_request: HTTPRequest) -> bytes:
     """The raw body, refused with 413 as soon as it exceeds --max-body-mib."""
-    limit = int(state.config.max_body_mib * 2**20)
+    limit = int(state.config.max_body_mib * MIB)
     declared = http_request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise too_large(state.config.max_body_mib)
@@ -165,7 +166,7 @@ async def device_pool(state: ServerState, http_request, request_id) -> Response:
     """POST {"max_mib": N} or {"max_blocks": N}: the elastic device pool's ceiling; below its size now, it
     shrinks (moving cached blocks down or parking them, never dropping one) and says where it stopped."""
     body = parse_body(DevicePoolRequest, await read_body(state, http_request))
-    blocks = body.max_blocks or max(1, int(body.max_mib * 2**20) // state.engine.runner.layout.bytes_per_block)
+    blocks = body.max_blocks or max(1, int(body.max_mib * MIB) // state.engine.runner.layout.bytes_per_block)
     try:
         return JSONResponse(await state.engine.resize_device_pool(blocks))
     except ValueError as exc:
