@@ -1,73 +1,46 @@
-"""The gated activation of a prefill chunk, act(gate) * up, as one vectorised parallel pass.
+"""The gated activation of a prefill chunk, act(gate) * up, in blocks of rows that stay in cache, with the
+reference's own ufuncs in the reference's order, so every value is bit-identical to
+reference/backend.py's `gate / (1 + exp(-gate)) * up`.
 
-numpy's `gate / (1 + exp(-gate)) * up` makes four [T, F] temporaries, one thread each: on a 2K-token chunk of
-Qwen2.5-0.5B (F = 4864) that was 0.27 s a layer inside the model, 6.4 of 36 s of the chunk (the profile in
-docs/BENCHMARKS.md). Here every element is read once and written once, on every kernel thread, and the
-exponential is prefill_attention.fast_exp (a polynomial LLVM vectorises; numba's np.exp is a scalar libm
-call, which left this pass at ~15 ns an element):
-
-    silu(g) = g * sigmoid(g),  sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below, e = exp(-|g|)
-    gelu_tanh(g) = g / 2 * (1 + tanh(z)) = g * sigmoid(2 z),  z = sqrt(2 / pi) (g + 0.044715 g^3)
-
-both within a few float32 ulps of numpy's (tests/test_cpu_activation.py).
+The reference's one expression makes four [T, F] temporaries: on a 2K-token chunk of Qwen2.5-0.5B (F = 4864)
+each is 40 MB, written and read from memory. A first version here was a numba pass with a polynomial exp:
+faster, and within 1e-6 of |gate * up|, but those last-bit differences flipped a near-tie of SmolLM2's
+greedy ids with int8 K/V (tests/test_kv_type_accuracy.py), so the numerics stay numpy's and only the memory
+traffic goes: one [ROWS, F] scratch, reused.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from numba import njit, prange
-
-from engine.backends.cpu.gguf_row_kernels import call_kernel
-from engine.backends.cpu.numba_cache_deps import key_on_sources
-from engine.backends.cpu.prefill_attention import fast_exp
 
 _F32 = np.float32
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # no nnan / ninf: a NaN activation stays NaN
-SILU, GELU_TANH = 0, 1
-KERNEL_ACTIVATIONS = {"silu": SILU, "gelu_tanh": GELU_TANH}
-_GELU_C = _F32(math.sqrt(2.0 / math.pi))
-_SPAN = 1024  # elements of one row a task computes: rows split so that a single token uses both threads
-
-
-@njit(inline="always", fastmath=_FASTMATH)
-def _sigmoid(x):
-    """1 / (1 + exp(-x)) without overflow or cancellation on either side."""
-    e = fast_exp(-abs(x))
-    inv = _F32(1.0) / (_F32(1.0) + e)
-    return inv if x >= _F32(0.0) else e * inv
-
-
-@njit(inline="always", fastmath=_FASTMATH)
-def _silu(g):
-    return g * _sigmoid(g)
-
-
-@njit(inline="always", fastmath=_FASTMATH)
-def _gelu_tanh(g):
-    return g * _sigmoid(_F32(2.0) * _GELU_C * (g + _F32(0.044715) * g * g * g))
-
-
-@njit(parallel=True, cache=True, fastmath=_FASTMATH)
-def _activate_rows(gate_up, act, out):
-    n_tok, f = out.shape
-    spans = (f + _SPAN - 1) // _SPAN
-    for task in prange(n_tok * spans):
-        t, first = task // spans, (task % spans) * _SPAN
-        last = min(f, first + _SPAN)
-        if act == SILU:
-            for i in range(first, last):
-                out[t, i] = _silu(gate_up[t, i]) * gate_up[t, f + i]
-        else:
-            for i in range(first, last):
-                out[t, i] = _gelu_tanh(gate_up[t, i]) * gate_up[t, f + i]
+_GELU_C = _F32(np.sqrt(2.0 / np.pi))
+KERNEL_ACTIVATIONS = ("silu", "gelu_tanh")
+ROWS = 16  # rows a block: 16 x 4864 floats = 311 KiB of scratch, in L2 with the rows it reads
 
 
 def gated_activation(gate_up: np.ndarray, kind: str) -> np.ndarray:
-    """act(gate) * up for gate_up [T, 2F] float32 C-contiguous = (gate | up), kind in KERNEL_ACTIVATIONS."""
-    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), _F32)
-    call_kernel(_activate_rows, gate_up, KERNEL_ACTIVATIONS[kind], out)
+    """act(gate) * up for gate_up [T, 2F] float32 = (gate | up), kind in KERNEL_ACTIVATIONS; bit-identical to
+    the reference backend's formula."""
+    n_tok, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = np.empty((n_tok, f), _F32)
+    scratch = np.empty((min(ROWS, n_tok), f), _F32)
+    for r0 in range(0, n_tok, ROWS):
+        r1 = min(n_tok, r0 + ROWS)
+        g, u, t, o = gate_up[r0:r1, :f], gate_up[r0:r1, f:], scratch[: r1 - r0], out[r0:r1]
+        if kind == "silu":  # gate / (1.0 + np.exp(-gate)) * up
+            np.negative(g, out=t)
+            np.exp(t, out=t)
+            np.add(1.0, t, out=t)
+            np.divide(g, t, out=o)
+        else:  # 0.5 * gate * (1.0 + np.tanh(_GELU_C * (gate + 0.044715 * gate * gate * gate))) * up
+            np.multiply(_F32(0.044715), g, out=t)
+            np.multiply(t, g, out=t)
+            np.multiply(t, g, out=t)
+            np.add(g, t, out=t)
+            np.multiply(_GELU_C, t, out=t)
+            np.tanh(t, out=t)
+            np.add(1.0, t, out=t)
+            np.multiply(0.5, g, out=o)
+            np.multiply(o, t, out=o)
+        np.multiply(o, u, out=o)
     return out
-
-
-key_on_sources(globals(), ["engine.backends.cpu.prefill_attention"])

@@ -73,8 +73,8 @@ class QuantizedNumpyBackend(NumpyBackend):
         return rows
 
     def gated_activation(self, gate_up: np.ndarray, kind: str) -> np.ndarray:
-        """NumpyBackend.gated_activation as one parallel pass (cpu/activation.py) for silu and gelu_tanh."""
-        if kind in cpu_activation.KERNEL_ACTIVATIONS and gate_up.dtype == _F32 and gate_up.flags.c_contiguous:
+        """NumpyBackend.gated_activation in cache-sized row blocks (cpu/activation.py), bit-identical."""
+        if kind in cpu_activation.KERNEL_ACTIVATIONS and gate_up.dtype == _F32:
             return cpu_activation.gated_activation(gate_up, kind)
         return super().gated_activation(gate_up, kind)
 
