@@ -36,6 +36,19 @@ def smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def server(smollm2):
+    """(base_url, state) of the one server on the default model that the API tests share, started once per
+    session (once per pytest-xdist worker that runs such a test), with the settings in
+    tests/support/server_harness.SHARED_SERVER_FIELDS. Tests on it must not depend on what other tests asked it:
+    one that asserts an exact reuse starts a conversation of its own (server_harness.text_of_this_test), one that
+    needs a cold cache or other settings starts its own server (server_harness.running_server)."""
+    from tests.support.server_harness import SHARED_SERVER_FIELDS, running_server
+
+    with running_server(smollm2, **SHARED_SERVER_FIELDS) as (url, state):
+        yield url, state
+
+
+@pytest.fixture(scope="session")
 def gemma3_path():
     """Gemma 3 270M Q4_K_M (base model, no chat template in the file)."""
     return _fetch("gemma3-270m")

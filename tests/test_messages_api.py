@@ -15,7 +15,7 @@ from api.messages_api import conversation_key
 from api.messages_events import BlockWriter
 from api.messages_schema import function_tools, template_messages, tool_choice
 from api.tool_calls import ParsedDelta, ToolCallDelta
-from tests.support.server_harness import running_server
+from tests.support.server_harness import running_server, text_of_this_test
 
 pytestmark = pytest.mark.slow
 WEATHER_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
@@ -30,12 +30,6 @@ def billing_system(value: str) -> list[dict]:
     """Claude Code's system blocks: a billing line whose value changes per request, then the real prompt."""
     return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{value}; cc_entrypoint=cli;"},
             {"type": "text", "text": "You are a helpful assistant.", "cache_control": {"type": "ephemeral"}}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    with running_server(smollm2, ctx_size=2048, batch=2) as (url, state):
-        yield url, state
 
 
 @pytest.fixture
@@ -185,13 +179,14 @@ def test_streamed_text_events_usage_and_stop_sequence(server, client, monkeypatc
     assert cut.content[0].text == text[:text.index(stop)]
 
 
-def test_second_turn_reuses_the_first_despite_a_changing_billing_header(client):
+def test_second_turn_reuses_the_first_despite_a_changing_billing_header(client, request):
     headers = {"x-claude-code-session-id": "test-session"}
+    ask = [{"role": "user", "content": text_of_this_test(request, ASK[0]["content"])}]  # the shared server's cache
     first = client.messages.create(model="claude-sonnet-5-5", max_tokens=80, system=billing_system("a1"),
-                                   messages=ASK, tools=[WEATHER], tool_choice={"type": "any"}, extra_body=GREEDY,
+                                   messages=ask, tools=[WEATHER], tool_choice={"type": "any"}, extra_body=GREEDY,
                                    extra_headers=headers)
     call = first.content[0]
-    history = ASK + [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
+    history = ask + [{"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
                                                    "content": "18 degrees celsius, sunny"}]}]
     second = client.messages.create(model="claude-sonnet-5-5", max_tokens=16, system=billing_system("b2"),

@@ -12,7 +12,7 @@ import pytest
 from api.responses_events import ResponseWriter
 from api.responses_schema import ResponsesRequest, turn_from_request
 from api.tool_calls import ParsedDelta, ToolCallDelta
-from tests.support.server_harness import running_server
+from tests.support.server_harness import SHARED_SERVER_FIELDS, text_of_this_test
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"},
                                                        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -66,12 +66,6 @@ def test_writer_orders_reasoning_message_and_call_events():
     assert [item["type"] for item in events[-1]["response"]["output"]] == ["reasoning", "message", "custom_tool_call"]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2):
-    with running_server(smollm2, ctx_size=2048, batch=2) as (url, state):
-        yield url, state
-
-
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
@@ -109,10 +103,11 @@ def test_streamed_text_reply_hits_max_output_tokens_as_incomplete(client):
 
 
 @pytest.mark.slow
-def test_codex_style_second_turn_reuses_the_whole_first_turn(client):
+def test_codex_style_second_turn_reuses_the_whole_first_turn(client, request):
     """Codex (store false) sends the function_call item back with its output: the history re-renders
     byte-identically, so turn two reuses turn one's prompt and every generated token but the last."""
-    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": ASK}]}
+    text = text_of_this_test(request, ASK)  # a conversation of its own on the shared server
+    user = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
     first = client.responses.create(model="smollm2", input=[user], tools=[WEATHER], tool_choice="required",
                                     temperature=0, max_output_tokens=60, store=False, prompt_cache_key="codex-1")
     call = first.output[0]
@@ -138,7 +133,8 @@ def test_previous_response_id_continues_a_stored_conversation(client, server):
         client.responses.create(model="smollm2", previous_response_id="resp_unknown", input="hi", max_output_tokens=2)
     assert info.value.body["param"] == "previous_response_id"
     models = httpx.get(f"{server[0]}/v1/models").json()  # OpenAI's list, and Codex's catalog beside it
-    assert models["data"][0]["id"] == models["models"][0]["slug"] and models["models"][0]["context_window"] == 2048
+    assert models["data"][0]["id"] == models["models"][0]["slug"]
+    assert models["models"][0]["context_window"] == SHARED_SERVER_FIELDS["ctx_size"]
 
 
 @pytest.mark.slow

@@ -10,16 +10,10 @@ from engine.generate import generate
 from engine.loader import encode_chat_prompt
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from tests.support.server_harness import running_server
+from tests.support.server_harness import SHARED_SERVER_FIELDS, running_server
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    with running_server(smollm2, ctx_size=4096, batch=4) as (url, state):
-        yield url, state
 
 
 @pytest.fixture
@@ -42,7 +36,17 @@ def test_chat_greedy_equals_strata_generate_and_usage_is_exact(client, smollm2):
     usage = reply.usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt_ids), 7)
     assert usage.total_tokens == len(prompt_ids) + 7
-    assert usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_servers_first_request_reports_no_cached_tokens_and_its_repeat_all_but_the_last(smollm2):
+    # its own server: on the shared one, other tests' requests may already hold this prompt's prefix
+    with running_server(smollm2, ctx_size=256, batch=1) as (url, _):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        ask = dict(model="smollm2", messages=QUESTION, temperature=0, max_tokens=1)
+        first = client.chat.completions.create(**ask).usage
+        again = client.chat.completions.create(**ask).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens - 1
 
 
 def test_streaming_chat_equals_whole_reply_and_reports_usage(client):
@@ -160,7 +164,7 @@ def test_utility_routes(server):
     models = httpx.get(url + "/v1/models").json()
     assert models["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1"
     vllm = httpx.post(url + "/tokenize", json={"model": "smollm2", "prompt": "Hello world"}).json()
-    assert vllm == {"tokens": [19556, 905], "count": 2, "max_model_len": 4096}
+    assert vllm == {"tokens": [19556, 905], "count": 2, "max_model_len": SHARED_SERVER_FIELDS["ctx_size"]}
     assert httpx.post(url + "/tokenize", json={"content": "Hello world"}).json() == {"tokens": [19556, 905]}
     assert httpx.post(url + "/detokenize", json={"tokens": [19556, 905]}).json()["content"] == "Hello world"
     prompt = httpx.post(url + "/apply-template", json={"messages": QUESTION}).json()["prompt"]

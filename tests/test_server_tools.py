@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine.chat_template import ChatTemplate
-from tests.support.server_harness import running_server
+from tests.support.server_harness import running_server, text_of_this_test
 
 pytestmark = pytest.mark.slow
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"},
@@ -26,12 +26,6 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Loc
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                         "required": ["city"]}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2):
-    with running_server(smollm2, ctx_size=2048, batch=2) as (url, state):
-        yield url, state
 
 
 @pytest.fixture
@@ -144,11 +138,12 @@ def test_a_schema_the_grammar_cannot_compile_is_a_400_naming_the_field(client):
     assert info.value.body["param"] == "response_format"
 
 
-def test_two_turn_tool_loop_reuses_the_first_turns_prefix(client):
-    first = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required",
+def test_two_turn_tool_loop_reuses_the_first_turns_prefix(client, request):
+    ask = [{"role": "user", "content": text_of_this_test(request, ASK[0]["content"])}]  # the shared server's cache
+    first = client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER], tool_choice="required",
                                            temperature=0, max_tokens=80)
     call = first.choices[0].message.tool_calls[0]
-    history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+    history = ask + [first.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius, sunny"}]
     second = client.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER], temperature=0,
                                             max_tokens=40)
@@ -191,11 +186,12 @@ def hermes_server(smollm2):
         yield url, state
 
 
-def test_hermes_template_gets_the_hermes_format_and_its_calls_parse(hermes_server):
+def test_hermes_template_gets_the_hermes_format_and_its_calls_parse(hermes_server, request):
     url, state = hermes_server
     assert state.protocol.tool_format.name == "hermes"
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    kwargs = dict(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0,
+    ask = [{"role": "user", "content": text_of_this_test(request, ASK[0]["content"])}]  # the module's server
+    kwargs = dict(model="smollm2", messages=ask, tools=[WEATHER], tool_choice="required", temperature=0,
                   max_tokens=80, parallel_tool_calls=False)
     whole = client.chat.completions.create(**kwargs)
     call = whole.choices[0].message.tool_calls[0]
@@ -205,7 +201,7 @@ def test_hermes_template_gets_the_hermes_format_and_its_calls_parse(hermes_serve
     assert content == "" and finish == "tool_calls"  # no <tool_call> markup in content
     assert [(name, args) for _, name, args in calls.values()] == [(call.function.name, call.function.arguments)]
     # the template re-renders the call byte-identically, so the next turn reuses all of turn one
-    history = ASK + [whole.choices[0].message.model_dump(exclude_none=True),
+    history = ask + [whole.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": "18 degrees celsius"}]
     second = client.chat.completions.create(model="smollm2", messages=history, tools=[WEATHER], temperature=0,
                                             max_tokens=20)

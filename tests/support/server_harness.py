@@ -13,6 +13,19 @@ from api.sampling_defaults import store_entry_for
 from api.serve import build_state, create_server
 from api.server import create_app
 
+# The settings of the default-model server the API tests share (conftest's `server` fixture): context 2048 (a
+# 2,000-token prefill fits, the 2,100- and 3,000-word prompts of the overflow tests do not), batch 4 (four
+# concurrent streams).
+SHARED_SERVER_FIELDS = {"ctx_size": 2048, "batch": 4}
+
+
+def text_of_this_test(request, text: str) -> str:
+    """`text` tagged with the running test's name, so no other test sends the same prompt. A test on a shared
+    server that asserts an exact reuse (turn two reuses turn one and no more) needs one: the server's cache keeps
+    what earlier tests asked, and a conversation another test already continued past turn one would match
+    further. ``request`` is pytest's fixture of that name."""
+    return f"{text} ({request.node.name})"
+
 
 @contextlib.contextmanager
 def running_server(loaded, with_server: bool = False, **config_fields):
