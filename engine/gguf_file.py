@@ -5,13 +5,14 @@ llama.cpp), so every quant type it knows is supported; anything else fails at op
 """
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from engine.gguf_header import TensorInfo, read_gguf
@@ -23,9 +24,20 @@ log = logging.getLogger("strata.gguf")
 _PLAIN_FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64}
 
 
-def supported_quant_types() -> set[GGMLQuantizationType]:
-    """All tensor types this engine can load (plain floats + every type gguf can dequantise)."""
-    return _PLAIN_FLOAT_TYPES | set(gguf_quants._type_traits.keys())
+@functools.cache
+def supported_quant_types() -> frozenset[GGMLQuantizationType]:
+    """All tensor types this engine can load: plain floats + every type gguf can dequantise, found through
+    its public `dequantize` (one zero block each, ~5 ms once), which raises NotImplementedError for the rest."""
+    return frozenset(_PLAIN_FLOAT_TYPES | {qtype for qtype, (_, type_size) in GGML_QUANT_SIZES.items()
+                                           if _dequantizes(qtype, type_size)})
+
+
+def _dequantizes(qtype: GGMLQuantizationType, type_size: int) -> bool:
+    try:
+        gguf_quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 class GGUFFile:

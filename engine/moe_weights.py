@@ -88,8 +88,8 @@ def _stacked_parts(gguf: GGUFFile, gate_up_names: list[str], down_name: str) -> 
     n_experts = gguf.tensor_shape(gate_up_names[0])[0]
     halves = fused.rows.reshape(n_experts, 2, -1, fused.rows.shape[1])  # [E, gate|up, F, row_bytes]
     gate, up = (np.ascontiguousarray(halves[:, i]).reshape(fused.out_dim // 2, -1) for i in (0, 1))
-    return [fused._replace(rows=gate, out_dim=fused.out_dim // 2), fused._replace(rows=up, out_dim=fused.out_dim // 2),
-            whole(down_name)]
+    half = fused.out_dim // 2  # _replace is namedtuple's public API (the underscore only avoids field names)
+    return [fused._replace(rows=gate, out_dim=half), fused._replace(rows=up, out_dim=half), whole(down_name)]
 
 
 def _gate_up_bias(gguf: GGUFFile, prefix: str, fused: bool, backend):

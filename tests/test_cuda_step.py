@@ -178,7 +178,7 @@ def test_a_failing_launch_fails_only_its_step_and_leaves_deferred_mode(slow_gpu)
         return await runner.run(lambda: backend.to_host(x), lambda out: out * 2)
 
     np.testing.assert_array_equal(asyncio.run(main()), np.arange(6, dtype=np.float32) * 2)
-    assert not backend._defer_host and backend.is_idle
+    assert not backend.defers_host and backend.is_idle
     worker.shutdown()
     backend.close()
 

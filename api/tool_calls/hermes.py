@@ -75,7 +75,7 @@ class HermesParser(ToolCallStreamParser):
         if self._state in ("open", "object") and not self._call_started:
             self._release_raw_as_content()
         if self._state in ("text", "close"):
-            super()._finish_open()
+            self._release_pending()
         self._pending = ""
 
 

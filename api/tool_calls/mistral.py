@@ -155,7 +155,7 @@ class MistralParser(ToolCallStreamParser):
             self._release_raw_as_content()
             self._emit_content(self._pending)
         elif self._state in ("text", "separator"):
-            super()._finish_open()
+            self._release_pending()
         self._pending = ""
 
 

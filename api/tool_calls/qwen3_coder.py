@@ -182,7 +182,7 @@ class Qwen3CoderParser(ToolCallStreamParser):
         elif self._state == "value" and not self._value_streams and self._value_text:
             self._emit_arguments(json.dumps(convert_value(self._value_text, self._value_types), ensure_ascii=False))
         if self._state in ("text", "after_function"):
-            super()._finish_open()
+            self._release_pending()
         self._pending = ""
 
 

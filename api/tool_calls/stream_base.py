@@ -74,6 +74,10 @@ class ToolCallStreamParser:
 
     def _finish_open(self) -> None:
         """Called once at the end, after the last ``_step``: release whatever a cut-off state holds."""
+        self._release_pending()
+
+    def _release_pending(self) -> None:
+        """The held-back text becomes content, unless it is only whitespace after a call."""
         if self._pending.strip(_WHITESPACE) or not self._after_call:
             self._emit_content(self._pending)
         self._pending = ""

@@ -94,6 +94,7 @@ def _repack_rows(tensor_type: Q, rows: np.ndarray, in_dim: int, half_scales: boo
         halves = [a.astype(np.float16) for a in (part.d, part.m)]
     if not all(np.array_equal(h.astype(np.float32), a) for h, a in zip(halves, (part.d, part.m))):
         raise ValueError(f"{tensor_type.name} scales do not round-trip through float16")
+    # _replace is namedtuple's public API (the underscore only keeps it apart from field names)
     return part._replace(d=halves[0].view(np.uint16), m=halves[1].view(np.uint16))
 
 

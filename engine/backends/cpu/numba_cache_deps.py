@@ -51,6 +51,7 @@ def key_on_sources(namespace: dict[str, Any], dependencies: Iterable[str]) -> in
                             "after editing a kernel file, clear __pycache__/*.nbi by hand")
                 _warned = True
             continue
+        # numba's own cache-file object: it has no public hook for extra dependencies (module docstring)
         cache_file._source_stamp = (cache_file._source_stamp, digest)
         keyed += 1
     return keyed

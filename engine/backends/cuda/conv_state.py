@@ -146,12 +146,9 @@ def short_conv(b, u, kernel, pool: CudaConvStatePool, layer: int, batch: BatchMe
 def _conv_index(b, batch: BatchMeta) -> tuple[int, int, int, int]:
     """Device addresses of the batch's per-sequence (query_start, query_len, start_pos, state_slot), uploaded
     once a step (every short-conv layer of the step reads the same)."""
-    key = (id(batch), "conv_index")
-    if key not in b._step:
-        table = np.array([[s.query_start, s.query_len, s.start_pos, s.state_slot] for s in batch.seqs],
-                         dtype=np.int32).T.copy()  # [4, n_seqs]
-        copy = b.upload_activation(table)
-        b._step[key] = copy.ptr
-        b._step_keep += [batch, copy]
-    base, n = b._step[key], len(batch.seqs)
+    def table() -> np.ndarray:  # [4, n_seqs]
+        return np.array([[s.query_start, s.query_len, s.start_pos, s.state_slot] for s in batch.seqs],
+                        dtype=np.int32).T.copy()
+
+    base, n = b.step_table(batch, "conv_index", table), len(batch.seqs)
     return tuple(base + i * n * 4 for i in range(4))

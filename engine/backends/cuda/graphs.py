@@ -105,11 +105,9 @@ class DecodeGraphs:
             self._graphs.move_to_end(key)
         b = self.backend
         graph.write_inputs(arrays)  # the previous replay has finished: synchronised, or its event observed
-        b.device.ensure_current()
-        check(driver.cuGraphLaunch(graph.exec, b.stream), "cuGraphLaunch")
-        b._is_idle = False
+        b.launch_graph(graph.exec)
         self.replays += 1
-        if b._defer_host:  # the step runner awaits the stream's event, then copies the logits out
+        if b.defers_host:  # the step runner awaits the stream's event, then copies the logits out
             return graph.output.view(np.float32, graph.output_shape)
         b.synchronize_stream(b.stream)
         return graph.output.view(np.float32, graph.output_shape).copy()
@@ -121,7 +119,7 @@ class DecodeGraphs:
         b.begin_step()  # nothing of an eager step may be read by the graph
         graph = _Graph(b.device, arrays, len(batch.logit_rows) * model.config.vocab_size * 4)
         b.register_step(batch, graph.addresses(), width)
-        b._pool, b._capture = graph.pool, graph
+        b.capture_into(graph)
         mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL  # other threads' calls stay legal
         check(driver.cuStreamBeginCapture(b.stream, mode), "cuStreamBeginCapture")
         try:
@@ -134,7 +132,7 @@ class DecodeGraphs:
             graph.destroy()
             raise
         finally:
-            b._pool, b._capture = b._workspace, None
+            b.end_capture()
             b.forget_step()  # no synchronising here: the stream may still be capturing
         cuda_graph = check(driver.cuStreamEndCapture(b.stream), "cuStreamEndCapture")
         try:

@@ -76,6 +76,14 @@ class CudaMemory:
             self._staging = PinnedBuffer(round_up(need, MIB))
         self._staging_used = 0
 
+    def capture_into(self, graph) -> None:
+        """While a graph (graphs._Graph) is captured: activations come from its private pool and to_host
+        copies into its pinned output; until end_capture."""
+        self._pool, self._capture = graph.pool, graph
+
+    def end_capture(self) -> None:
+        self._pool, self._capture = self._workspace, None
+
     def index_array(self, values: np.ndarray) -> DeviceArray:
         return self.upload_activation(values)
 

@@ -58,6 +58,16 @@ class CudaStepIndex:
         self._step[(id(batch), "max_blocks")] = max_blocks
         self._step_keep += [batch, *keep]
 
+    def step_table(self, batch: BatchMeta, name: str, build) -> int:
+        """Device address of a per-step table of the batch registered under `name`: `build()` (a host array)
+        uploaded at the step's first call, the same address for the rest of the step (e.g. every layer)."""
+        key = (id(batch), name)
+        if key not in self._step:
+            copy = self.upload_activation(build())
+            self._step[key] = copy.ptr
+            self._step_keep += [batch, copy]
+        return self._step[key]
+
     def _index(self, values: np.ndarray, dtype) -> int:
         """Device address of a step's index array as dtype: the registered copy, else uploaded now."""
         key = (id(values), np.dtype(dtype).name)

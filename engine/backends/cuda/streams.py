@@ -34,6 +34,11 @@ class CudaStreams:
         """The caller observed an event recorded after all of this backend's queued work complete."""
         self._is_idle = True
 
+    @property
+    def defers_host(self) -> bool:
+        """Inside `deferred_host`: results are copied out once the step's event is observed, not waited for."""
+        return self._defer_host
+
     @contextlib.contextmanager
     def deferred_host(self):
         """to_host and graph replays enqueue their copies into pinned buffers and return without waiting;
@@ -49,6 +54,12 @@ class CudaStreams:
         self._is_idle = False
         self.device.ensure_current()
         self.kernels.launch(kernel, self.current_stream, **args)
+
+    def launch_graph(self, graph_exec) -> None:
+        """Replay an instantiated CUDA graph (cuda/graphs.py) on the compute stream."""
+        self.device.ensure_current()
+        check(driver.cuGraphLaunch(graph_exec, self.stream), "cuGraphLaunch")
+        self._is_idle = False
 
     def synchronize(self) -> None:
         self.synchronize_stream(self.current_stream)

@@ -39,7 +39,7 @@ from engine.backends.cuda.device import PinnedBuffer, check
 from engine.backends.cuda.expert_cache.layout import ROLES, SLOT_ALIGN, CacheRound, ExpertLayer, round_ranges
 from engine.backends.cuda.expert_cache.memory import ArenaSlotMemory
 from engine.backends.cuda.expert_cache.slots import ExpertSlots
-from engine.backends.cuda.expert_cache.stats import cache_stats, maybe_log
+from engine.backends.cuda.expert_cache.stats import HitRateLog, cache_stats
 from engine.units import MIB
 
 log = logging.getLogger("strata.expert_cache")
@@ -70,7 +70,7 @@ class ExpertCache:
         self._free_events: list = []
         self.loads = self.loaded_bytes = 0
         self.wait_seconds = self.routing_sync_seconds = 0.0
-        self._last_log = (time.monotonic(), 0, 0)
+        self.hit_log = HitRateLog()
 
     # -- load time --------------------------------------------------------------------------------------
     def register(self, parts: dict, n_experts: int) -> ExpertLayer:
@@ -230,7 +230,7 @@ class ExpertCache:
         except BaseException:
             self._lease.release()
             raise
-        maybe_log(self)
+        self.hit_log.maybe_log(self)
         plan = plan_groups(ids_host, group_rows)
         return [round_ranges(r, plan) for r in rounds]
 

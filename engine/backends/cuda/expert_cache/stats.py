@@ -35,20 +35,30 @@ def cache_stats(cache) -> dict:
     }
 
 
-def maybe_log(cache) -> None:
-    """The hit-rate line, when LOG_INTERVAL_S has passed since the last one (state in cache._last_log)."""
-    now = time.monotonic()
-    last_time, last_hits, last_misses = cache._last_log
-    if now - last_time < LOG_INTERVAL_S:
-        return
-    s = cache.stats()
-    hits, misses = s["expert_cache_hits"] - last_hits, s["expert_cache_misses"] - last_misses
-    cache._last_log = (now, s["expert_cache_hits"], s["expert_cache_misses"])
-    if hits + misses:
-        log.info("expert cache (MoE weights, not the prompt cache): %.0f%% of %d expert uses found on the "
-                 "device in the last %.0f s; %d loads, %.0f MiB moved, %.2f s waited in all; %d slots (%.0f MiB), "
-                 "%d grows, %d shrinks", 100.0 * hits / (hits + misses), hits + misses, now - last_time,
-                 s["expert_cache_loads"], s["expert_cache_loaded_bytes"] / MIB, s["expert_cache_wait_seconds"],
-                 s["expert_cache_slots"], s["expert_cache_device_bytes"] / MIB, s["expert_cache_grows"],
-                 s["expert_cache_shrinks"], extra={"fields": {k: v for k, v in s.items()
-                                                              if k != "expert_cache_layers"}})
+class HitRateLog:
+    """The hit-rate line of an ExpertCache, at most every LOG_INTERVAL_S; it keeps the time and counters of
+    the last line (the figures of a line are those since the one before)."""
+
+    def __init__(self):
+        self._last = (time.monotonic(), 0, 0)
+
+    def maybe_log(self, cache) -> None:
+        """Log the line when LOG_INTERVAL_S has passed since the last one (takes the cache's stats)."""
+        now = time.monotonic()
+        last_time, last_hits, last_misses = self._last
+        if now - last_time < LOG_INTERVAL_S:
+            return
+        s = cache.stats()
+        hits, misses = s["expert_cache_hits"] - last_hits, s["expert_cache_misses"] - last_misses
+        self._last = (now, s["expert_cache_hits"], s["expert_cache_misses"])
+        if hits + misses:
+            _log_line(s, hits, misses, now - last_time)
+
+
+def _log_line(s: dict, hits: int, misses: int, seconds: float) -> None:
+    log.info("expert cache (MoE weights, not the prompt cache): %.0f%% of %d expert uses found on the "
+             "device in the last %.0f s; %d loads, %.0f MiB moved, %.2f s waited in all; %d slots (%.0f MiB), "
+             "%d grows, %d shrinks", 100.0 * hits / (hits + misses), hits + misses, seconds,
+             s["expert_cache_loads"], s["expert_cache_loaded_bytes"] / MIB, s["expert_cache_wait_seconds"],
+             s["expert_cache_slots"], s["expert_cache_device_bytes"] / MIB, s["expert_cache_grows"],
+             s["expert_cache_shrinks"], extra={"fields": {k: v for k, v in s.items() if k != "expert_cache_layers"}})
