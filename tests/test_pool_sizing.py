@@ -3,11 +3,16 @@ from types import SimpleNamespace
 
 import pytest
 
+from engine.backends.capabilities import Capabilities
 from engine.units import MIB
 from scheduler.memory.sizing import AUTO_SHARE, MachineMemory, size_kv_pool
 
 BLOCK = MIB // 2  # half a MiB per block: 2 blocks a MiB
-NUMPY = SimpleNamespace(name="numpy")
+NUMPY = SimpleNamespace(name="numpy", capabilities=Capabilities())
+
+
+def _device(name: str, free_bytes: int | None) -> SimpleNamespace:
+    return SimpleNamespace(name=name, capabilities=Capabilities(on_host=False), device_free_bytes=lambda: free_bytes)
 
 
 def _size(spec, backend=NUMPY, machine=None, weight_mib=100, slot_blocks=8, batch=4):
@@ -43,7 +48,7 @@ def test_a_range_below_its_start_is_refused_and_cuda_takes_a_range_too():
     with pytest.raises(ValueError, match="below the starting pool"):
         _size((0, 8))  # 16 blocks < the default 32
     # CUDA maps the range's chunks as it grows (engine/backends/cuda/kv_elastic.py): the same pool as numpy's
-    cuda = _size((20, 64), backend=SimpleNamespace(name="cuda"))
+    cuda = _size((20, 64), backend=_device("cuda", None))
     assert (cuda.reserved_blocks, cuda.min_blocks) == (128, 40)
 
 
@@ -62,8 +67,7 @@ def test_auto_without_room_for_one_slot_says_what_to_lower():
 
 
 def test_auto_on_a_device_is_its_free_arena_less_a_margin():
-    device = SimpleNamespace(name="cuda", device=SimpleNamespace(arena=SimpleNamespace(largest_free=10240 * MIB)))
-    pool = _size(None, backend=device)
+    pool = _size(None, backend=_device("cuda", 10240 * MIB))
     assert pool.min_blocks is None and pool.reserved_blocks == (10240 - 1024) * MIB // BLOCK
     with pytest.raises(ValueError, match="give --kv-cache-mib N"):
-        _size(None, backend=SimpleNamespace(name="other"))
+        _size(None, backend=_device("other", None))

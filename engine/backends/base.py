@@ -11,6 +11,8 @@ read by the model code instead of probing for methods; the ops a capability name
   as raw GGUF rows (engine/quant_weights.LinearPart), never dequantised (engine/weights.py); a type without a
   kernel is converted to `fallback_quant_type` (cuda, and numpy with --cpu-weights quantized);
 - `quantized_embedding`: `upload_embedding_quantized(part)`: the token table arrives as raw rows too;
+- not `on_host`: `device_free_bytes()`: the largest free piece of the device's memory after the weights, or
+  None where it cannot be read (--kv-cache-mib auto sizes the K/V pool from it; cuda);
 - `moe`: `route_experts` / `expert_ffn`; `stacked_experts`: `upload_experts` (cuda);
 - `queued_moves`: `move_fence()` on a mover handle and `wait_for(event, mover)` on a stage backend: block
   moves are queued, not waited for, and the stage's next step is ordered after them on the device (cuda);

@@ -182,7 +182,7 @@ def size_kv_pool(spec: tuple[int, int] | None, *, bytes_per_block: int, slot_blo
             raise ValueError(f"--kv-cache-mib MAX {hi} is below the starting pool of {start * bytes_per_block // MIB} "
                              "MiB (MIN, or --batch * --ctx-size)")
         return PoolSize(reserved, start if start < reserved else None, f"--kv-cache-mib {lo}:{hi}")
-    if backend.name == "numpy":
+    if backend.capabilities.on_host:
         return _auto_numpy(bytes_per_block, slot_blocks, default, weight_bytes, min_free_mib,
                            machine or read_machine_memory())
     return _auto_device(backend, bytes_per_block, slot_blocks)
@@ -204,11 +204,10 @@ def _auto_numpy(bytes_per_block: int, slot_blocks: int, default: int, weight_byt
 
 
 def _auto_device(backend, bytes_per_block: int, slot_blocks: int) -> PoolSize:
-    arena = getattr(getattr(backend, "device", None), "arena", None)
-    if arena is None:
+    free = backend.device_free_bytes()  # declared by every backend that is not on_host (engine/backends/base.py)
+    if free is None:
         raise ValueError(f"--kv-cache-mib auto cannot read the free memory of the {backend.name} backend; "
                          "give --kv-cache-mib N")
-    free = arena.largest_free
     usable = free - max(256 * MIB, int(free * CUDA_MARGIN))
     blocks = usable // bytes_per_block
     if blocks < slot_blocks:

@@ -76,6 +76,10 @@ class CudaMemory:
             self._staging = PinnedBuffer(round_up(need, MIB))
         self._staging_used = 0
 
+    def device_free_bytes(self) -> int | None:
+        """The device arena's largest free piece (after the weights): --kv-cache-mib auto sizes the pool from it."""
+        return self.device.arena.largest_free
+
     def capture_into(self, graph) -> None:
         """While a graph (graphs._Graph) is captured: activations come from its private pool and to_host
         copies into its pinned output; until end_capture."""
