@@ -65,13 +65,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--chat-template", default=None, help="jinja file overriding the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--presence-penalty", type=float, default=0.0)
-    gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    # Sampling left unset takes what a request that sets none gets from strata serve (api/sampling_defaults.py:
+    # the GGUF's keys, the model store entry, llama-server's defaults).
+    for flag, kind in (("--temperature", float), ("--top-k", int), ("--top-p", float), ("--min-p", float),
+                       ("--presence-penalty", float), ("--frequency-penalty", float), ("--seed", int)):
+        gen.add_argument(flag, type=kind, default=None, help="default: the model's, as for strata serve")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ctx-size", type=int, default=4096, help="tokens of KV memory to reserve")
     # The server's defaults and choices, from their one home (ServerConfig's fields)
@@ -196,19 +194,14 @@ def _cmd_generate(args) -> int:
     from engine.cpu_threads import limit_threads
     from engine.generate import Completion, generate_stream
     from engine.loader import encode_chat_prompt, open_model
-    from engine.sampling import SamplingParams
     from engine.kv import BLOCK_SIZE, blocks_needed, resolve_kv_type
     from engine.sequence import ModelRunner
 
-    params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
-    )
     _hf_as_model(args)
     with limit_threads(args.threads or os.cpu_count() or 1):
         loaded = open_model(args.model, chat_template_path=args.chat_template, max_positions=args.ctx_size,
                             cpu_weights=args.cpu_weights)
+        params = _generate_sampling(args, loaded.path)
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": args.prompt})
@@ -232,6 +225,16 @@ def _cmd_generate(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _generate_sampling(args, model_path):
+    """The sampling flags given, the rest from the model's defaults (resolved as strata serve does)."""
+    from api.sampling_defaults import load_sampling_defaults, resolve_params
+
+    requested = {name: getattr(args, name) for name in ("temperature", "top_k", "top_p", "min_p",
+                                                        "presence_penalty", "frequency_penalty", "seed")}
+    return resolve_params({**requested, "stop": tuple(args.stop)}, load_sampling_defaults(model_path),
+                          None, args.max_tokens)
 
 
 if __name__ == "__main__":

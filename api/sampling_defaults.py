@@ -87,18 +87,25 @@ class SamplingDefaults:
         return "; ".join(f"{' '.join(texts)} (from {where})" for where, texts in groups.items())
 
 
+def resolve_params(requested: Mapping[str, Any], defaults: SamplingDefaults, default_seed: int | None,
+                   max_tokens: int) -> SamplingParams:
+    """SamplingParams from ``requested`` (SamplingParams' field names, None where left out): a field left out
+    takes the model's ``defaults``, the seed ``default_seed``. Raises ValueError naming a field out of range.
+    The server's dialects (through sampling_for) and `strata generate` both build their sampling here."""
+    given = {name: value for name, value in requested.items() if value is not None}
+    seed = given.pop("seed", default_seed)
+    return defaults.params(max_tokens=max_tokens, seed=seed, **given)
+
+
 def sampling_for(requested: Mapping[str, Any], defaults: SamplingDefaults,
                  default_seed: int | None) -> Callable[[int], SamplingParams]:
     """How every dialect builds a request's sampling: max_tokens (known once the context's room is) ->
     SamplingParams. ``requested`` holds the body's sampling fields under SamplingParams' names, None where
     the body left one out: those take the model's ``defaults``, the seed ``--seed`` (``default_seed``).
     A value SamplingParams refuses is a 400 naming the field."""
-    given = {name: value for name, value in requested.items() if value is not None}
-    seed = given.pop("seed", default_seed)
-
     def make(max_tokens: int) -> SamplingParams:
         try:
-            return defaults.params(max_tokens=max_tokens, seed=seed, **given)
+            return resolve_params(requested, defaults, default_seed, max_tokens)
         except ValueError as exc:  # SamplingParams messages start with the field's name
             raise bad_request(str(exc), param=str(exc).split()[0]) from exc
     return make

@@ -69,7 +69,7 @@ class EngineLoop:
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
                  batch_groups: int = 1, admission: MemoryAdmission | None = None,
                  conversation_active_s: float = ACTIVE_WINDOW_S, write_behind_mib_s: float = 0,
-                 device_min_blocks: int | None = None, state_checkpoint_every: int | None = 8,
+                 device_min_blocks: int | None = None, state_checkpoint_every: int | None = None,
                  hidden_token_ids: frozenset[int] = frozenset()):
         self.runner = runner
         self.disk = disk

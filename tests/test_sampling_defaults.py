@@ -54,6 +54,17 @@ def test_the_store_entry_fills_what_it_names_and_llama_server_the_rest(tmp_path)
     assert defaults.source_of("min_p") == "llama-server's defaults"
 
 
+def test_strata_generate_takes_the_models_defaults_for_the_flags_it_leaves_out(tmp_path):
+    """`strata generate` resolves sampling as the server does: a flag given wins, the rest are the model's."""
+    from api import cli
+
+    args = cli._build_parser().parse_args(["generate", "--prompt", "hi", "--top-k", "3", "--stop", "END"])
+    params = cli._generate_sampling(args, write_header(tmp_path / QWEN_FILE))
+    assert (params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty) == \
+        (0.7, 3, 0.8, 0.05, 1.05)  # the store entry's but top_k, llama-server's min_p
+    assert (params.presence_penalty, params.seed, params.stop, params.max_tokens) == (0.0, None, ("END",), 128)
+
+
 def test_gguf_keys_win_over_the_store_entry_field_by_field(tmp_path):
     path = write_header(tmp_path / QWEN_FILE, temp=0.25, top_k=7, min_p=0.1, penalty_last_n=-1)
     defaults = load_sampling_defaults(path)
