@@ -3,7 +3,7 @@ and, for the periodic ones, at the start of a line.
 
 Agents' conversations diverge at message boundaries (a trimmed history, a toggled tool list, a fan-out of
 questions over one context), and a hybrid model can only reuse a cached prefix up to a checkpoint
-(scheduler/checkpoints.py). The chat template opens every message with the same special token (ChatML's
+(scheduler/cache/checkpoints.py). The chat template opens every message with the same special token (ChatML's
 `<|im_start|>`, Llama 3's `<|start_header_id|>`, Gemma's `<start_of_turn>`): it is the first token of what
 `add_generation_prompt` appends. The positions of that token in a prompt are the request's checkpoint hints.
 """
@@ -51,7 +51,7 @@ def line_starts(prompt_ids: list[int], line_end_ids: frozenset[int]) -> tuple[in
     ends (blank lines) only the first counts: a list that grows by a line branches there, where the shorter
     text has its blank line. Texts change a line at a time (a tool added to a list, a file edited), so a
     periodic checkpoint there is more often where a later prompt leaves this one than one a few tokens
-    into a line (scheduler/checkpoints.py)."""
+    into a line (scheduler/cache/checkpoints.py)."""
     if not line_end_ids or not prompt_ids:
         return ()
     ends = np.isin(np.asarray(prompt_ids), np.fromiter(line_end_ids, np.int64, len(line_end_ids)))

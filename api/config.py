@@ -200,7 +200,7 @@ class ServerConfig(BaseSettings):
     @property
     def checkpoint_every_blocks(self) -> int | None:
         """--state-checkpoint-every as blocks; None for auto (resolved from the model's bytes at load,
-        scheduler/checkpoint_spacing.py)."""
+        scheduler/cache/checkpoint_spacing.py)."""
         value = self.state_checkpoint_every
         return None if value == "auto" else int(value)
 

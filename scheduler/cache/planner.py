@@ -1,7 +1,7 @@
 """The planner: reads the cache (a `CacheView`) and returns a typed plan per kind, changing nothing.
 
 `PrefixCache.plan_allocate` / `plan_extend` / `plan_shrink` / `plan_release` ask it; the memory admission
-grants or refuses the plan whole (scheduler/memory_admission.py); only a granted plan is applied
+grants or refuses the plan whole (scheduler/memory/admission.py); only a granted plan is applied
 (`PrefixCache.apply`). Room on the device is planned by scheduler/cache/room.py, the elastic pool's shrink
 by scheduler/cache/device_pool.py.
 """

@@ -3,7 +3,7 @@
 `CudaConvStatePool` is engine/short_conv.ConvStatePool's interface (layers, rows, capture / captured, read,
 write, take_captured, ensure_slot) with the states on the GPU: conv[layer] a DeviceArray [slots, L-1, d],
 the kernel's `states`, updated in place by each step. Host transfers (a checkpoint read or written by the
-conversation cache, scheduler/hybrid_steps.py) run on the pool's own stream and wait for it: they happen on
+conversation cache, scheduler/cache/hybrid_steps.py) run on the pool's own stream and wait for it: they happen on
 the event loop between a sequence's steps, after the step that wrote the state has completed.
 
 A checkpoint inside a chunk (the state after p tokens, p inside this step) is a window of the step's rows:

@@ -1,5 +1,5 @@
 """The elastic device KV pool (--kv-cache-max-mib on CUDA): every reserved block id has an address for good;
-physical memory backs only the ids the conversation cache's pool holds now (scheduler/device_pool.py).
+physical memory backs only the ids the conversation cache's pool holds now (scheduler/cache/device_pool.py).
 
 Why segments. The fixed pool is plane-major, [layers, 2, KVH, num_slots, row]: one block's bytes are
 layers * 2 * KVH runs of block_size rows, each a whole plane (num_slots rows) apart. Backing "blocks 0..n" in
