@@ -87,7 +87,7 @@ def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def _encode(arr: np.ndarray, qname: str) -> tuple[np.ndarray, GGMLQuantizationType | None]:
+def encode_tensor(arr: np.ndarray, qname: str) -> tuple[np.ndarray, GGMLQuantizationType | None]:
     """Quantise ``arr`` to ``qname``; returns (data, raw_dtype for add_tensor)."""
     if qname not in SUPPORTED_QUANTS:
         raise ValueError(f"quant {qname!r} not supported by gguf.quants.quantize; "
@@ -112,6 +112,38 @@ def add_tiny_tokenizer(w, tokens, types, merges, *, eos_id: int = 2, add_bos: bo
     w.add_unk_token_id(0)
     w.add_pad_token_id(2)
     w.add_add_bos_token(add_bos)
+
+
+def add_extra_metadata(w, extra: dict) -> None:
+    """``extra_metadata`` {key: value}: each value with the GGUF type of its Python type."""
+    for k, v in extra.items():
+        if isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        elif isinstance(v, str):
+            w.add_string(k, v)
+        else:
+            raise TypeError(f"extra_metadata {k!r}: unsupported value type {type(v)}")
+
+
+def finish_tiny_gguf(w, tokens, types, merges, tensors: dict, chat_template: str | None = CHATML_TEMPLATE,
+                     **tokenizer_options) -> None:
+    """What every tiny writer ends with, in the converter's order: the tokenizer (``tokenizer_options`` for
+    add_tiny_tokenizer), the chat template (None: none), the quantization version, then ``tensors``
+    ({name: (data, raw_dtype or None)}); writes the file and closes it."""
+    add_tiny_tokenizer(w, tokens, types, merges, **tokenizer_options)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, (data, raw_dtype) in tensors.items():
+        w.add_tensor(name, data, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
 
 
 def write_tiny_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
@@ -233,33 +265,14 @@ def write_tiny_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
         w.add_rope_dimension_count(head_dim)
     ftype = "ALL_F32" if quant == "F32" else f"MOSTLY_{quant}"
     w.add_file_type(int(LlamaFileType[ftype]))
-    for k, v in extra.items():
-        if isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, int):
-            w.add_uint32(k, v)
-        elif isinstance(v, float):
-            w.add_float32(k, v)
-        elif isinstance(v, str):
-            w.add_string(k, v)
-        else:
-            raise TypeError(f"extra_metadata {k!r}: unsupported value type {type(v)}")
-    # --- tokenizer (gpt2 BPE, like SmolLM2/Qwen) ---
-    add_tiny_tokenizer(w, tokens, types, merges, add_bos=add_bos)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    add_extra_metadata(w, extra)
 
-    for tname, arr in tensors.items():
+    def qname(tname: str, arr: np.ndarray) -> str:
         is_matmul = arr.ndim == 2 and tname != "token_embd.weight"
-        qname = quant if is_matmul else (embd_quant if arr.ndim == 2 else "F32")
-        data, raw_dtype = _encode(arr, qname)
-        w.add_tensor(tname, data, raw_dtype=raw_dtype)
-
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        return quant if is_matmul else (embd_quant if arr.ndim == 2 else "F32")
+    # tokenizer: gpt2 BPE, like SmolLM2/Qwen
+    finish_tiny_gguf(w, tokens, types, merges, {t: encode_tensor(a, qname(t, a)) for t, a in tensors.items()},
+                     chat_template, add_bos=add_bos)
 
     return {
         "arch": arch, "path": str(Path(path)), "vocab_size": vocab,

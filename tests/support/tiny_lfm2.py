@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 from gguf import LlamaFileType
 
-from tests.support.tiny_gguf import CHATML_TEMPLATE, add_tiny_tokenizer, tiny_vocab
+from tests.support.tiny_gguf import finish_tiny_gguf, tiny_vocab
 
 # c = short conv, a = attention; LFM2-350M starts c c a c c a ...
 DEFAULT_PATTERN = "ccaca"
@@ -76,15 +76,7 @@ def write_tiny_lfm2(path, seed: int = 0, pattern: str = DEFAULT_PATTERN, n_embd:
     w.add_vocab_size(vocab)
     w.add_shortconv_l_cache(conv_l)
     w.add_file_type(int(LlamaFileType.ALL_F32))
-    add_tiny_tokenizer(w, tokens, types, merges)
-    w.add_chat_template(CHATML_TEMPLATE)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, arr in tensors.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_tiny_gguf(w, tokens, types, merges, {name: (arr, None) for name, arr in tensors.items()})
     return {"arch": "lfm2", "path": str(Path(path)), "vocab_size": vocab, "pattern": pattern, "n_embd": n_embd,
             "n_head": n_head, "n_head_kv": n_head_kv, "head_dim": head_dim, "n_ff": n_ff, "conv_l": conv_l,
             "n_ctx": n_ctx, "rope_base": rope_base, "rms_eps": rms_eps, "seed": seed, "bos_id": 1, "eos_id": 2,

@@ -27,7 +27,7 @@ import gguf
 import numpy as np
 from gguf import LlamaFileType
 
-from tests.support.tiny_gguf import CHATML_TEMPLATE, _encode, add_tiny_tokenizer, tiny_vocab
+from tests.support.tiny_gguf import CHATML_TEMPLATE, add_extra_metadata, encode_tensor, finish_tiny_gguf, tiny_vocab
 
 MOE_ARCHS = ("qwen3moe", "gpt-oss")
 # gpt-oss's harmony control tokens (o200k_harmony), appended to the tiny vocabulary with harmony=True.
@@ -179,26 +179,16 @@ def write_tiny_moe_gguf(path, arch: str, seed: int = 0, **overrides) -> dict:
         w.add_rope_scaling_factor(yarn_factor)
         w.add_rope_scaling_orig_ctx_len(yarn_orig_ctx)
     w.add_file_type(int(LlamaFileType.ALL_F32 if quant == "F32" else LlamaFileType[f"MOSTLY_{quant}"]))
-    for k, v in extra.items():
-        adder = {bool: w.add_bool, int: w.add_uint32, float: w.add_float32, str: w.add_string}[type(v)]
-        adder(k, v)
-    add_tiny_tokenizer(w, tokens, types, merges, eos_id=eos_id)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, arr in t.items():
+    add_extra_metadata(w, extra)
+
+    def qname(name: str, arr: np.ndarray) -> str:
         if "_exps.weight" in name:
-            qname = expert_quant
-        elif arr.ndim == 2 and name not in ("token_embd.weight",) and "ffn_gate_inp" not in name:
-            qname = quant
-        else:
-            qname = "F32"  # norms, biases, sinks, the router and the token table stay F32, as converted
-        data, raw_dtype = _encode(arr, qname)
-        w.add_tensor(name, data, raw_dtype=raw_dtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            return expert_quant
+        if arr.ndim == 2 and name not in ("token_embd.weight",) and "ffn_gate_inp" not in name:
+            return quant
+        return "F32"  # norms, biases, sinks, the router and the token table stay F32, as converted
+    finish_tiny_gguf(w, tokens, types, merges, {n: encode_tensor(a, qname(n, a)) for n, a in t.items()}, chat_template,
+                     eos_id=eos_id)
     return {
         "arch": arch, "path": str(Path(path)), "vocab_size": len(tokens), "n_embd": n_embd,
         "n_layer": n_layer, "n_head": n_head, "n_head_kv": n_head_kv, "head_dim": head_dim,

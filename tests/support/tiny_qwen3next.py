@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 from gguf import LlamaFileType
 
-from tests.support.tiny_gguf import CHATML_TEMPLATE, add_tiny_tokenizer, tiny_vocab
+from tests.support.tiny_gguf import finish_tiny_gguf, tiny_vocab
 
 ARCH = "qwen3next"
 
@@ -98,14 +98,6 @@ def write_tiny_qwen3next(path, seed: int = 0, pattern: str = "rrra", n_embd: int
     w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", rms_eps)
     w.add_array(f"{ARCH}.attention.recurrent_layers", [kind == "r" for kind in pattern])
     w.add_file_type(int(LlamaFileType.ALL_F32))
-    add_tiny_tokenizer(w, tokens, types, merges)
-    w.add_chat_template(CHATML_TEMPLATE)
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, arr in tensors.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_tiny_gguf(w, tokens, types, merges, {name: (arr, None) for name, arr in tensors.items()})
     return {"arch": ARCH, "path": str(Path(path)), "vocab_size": vocab, "pattern": pattern, "seed": seed,
             "n_embd": n_embd, "eos_id": 2, "tensors": tensors}
