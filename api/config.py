@@ -22,6 +22,8 @@ from engine.generate import PREFILL_CHUNK
 from engine.kv import KV_TYPES
 from engine.loader import BACKEND_NAMES, CPU_WEIGHTS
 from engine.model_store import default_model_name
+from scheduler.cache.conversation_activity import ACTIVE_WINDOW_S
+from scheduler.output import PROGRESS_INTERVAL_S
 
 # auto: the backend's default (numpy f16, cuda its first type)
 KV_TYPE_CHOICES = ("auto", *KV_TYPES)
@@ -106,7 +108,7 @@ class ServerConfig(BaseSettings):
     conversation_cache_write_behind_mib_s: float = _opt(
         64.0, "disk tier: write computed blocks behind at up to this rate while serving, so a crash or kill -9 "
         "keeps every conversation but the last seconds' work (0: write only on spills and at shutdown)", ge=0.0)
-    conversation_active_s: float = _opt(300.0, "a conversation with a turn this recent keeps its cached blocks "
+    conversation_active_s: float = _opt(ACTIVE_WINDOW_S, "a conversation with a turn this recent keeps its cached blocks "
                                         "longer than one-off prompts' (0: plain least recently used)", ge=0.0,
                                         hint="0 turns it off")
     state_checkpoint_every: Annotated[str, AfterValidator(check_checkpoint_every)] = _opt(
@@ -145,7 +147,7 @@ class ServerConfig(BaseSettings):
         "llama.cpp), quantized-f32act (float32 ones) or f32 (dequantised at load, the reference)")
     shutdown_timeout_s: float = _opt(30.0, "on SIGTERM/Ctrl+C, seconds to finish in-flight requests before "
                                      "cancelling them", ge=0.0)
-    progress_interval_s: float = _opt(5.0, "seconds between progress lines of a long prefill", gt=0.0)
+    progress_interval_s: float = _opt(PROGRESS_INTERVAL_S, "seconds between progress lines of a long prefill", gt=0.0)
     seed: int | None = _opt(None, "sampling seed for requests that give none (unset: random)", ge=0, lt=2**64,
                             message="--seed must be in 0..2**64-1 (got {value})")
 

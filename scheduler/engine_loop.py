@@ -36,7 +36,7 @@ from scheduler.cache.write_behind import TICK_S as WRITE_BEHIND_TICK_S, WriteBeh
 from scheduler.memory.admission import MemoryAdmission
 from scheduler.memory.service import MemoryService
 from scheduler.metrics import Metrics
-from scheduler.output import OutputProcessor
+from scheduler.output import PROGRESS_INTERVAL_S, OutputProcessor
 from scheduler.pipeline import Pipeline
 from scheduler.request import Delta, Request
 from scheduler.memory.requests import RequestMemory
@@ -65,7 +65,7 @@ class EngineLoop:
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_slots: int, prefill_chunk: int,
                  max_queue: int, prefill_step_tokens: int | None = None, metrics: Metrics | None = None,
-                 progress_interval_s: float = 5.0,
+                 progress_interval_s: float = PROGRESS_INTERVAL_S,
                  prefix_cache: bool = True, integrity_checks: bool = False, disk: DiskTier | None = None,
                  batch_groups: int = 1, admission: MemoryAdmission | None = None,
                  conversation_active_s: float = ACTIVE_WINDOW_S, write_behind_mib_s: float = 0,

@@ -17,9 +17,11 @@ from scheduler.step import StepResult
 
 log = logging.getLogger("strata.requests")
 
+PROGRESS_INTERVAL_S = 5.0  # seconds between progress lines of a long prefill (--progress-interval-s)
+
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, progress_interval_s: float = 5.0,
+    def __init__(self, tokenizer: Tokenizer, progress_interval_s: float = PROGRESS_INTERVAL_S,
                  hidden_token_ids: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
         self.hidden_token_ids = hidden_token_ids  # control tokens whose text a reply leaves out
