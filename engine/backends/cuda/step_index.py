@@ -16,7 +16,8 @@ from engine.batch import BatchMeta
 
 
 class CudaStepIndex:
-    """begin_step / register_step / forget_step, and the lookups the ops use (`_index`, `_seq_info`)."""
+    """begin_step / register_step / forget_step, and the lookups the ops use (`_index`, `_seq_info`, and
+    `step_table` for an op module's own per-step table, e.g. conv_state)."""
 
     def run_forward(self, model, batch: BatchMeta, pool) -> np.ndarray:
         """model.forward(batch, pool), replayed from a CUDA graph when the step's shape has one."""
