@@ -96,7 +96,7 @@ class ServerConfig(BaseSettings):
     kv_type: Literal[KV_TYPE_CHOICES] = _opt("auto", "how K/V is stored: f32, f16, or int8 (one float32 scale per "
                                              "token and head; about a quarter of f32's bytes); auto: the "
                                              "backend's default, f16 on numpy and cuda")
-    conversation_cache_mib: int = _opt(8192, "host RAM budget for parked conversation KV (0: none), clamped to "
+    conversation_cache_mib: float = _opt(8192, "host RAM budget for parked conversation KV (0: none), clamped to "
                                        "what the machine has", ge=0)
     conversation_cache_commit: Literal["on-demand", "at-start"] = _opt(
         "on-demand", "when the host tier takes its RAM: on-demand (in segments, as parks need it) or at-start (all "

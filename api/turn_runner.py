@@ -14,7 +14,8 @@ from typing import AsyncIterator, Callable, Mapping
 
 from starlette.requests import Request as HTTPRequest
 
-from api.checkpoint_hints import line_starts, message_starts
+from api.branch_hints import branch_hints
+from api.checkpoint_hints import line_starts
 from api.chat_output import ReplyAssembler
 from api.chat_turn import ChatTurn, PreparedTurn, encode_turn, prepare_turn, render_turn
 from api.errors import APIError, bad_request, context_overflow, not_found_model, overloaded
@@ -86,7 +87,7 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
                       num_tools=len(turn.specs.tools) if num_tools is None else num_tools,
                       conversation_key=conversation_name(turn.conversation_key, http_request.headers),
                       earlier_turns=sum(m.get("role") == "assistant" for m in turn.messages),
-                      checkpoint_positions=message_starts(prepared.prompt_ids, state.message_start_id),
+                      checkpoint_positions=branch_hints(prepared.prompt_ids, state.message_start_id, state.line_end_ids),
                       line_starts=line_starts(prepared.prompt_ids, state.line_end_ids))
     stream = submit(state, request)
     if state.replies is not None and turn.add_generation_prompt:

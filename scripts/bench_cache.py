@@ -64,7 +64,7 @@ def pressure_config(loaded, play, turns: int, ctx_tokens: int, disk_dir: str) ->
     kv_type = resolve_kv_type("auto", loaded.model.backend)
     block_mib = layout_for(loaded.model.config, 1, BLOCK_SIZE, kv_type).bytes_per_block / MIB
     # + half a block: the server floors MiB to whole blocks
-    return dict(ctx_size=blocks * BLOCK_SIZE, kv_cache_mib=(blocks + 0.5) * block_mib,
+    return dict(ctx_size=blocks * BLOCK_SIZE, kv_cache_mib=str((blocks + 0.5) * block_mib),
                 conversation_cache_mib=(max(1, blocks // 4) + 0.5) * block_mib, conversation_cache_dir=disk_dir)
 
 
