@@ -4,7 +4,7 @@ checkpoint hints (scheduler/cache/checkpoints.py takes a state checkpoint at eac
 A hybrid model resumes a cached prefix only where the cache holds its recurrent state, and the first prompt
 that leaves a cached one at a new place recomputes from the checkpoint before it (the place itself gets one
 then, scheduler/cache/hybrid_steps.py). Measured on the cache benchmark's workloads (docs/BENCHMARKS.md,
-issue 28), first branches fall at three kinds of place:
+issue 28), first branches fall at four kinds of place:
 
     <|im_start|>user\\n Tell me about the history ...      <|im_start|>  the message start (api/checkpoint_hints.py)
     ^message start    ^content start                      content start: a new conversation, a trimmed history's
@@ -13,8 +13,16 @@ issue 28), first branches fall at three kinds of place:
     ...- tool_2: ...\\n\\n To call ...                      paragraph start: a list or section that grows or
                        ^                                  shrinks (a toggled tool list) ends at its blank line
 
-Each costs one checkpoint (a message has one content start; paragraphs are few), against the role header or
-up to a periodic spacing of recompute for each prompt that branches there first.
+    <|im_start|>user\\n Tell me about the history ...      8 and 16 tokens into the content: messages written
+                      ^       ^       ^                   from one pattern (a question, "part 3", a file name)
+                                                          differ in their first words; a branch in the first 24
+                                                          tokens of a content recomputes fewer than 8
+
+A message has one content start and paragraphs are few, so a message of 17 tokens or more has four states
+where it had one: on the tiny qwen3next (a state = 5 K/V block slots) they took a new conversation's, a trimmed
+history's, a fan-out's and a toggled tool list's first branch from 4-31 recomputed tokens to under 8. They are
+taken only where the device has room for them, and under pressure given up, parked and dropped by the rules
+every checkpoint follows (scheduler/cache/checkpoints.py): the closest to the state before them go first.
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ import numpy as np
 
 from api.checkpoint_hints import message_starts
 
-INTO_CONTENT = ()  # tokens into a message's content
+INTO_CONTENT = (8, 16)  # tokens into a message's content: a branch in its first 24 recomputes < 8
 
 
 def content_starts(prompt_ids: list[int], message_start_id: int | None, line_end_ids: frozenset[int]) -> tuple[int, ...]:
@@ -70,7 +78,7 @@ def into_content(content: tuple[int, ...], message_start_id: int | None, prompt_
 
 def branch_hints(prompt_ids: list[int], message_start_id: int | None,
                  line_end_ids: frozenset[int]) -> tuple[int, ...]:
-    """A request's checkpoint hints, ascending: where its messages start, their contents start (and a few
+    """A request's checkpoint hints, ascending: where its messages start, their contents start (and 8 and 16
     tokens into them), and its paragraphs start."""
     content = content_starts(prompt_ids, message_start_id, line_end_ids)
     found = {*message_starts(prompt_ids, message_start_id), *content,

@@ -8,7 +8,8 @@ state; k == len(tokens) is "after its last token"). Where the engine takes them,
     prompt:  |-- N blocks --|-- N blocks --|-- ... --|x|       x = prompt_len - 1: the same prompt again
              ^ every N blocks (--state-checkpoint-every)  ^         reuses all but its last token
                (each moved to the nearest line start within N/2 blocks, api/checkpoint_hints.py)
-             + the API's hints: where each message and its content begin, where a blank line begins
+             + the API's hints: where each message and its content begin (and 8, 16 tokens into it),
+               where a blank line begins
                (api/branch_hints.py)
              + where the prompt left the cached sequence it matched (the next variant branches there too)
     release: the end of what the request computed (its reply, or where it was preempted)
