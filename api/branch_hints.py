@@ -22,7 +22,8 @@ A message has one content start and paragraphs are few, so a message of 17 token
 where it had one: on the tiny qwen3next (a state = 5 K/V block slots) they took a new conversation's, a trimmed
 history's, a fan-out's and a toggled tool list's first branch from 4-31 recomputed tokens to under 8. They are
 taken only where the device has room for them, and under pressure given up, parked and dropped by the rules
-every checkpoint follows (scheduler/cache/checkpoints.py): the closest to the state before them go first.
+every checkpoint follows (scheduler/cache/checkpoints.py): the closest to the state before them go first, and
+the two into the content (guesses, not branch points) before the others.
 """
 from __future__ import annotations
 
@@ -78,9 +79,17 @@ def into_content(content: tuple[int, ...], message_start_id: int | None, prompt_
 
 def branch_hints(prompt_ids: list[int], message_start_id: int | None,
                  line_end_ids: frozenset[int]) -> tuple[int, ...]:
-    """A request's checkpoint hints, ascending: where its messages start, their contents start (and 8 and 16
-    tokens into them), and its paragraphs start."""
-    content = content_starts(prompt_ids, message_start_id, line_end_ids)
-    found = {*message_starts(prompt_ids, message_start_id), *content,
-             *into_content(content, message_start_id, prompt_ids), *paragraph_starts(prompt_ids, line_end_ids)}
+    """A request's checkpoint hints (`Request.checkpoint_positions`, branch points), ascending: where its
+    messages start, their contents start and its paragraphs start."""
+    found = {*message_starts(prompt_ids, message_start_id), *content_starts(prompt_ids, message_start_id, line_end_ids),
+             *paragraph_starts(prompt_ids, line_end_ids)}
     return tuple(sorted(p for p in found if p > 0))
+
+
+def content_guesses(prompt_ids: list[int], message_start_id: int | None,
+                    line_end_ids: frozenset[int]) -> tuple[int, ...]:
+    """A request's checkpoint guesses (`Request.checkpoint_guesses`), ascending: 8 and 16 tokens into each
+    message's content. Short of room they go before the hints, as periodic states do: a prompt that has
+    just left a cached one there (a branch point, scheduler/cache/hybrid_steps.py) keeps that state first."""
+    content = content_starts(prompt_ids, message_start_id, line_end_ids)
+    return tuple(sorted(set(into_content(content, message_start_id, prompt_ids))))

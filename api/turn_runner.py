@@ -14,7 +14,7 @@ from typing import AsyncIterator, Callable, Mapping
 
 from starlette.requests import Request as HTTPRequest
 
-from api.branch_hints import branch_hints
+from api.branch_hints import branch_hints, content_guesses
 from api.checkpoint_hints import line_starts
 from api.chat_output import ReplyAssembler
 from api.chat_turn import ChatTurn, PreparedTurn, encode_turn, prepare_turn, render_turn
@@ -88,6 +88,7 @@ def start_chat_turn(state, http_request: HTTPRequest, request_id: str, turn: Cha
                       conversation_key=conversation_name(turn.conversation_key, http_request.headers),
                       earlier_turns=sum(m.get("role") == "assistant" for m in turn.messages),
                       checkpoint_positions=branch_hints(prepared.prompt_ids, state.message_start_id, state.line_end_ids),
+                      checkpoint_guesses=content_guesses(prepared.prompt_ids, state.message_start_id, state.line_end_ids),
                       line_starts=line_starts(prepared.prompt_ids, state.line_end_ids))
     stream = submit(state, request)
     if state.replies is not None and turn.add_generation_prompt:

@@ -77,6 +77,9 @@ class Request:
     earlier_turns: int = 0  # assistant replies the prompt carries (0: the conversation's first turn)
     preemptions: int = 0  # times its blocks were given back to the cache for a request that needed room
     checkpoint_positions: tuple[int, ...] = ()  # hybrid models: where messages begin, worth a state checkpoint
+    # hybrid models: where a branch is likelier than elsewhere (a few tokens into a message's content): states
+    # taken there rank with the periodic ones, given up before the branch points above (api/branch_hints.py)
+    checkpoint_guesses: tuple[int, ...] = ()
     line_starts: tuple[int, ...] = ()  # hybrid models: where lines begin; periodic checkpoints move back to one
 
     @property

@@ -4,7 +4,8 @@ checkpoint), that a new prompt branching there first resumes exactly where it le
 import httpx
 import pytest
 
-from api.branch_hints import INTO_CONTENT, branch_hints, content_starts, into_content, paragraph_starts
+from api.branch_hints import (INTO_CONTENT, branch_hints, content_guesses, content_starts, into_content,
+                               paragraph_starts)
 from api.chat_turn import ChatTurn, render_turn
 from api.tool_specs import normalise_tools
 from engine.loader import encode_chat_prompt, open_model
@@ -42,7 +43,8 @@ def test_branch_hints_join_message_content_and_paragraph_starts():
     ids = [M, 5, 6, NL, 7, 8, NL, NL, 9, M, 5, NL, 7, M, 5, NL]
     assert branch_hints(ids, M, frozenset({NL})) == (4, 7, 9, 12, 13)
     ids = [M, 5, NL] + [7] * 20 + [M, 5, NL]
-    assert branch_hints(ids, M, frozenset({NL})) == (3, 11, 19, 23)
+    assert branch_hints(ids, M, frozenset({NL})) == (3, 23)
+    assert content_guesses(ids, M, frozenset({NL})) == (11, 19)  # not branch points: given up first
     assert branch_hints(ids, None, frozenset()) == ()
 
 
@@ -72,9 +74,11 @@ def test_a_prompt_that_first_branches_at_a_content_or_paragraph_start_resumes_th
     where the first's list ends at its blank line, or 12 tokens into the content ("Tell me about the" /
     "how"): it reuses the tokens they share up to the checkpoint the first request took there or 8 tokens
     into the content (before: from the start)."""
-    with running_server(qwen3next, batch=1, ctx_size=512, state_checkpoint_every="0") as (url, state):
+    # a pool with room for all of the first prompt's states (one is 5 K/V blocks here)
+    with running_server(qwen3next, batch=1, ctx_size=1024, state_checkpoint_every="0") as (url, state):
         a, b = _prompt_ids(state, first), _prompt_ids(state, second)
-        hints = branch_hints(a, state.message_start_id, state.line_end_ids)
+        hints = branch_hints(a, state.message_start_id, state.line_end_ids) \
+            + content_guesses(a, state.message_start_id, state.line_end_ids)
         shared = a[: common_prefix_len(a, b)]
         branch = max(h for h in hints if h <= len(shared))
         assert len(shared) - branch < 8

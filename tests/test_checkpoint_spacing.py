@@ -156,7 +156,7 @@ def test_line_starts_of_a_prompt(tmp_path):
 def test_the_server_passes_line_starts_for_a_hybrid_model(tmp_path):
     """build_state finds the line-end tokens of a hybrid model's vocabulary; a chat turn's Request carries
     where its prompt's lines begin (api/turn_runner.py)."""
-    from api.branch_hints import branch_hints
+    from api.branch_hints import branch_hints, content_guesses
     from api.checkpoint_hints import line_starts
     from api.serve import build_state
     from engine.loader import open_model
@@ -182,4 +182,5 @@ def test_the_server_passes_line_starts_for_a_hybrid_model(tmp_path):
     (request,) = seen
     assert request.line_starts == line_starts(request.prompt_ids, live.line_end_ids) and request.line_starts
     assert request.checkpoint_positions == branch_hints(request.prompt_ids, live.message_start_id, live.line_end_ids)
+    assert request.checkpoint_guesses == content_guesses(request.prompt_ids, live.message_start_id, live.line_end_ids)
     assert set(request.line_starts) & set(request.checkpoint_positions)  # messages and their contents begin on a line

@@ -58,7 +58,7 @@ def _disk(root, runner, blocks):
 
 def _run(hybrid, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=None, disk_blocks=256, every=2,
          concurrency=1, history=None, chunk=8, hints=None, on_start=None, layer_split=(), groups=1,
-         write_behind_mib_s=0.0):
+         write_behind_mib_s=0.0, guesses=None):
     """Turns [(conversation, new user tokens, reply length)] through one engine loop. Returns (replies,
     [(prompt_len, cached, ideal)], per step [(request id, tokens computed, logits row, block table)], the loop,
     the conversations' histories)."""
@@ -93,7 +93,8 @@ def _run(hybrid, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=
                 prompt = past + user
                 params = SamplingParams(temperature=0, max_tokens=reply_len, ignore_eos=True)
                 request = Request(f"t{start + i}", prompt, params,
-                                  checkpoint_positions=(hints or {}).get(start + i, ()))
+                                  checkpoint_positions=(hints or {}).get(start + i, ()),
+                                  checkpoint_guesses=(guesses or {}).get(start + i, ()))
                 streams.append((conv, prompt, loop.submit(request)))
             for conv, prompt, stream in streams:
                 tokens, last = [], None
@@ -323,6 +324,21 @@ def test_a_step_short_of_slots_keeps_as_many_checkpoints_as_fit_branch_points_fi
     assert on == off and loop.num_preemptions == 0
     assert _checkpoint_positions(loop.cache) == [12, 29, 35]  # and the reply's end (30 + 6 - 1)
     assert loop.cache.ckpt.stats["taken"] == 3 and loop.cache.ckpt.stats["dropped"] == 1
+
+
+def test_a_step_short_of_slots_gives_up_a_guess_before_a_branch_point(lfm2):
+    """As above without periodic states: the hint at 4, the guess at 20 (api/branch_hints.py, 8 or 16 tokens
+    into a message) and the prompt's end at 29 fit the 3 slots; the reply's block takes one back. By gaps
+    alone the hint would go (4 after the start, against 16 and 9); a guess ranks with the periodic states,
+    so it goes first."""
+    turns = [(0, list(range(20, 50)), 6)]
+    on, _, _, loop, _ = _run(lfm2, turns, num_blocks=12, every=0, chunk=32, hints={0: (4,)}, guesses={0: (20,)})
+    off, _, _, _, _ = _run(lfm2, turns, num_blocks=12, cache_on=False, chunk=32)
+    assert on == off and loop.num_preemptions == 0
+    assert _checkpoint_positions(loop.cache) == [4, 29, 35]
+    assert loop.cache.ckpt.stats["taken"] == 3 and loop.cache.ckpt.stats["dropped"] == 1
+    as_hint, _, _, loop, _ = _run(lfm2, turns, num_blocks=12, every=0, chunk=32, hints={0: (4, 20)})
+    assert as_hint == off and _checkpoint_positions(loop.cache) == [20, 29, 35]
 
 
 def test_a_corrupt_checkpoint_file_only_shortens_the_match(hybrid, tmp_path):

@@ -34,8 +34,8 @@ class HybridSteps:
     def _positions(self, request) -> list[int]:
         if not self.enabled:
             return []
-        return self.cache.ckpt.positions(request.prompt_len, self.runner.block_size, request.checkpoint_positions,
-                                         request.line_starts)
+        return self.cache.ckpt.positions(request.prompt_len, self.runner.block_size,
+                                         (*request.checkpoint_positions, *request.checkpoint_guesses), request.line_starts)
 
     def _passed(self, request, n: int) -> tuple[int, ...]:
         start = request.seq.num_computed
