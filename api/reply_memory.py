@@ -7,8 +7,9 @@ reply's text and ids; api/prompt_ids.py puts the ids back where a later prompt c
 followed by that text. Keyed by (cache salt, the prompt's whole text): a tenant never sees another's replies,
 and a reply is only ever used right after the prompt that produced it.
 
-Bounded by the tokens it holds (least recently used out first). Held in RAM only: after a restart the
-conversations on the disk tier are matched up to the first reply whose text re-encodes differently.
+Bounded by the tokens it holds (least recently used out first). With a disk tier its replies are also written
+to a file there (api/reply_journal.py), so after a restart the conversations on the disk tier are matched
+through their replies as before it; without one they are held in RAM only.
 """
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ def prompt_hasher(salt: str) -> "hashlib._Hash":
     hasher = hashlib.blake2b(digest_size=16)
     hasher.update(salt.encode("utf-8", "surrogatepass") + b"\0")
     return hasher
+
+
+def salt_digest(salt: str) -> bytes:
+    """What the memory (and its file) keeps of a salt: it names a tenant's API key."""
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16, person=b"strata-salt").digest()
 
 
 def prompt_key(salt: str, prompt_text: str) -> bytes:
@@ -54,34 +60,61 @@ class ReplyMemory:
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS):
         self.max_tokens = max_tokens
         self._by_prompt: OrderedDict[bytes, list[GeneratedReply]] = OrderedDict()
-        self._salts: dict[str, int] = {}  # salt -> prompts held: a salt with none skips the search at once
-        self._salt_of: dict[bytes, str] = {}
+        self._salts: dict[bytes, int] = {}  # salt digest -> prompts held: a salt with none skips the search
+        self._salt_of: dict[bytes, bytes] = {}
+        self.journal = None  # api/reply_journal.ReplyJournal: with a disk tier, the replies' file
         self.num_tokens = 0
         self.stats = {"replies_remembered": 0, "replies_forgotten": 0, "prompts_with_kept_replies": 0,
                       "replies_kept": 0, "reply_tokens_kept": 0, "replies_kept_split_differently": 0,
-                      "replies_not_as_generated": 0}
+                      "replies_not_as_generated": 0, "replies_loaded": 0}
 
     def remember(self, salt: str, prompt_text: str, reply: GeneratedReply) -> None:
         """Keep `reply` as the answer to `prompt_text` (the same text again replaces the older copy)."""
         if not reply.text or not reply.token_ids or len(reply.token_ids) > self.max_tokens:
             return
-        key = prompt_key(salt, prompt_text)
+        key, salt_key = prompt_key(salt, prompt_text), salt_digest(salt)
+        self._insert(key, salt_key, reply)
+        self.stats["replies_remembered"] += 1
+        if self.journal is not None:
+            self.journal.append(key, salt_key, reply)
+            if self.journal.ids_written > 2 * self.max_tokens:  # the file holds twice what is kept: rewrite
+                self.journal.rewrite(self.records())
+
+    def attach_journal(self, journal) -> None:
+        """Load the replies a journal's file holds (oldest first, the bound applying as they come), rewrite
+        the file with those kept, and write each reply remembered from now on to it."""
+        for key, salt_key, reply in journal.read():
+            if reply.token_ids and len(reply.token_ids) <= self.max_tokens:
+                self._insert(key, salt_key, reply)
+                self.stats["replies_loaded"] += 1
+        journal.rewrite(self.records())
+        self.journal = journal
+
+    def records(self) -> list[tuple[bytes, bytes, GeneratedReply]]:
+        """What is held as (prompt key, salt digest, reply), least recently used first, each prompt's oldest
+        reply first: remembered again in this order, they come back as they are."""
+        return [(key, self._salt_of[key], reply) for key, replies in self._by_prompt.items() for reply in replies[::-1]]
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+    def _insert(self, key: bytes, salt_key: bytes, reply: GeneratedReply) -> None:
         replies = self._by_prompt.pop(key, None)
         if replies is None:
             replies = []
-            self._salts[salt] = self._salts.get(salt, 0) + 1
-            self._salt_of[key] = salt
+            self._salts[salt_key] = self._salts.get(salt_key, 0) + 1
+            self._salt_of[key] = salt_key
         others = [r for r in replies if r.text != reply.text]  # the same text again: the new ids replace it
         for old in [r for r in replies if r.text == reply.text] + others[REPLIES_PER_PROMPT - 1:]:
             self._forget(old)
         self._by_prompt[key] = [reply] + others[:REPLIES_PER_PROMPT - 1]
         self.num_tokens += len(reply.token_ids)
-        self.stats["replies_remembered"] += 1
         while self.num_tokens > self.max_tokens:
             self._drop_oldest()
 
     def holds_salt(self, salt: str) -> bool:
-        return self._salts.get(salt, 0) > 0
+        return self._salts.get(salt_digest(salt), 0) > 0
 
     def replies_for(self, key: bytes) -> list[GeneratedReply]:
         """The replies generated for the prompt with this key, newest first; a hit counts as a use (LRU)."""

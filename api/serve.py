@@ -24,6 +24,7 @@ from api.chat_protocol import create_chat_protocol
 from api.config import ServerConfig
 from api.config_checks import AUTO_CTX_CAP, resolve_ctx_size
 from api.event_loop import uvicorn_loop
+from api.reply_journal import ReplyJournal, journal_path
 from api.reply_memory import ReplyMemory
 from api.sampling_defaults import load_sampling_defaults
 from api.server import LoadingState, ServerState, create_app
@@ -31,6 +32,7 @@ from engine.backends.cuda.device import leave_outside_arena
 from engine.loader import LoadedModel, open_model
 from engine.units import MIB
 from engine.warmup import warm_model
+from scheduler.cache.disk_tier import cache_key, model_file_identity
 from scheduler.engine_build import create_engine
 from scheduler.engine_loop import EngineLoop
 
@@ -62,7 +64,22 @@ def build_state(config: ServerConfig, loaded: LoadedModel | None = None) -> Serv
     return ServerState(config, loaded, engine, metrics, ctx_size, served, aliases, protocol=protocol,
                        message_start_id=message_start, line_end_ids=line_ends,
                        sampling_defaults=load_sampling_defaults(loaded.path, config.default_temperature),
-                       replies=ReplyMemory() if config.keep_reply_tokens == "on" else None)
+                       replies=create_reply_memory(config, loaded))
+
+
+def create_reply_memory(config: ServerConfig, loaded: LoadedModel) -> ReplyMemory | None:
+    """--keep-reply-tokens on: the memory of the replies generated, with a disk tier also in a file there
+    (api/reply_journal.py), keyed by the model file as the tier's directory is."""
+    if config.keep_reply_tokens != "on":
+        return None
+    memory = ReplyMemory()
+    if config.conversation_cache_dir:
+        path = journal_path(config.conversation_cache_dir, cache_key(model_file_identity(loaded.path), ("replies", 1)))
+        journal = ReplyJournal(path)
+        memory.attach_journal(journal)
+        log.info("reply memory: %d replies (%d tokens) loaded from %s%s", memory.stats["replies_loaded"],
+                 memory.num_tokens, path, f", {journal.skipped} unreadable lines skipped" if journal.skipped else "")
+    return memory
 
 
 def load_state(config: ServerConfig, loaded: LoadedModel | None = None) -> ServerState:
@@ -82,6 +99,8 @@ async def _lifespan(app):
     state.is_shutting_down = True
     if isinstance(state, ServerState):
         await state.engine.shutdown(timeout_s=1.0)  # uvicorn already waited --shutdown-timeout-s for requests
+        if state.replies is not None:
+            state.replies.close()  # the replies' file gets what is queued (api/reply_journal.py)
 
 
 def _start_engine(state: ServerState) -> None:
