@@ -7,7 +7,7 @@ For T <= 8 sequences of one new token each, per layer:
       qkv  = h @ Wqkv.T                                                 phase QKV       (16-row units)
       q, k = (+ bias) per-head rmsnorm (qwen3, gemma3); RoPE; q *= scale;
              K/V pool[slot] = k, v                                      phase HEADS     (a unit a head)
-      a    = softmax(q . K) V over the paged keys (sliding layers: the window)  ATTN    (a unit a query head)
+      a    = softmax(q . K) V over the paged keys (sliding layers: the window)  ATTN    (a unit: query heads of one K/V head)
       a    -> activations of the Wo product                             phase PREP_O    (1 unit)
       o    = a @ Wo.T                                                   phase WO
       x   += post_attn_norm?(o);  h = rmsnorm(x, ffn_norm)              phase PREP_FFN  (1 unit)
@@ -30,7 +30,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from engine.backends.cpu.fused_layer import (activate_span, add_normed, attend_one, fill_act, fill_act_span,
+from engine.backends.cpu.fused_layer import (activate_span, add_normed, attend_heads, fill_act, fill_act_span,
+                                             heads_per_unit,
                                              linear_rows, new_act, product_rows, rms_norm_into, rope)
 from engine.backends.cpu.half import kv_store
 from engine.backends.cpu.numba_cache_deps import key_on_sources
@@ -154,6 +155,10 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
     u_qkv, u_wo = _units(wqkv0, d), _units(linears[0][1], q_dim)
     u_gu, u_down = _units(w_gate_up0, d), _units(linears[0][3], n_ff)
     u_head = _units(output, d)
+    group = n_heads // n_kv_heads
+    attn_heads = heads_per_unit(n_tok, n_heads, n_kv_heads, n_workers)  # query heads an attention unit
+    units_a_token = n_heads // attn_heads
+    u_attn = n_tok * units_a_token
     act_spans = (n_ff + ACT_SPAN - 1) // ACT_SPAN
     u_act = n_tok * act_spans
     for worker in prange(n_workers):
@@ -177,15 +182,14 @@ def decode_step(x, layers, linears, windows, local_rope, rope_tables, head, outp
                 unit_done(counters, base + HEADS)
                 u = claim(counters, base + HEADS, n_units)
             wait_phase(counters, base + HEADS, n_units)
-            group = n_heads // n_kv_heads
-            u = claim(counters, base + ATTN, n_tok * n_heads)
+            u = claim(counters, base + ATTN, u_attn)
             while u >= 0:
-                t, qh = u // n_heads, u % n_heads
-                attend_one(q[t, qh * hd : (qh + 1) * hd], k_l, v_l, qh // group, positions[t], tables[t],
-                           block_size, windows[li], attn[t, qh * hd : (qh + 1) * hd])
+                t, h0 = u // units_a_token, (u % units_a_token) * attn_heads
+                attend_heads(q[t], h0, attn_heads, k_l, v_l, h0 // group, positions[t], tables[t], block_size,
+                             windows[li], attn[t])
                 unit_done(counters, base + ATTN)
-                u = claim(counters, base + ATTN, n_tok * n_heads)
-            wait_phase(counters, base + ATTN, n_tok * n_heads)
+                u = claim(counters, base + ATTN, u_attn)
+            wait_phase(counters, base + ATTN, u_attn)
             if claim(counters, base + PREP_O, 1) == 0:
                 fill_act(wo, attn, qmax, act_q)
                 unit_done(counters, base + PREP_O)
