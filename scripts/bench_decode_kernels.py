@@ -30,7 +30,7 @@ from engine.backends.cpu.int8_matvec import _part_rows, quantize_act  # noqa: E4
 from engine.backends.cpu.int8_repack import HALF_SCALE_TYPES, repack  # noqa: E402
 from engine.backends.cpu.simd_dot import simd_enabled  # noqa: E402
 from engine.units import MIB  # noqa: E402
-from tests.test_cpu_quant_kernels import random_rows  # noqa: E402
+from tests.support.quant_rows import random_rows  # noqa: E402
 
 _BASE_ROWS = 4096  # random rows made once per type, tiled to the larger shapes
 _SUPER_BLOCK_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K)

@@ -1,8 +1,13 @@
-"""Shared fixtures: the real default model, fetched through the project's own model store."""
+"""The fixtures test files share, by name: each real model (fetched through the project's own model store) and
+the one server on the default model the API tests share; tiny random models; the CUDA kernels on the CPU or a
+GPU (`kernel_runner`) and the CUDA backend on a GPU, the fake driver or the emulated kernels (`cuda`). Helpers
+several files share live in tests/support/; no test file imports another (tests/test_suite_layout.py)."""
 import os
 from pathlib import Path
 
 import pytest
+
+from tests.support.device_params import GPU
 
 # Subprocesses the tests start (`strata serve`, helper scripts) import this checkout's code, not whichever
 # checkout the venv's editable install points at (a worktree sharing another checkout's venv).
@@ -49,6 +54,12 @@ def server(smollm2):
 
 
 @pytest.fixture(scope="session")
+def qwen_coder_path():
+    """Qwen2.5-Coder 0.5B Instruct Q4_K_M, `strata serve`'s default model (scripts/setup.sh warms it)."""
+    return _fetch("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
 def gemma3_path():
     """Gemma 3 270M Q4_K_M (base model, no chat template in the file)."""
     return _fetch("gemma3-270m")
@@ -85,12 +96,6 @@ def load_tiny(tmp_path_factory):
     return load
 
 
-# A variant that needs a GPU is a fixture or test parameter named "gpu" carrying this mark, so that
-# `pytest -m cuda` (scripts/device_check.sh) selects it and the CPU variants beside it stay unmarked;
-# tests/test_cuda_selection.py fails if a device variant is left out of `-m cuda`.
-GPU = pytest.param("gpu", marks=pytest.mark.cuda)
-
-
 @pytest.fixture(scope="session", params=["cpu", GPU])
 def kernel_runner(request, tmp_path_factory):
     """Factory: CUDA source name -> runner with `launch(kernel, **numpy args)`, built once per session:
@@ -119,3 +124,41 @@ def kernel_runner(request, tmp_path_factory):
         return built[source]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def emulator_dir(tmp_path_factory):
+    """Where the g++ builds of the kernel sources the fake CUDA driver runs go (once per session)."""
+    from tests.support.kernel_emulator import compiler_available
+
+    if not compiler_available():
+        pytest.skip("g++ is needed to run the CUDA kernels on the CPU")
+    return tmp_path_factory.mktemp("emulated_backend_kernels")
+
+
+@pytest.fixture(params=[GPU, "fake", "emulated"])
+def cuda(request, monkeypatch):
+    """A fresh CudaBackend (graphs off; the graph tests turn them on), poisoning every new activation.
+    "fake": numpy twins of the kernels; "emulated": the real kernel sources under g++ (fake_cuda_emulated)."""
+    driver = None
+    if request.param == "gpu":
+        from engine.backends.cuda.device import probe
+
+        available, reason = probe()
+        if not available:
+            pytest.skip(f"no CUDA device: {reason}")
+    elif request.param == "fake":
+        from tests.support import fake_cuda
+
+        driver = fake_cuda.install(monkeypatch)
+    else:
+        from tests.support import fake_cuda_emulated
+
+        driver = fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
+    from engine.backends.cuda.backend import CudaBackend
+
+    backend = CudaBackend(graphs=False)
+    backend.poison = True
+    backend.test_driver = driver
+    yield backend
+    backend.close()

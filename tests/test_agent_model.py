@@ -20,11 +20,10 @@ READ_FILE = {"name": "read_file", "description": "Read a file and return its tex
 
 
 @pytest.fixture(scope="module")
-def agent_server(request):
+def agent_server(qwen_coder_path):
     from engine.loader import open_model
-    from tests.conftest import _fetch
 
-    loaded = open_model(str(_fetch("qwen2.5-coder-0.5b")), max_positions=4096)
+    loaded = open_model(str(qwen_coder_path), max_positions=4096)
     with running_server(loaded, batch=1, ctx_size=4096) as (url, state):
         yield url, state
 

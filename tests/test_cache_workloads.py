@@ -2,14 +2,13 @@
 computes exactly what is new (computed == ideal) when memory is ample; integrity after every step."""
 import asyncio
 
-import numpy as np
 import pytest
 
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
-from scheduler.cache.tree import common_prefix_len
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
+from tests.support.turn_workloads import HEAD_LEN, HEAD_SWAP, agent_turns, ideal_computed, random_turns
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def _play(tiny, turns, cache_on, num_blocks=400, slots=3, concurrency=3, host_bl
                     tokens += delta.token_ids
                     last = delta
                 replies.append(tokens)
-                usage.append((len(prompt), last.usage.cached_tokens, _ideal(prompt, cached)))
+                usage.append((len(prompt), last.usage.cached_tokens, ideal_computed(prompt, cached)))
             for (conv, _, _), (_, prompt, _), tokens in zip(batch, streams, replies[-len(batch):]):
                 history[conv] = prompt + tokens
                 cached.append(prompt + tokens[:-1])  # the reply's last token is never computed
@@ -60,29 +59,9 @@ def _play(tiny, turns, cache_on, num_blocks=400, slots=3, concurrency=3, host_bl
     return replies, usage, loop_holder["loop"]
 
 
-HEAD_SWAP, HEAD_LEN = -1, 30
-
-
-def _ideal(prompt, cached_sequences):
-    """Tokens a perfect cache computes: all but the longest prefix any earlier finished request left behind
-    (the last prompt token is always computed: its logits give the first new token)."""
-    best = max((common_prefix_len(prompt, c) for c in cached_sequences), default=0)
-    return len(prompt) - min(best, len(prompt) - 1)
-
-
-def _random_turns(seed, conversations=4, count=18):
-    rng = np.random.default_rng(seed)
-    turns = []
-    for _ in range(count):
-        conv = int(rng.integers(conversations))
-        user = rng.integers(3, 250, size=int(rng.integers(1, 30))).tolist()
-        turns.append((conv, user, int(rng.integers(1, 9))))
-    return turns
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cache_on_and_off_produce_identical_replies(tiny, seed):
-    turns = _random_turns(seed)
+    turns = random_turns(seed)
     on, usage_on, loop = _play(tiny, turns, cache_on=True)
     off, usage_off, _ = _play(tiny, turns, cache_on=False)
     assert on == off
@@ -106,7 +85,7 @@ def test_alternating_conversations_compute_exactly_what_is_new(tiny):
 
 
 def test_memory_pressure_evicts_but_never_changes_replies(tiny):
-    turns = _random_turns(7, conversations=5, count=24)
+    turns = random_turns(7, conversations=5, count=24)
     small, _, loop = _play(tiny, turns, cache_on=True, num_blocks=70)
     off, _, _ = _play(tiny, turns, cache_on=False, num_blocks=70)
     assert small == off and loop.cache.stats["dropped_blocks"] > 0
@@ -131,7 +110,7 @@ def test_device_pressure_with_a_host_tier_parks_and_restores_and_computes_the_id
 
 @pytest.mark.parametrize("split, groups", [((), 1), ((1, 2), 3)])  # unpipelined; three stages, one slot a group
 def test_long_randomized_workload_under_pressure_matches_cache_off_over_a_thousand_steps(tiny, split, groups):
-    turns = _random_turns(11, conversations=6, count=200)
+    turns = random_turns(11, conversations=6, count=200)
     on, usage, loop = _play(tiny, turns, cache_on=True, num_blocks=90, host_blocks=40, layer_split=split,
                             groups=groups)
     off, _, _ = _play(tiny, turns, cache_on=False, num_blocks=90)
@@ -140,23 +119,10 @@ def test_long_randomized_workload_under_pressure_matches_cache_off_over_a_thousa
     assert sum(c for _, c, _ in usage) > 0
 
 
-def _agent_turns():
-    """Two long conversations alternating, a short unrelated request between turns, and conversation 1's
-    head toggling between two tool lists every turn."""
-    head_a, head_b = list(range(10, 40)), list(range(100, 130))
-    turns = []
-    for turn in range(5):
-        turns.append((0, (head_a if turn == 0 else []) + [50 + turn] * (9 + turn), 5))
-        swap = [HEAD_SWAP] + (head_b if turn % 2 else head_a)
-        turns.append((1, (head_a if turn == 0 else swap) + [70 + turn] * (6 + turn), 5))
-        turns.append((2 + turn, [200 + turn, 201, 202], 2))  # short one-off request
-    return turns
-
-
 @pytest.mark.parametrize("groups", [1, 2, 3])
 @pytest.mark.parametrize("split", [(), (1,), (1, 2)])
 def test_pipelined_agent_workload_computes_exactly_the_ideal(tiny, split, groups):
-    turns = _agent_turns()
+    turns = agent_turns()
     replies, usage, loop = _play(tiny, turns, cache_on=True, layer_split=split, groups=groups)
     computed = [p - c for p, c, _ in usage]
     assert computed == [ideal for _, _, ideal in usage]

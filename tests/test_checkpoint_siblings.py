@@ -2,17 +2,24 @@
 that copied a partial block and extended it leaves the partial one, with the earlier reply's end state,
 beside the full one it made; a later prompt that shares the full one reuses that state. Both tiny hybrid
 models, through the engine loop with the integrity check after every step (tests/test_hybrid_cache.py)."""
-from tests.test_hybrid_cache import BLOCK, _run, hybrid  # noqa: F401 (hybrid: the fixture)
+import pytest
+
+from tests.support.hybrid_runs import WRITERS, open_hybrid, run_turns
 
 
-def test_a_siblings_checkpoint_is_a_match_end(hybrid):  # noqa: F811
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def hybrid(tmp_path_factory, request):
+    return open_hybrid(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_a_siblings_checkpoint_is_a_match_end(hybrid):
     first = list(range(30, 39))  # 9 prompt tokens + 3 replied: 11 computed, block 2 holds 3 (a partial block)
     turns = [(0, first, 3), (0, list(range(60, 66)), 3)]  # the same conversation goes on: block 2 fills up
-    replies, usage, _, loop, history = _run(hybrid, turns, every=0)
+    replies, usage, _, loop, history = run_turns(hybrid, turns, every=0)
     assert [c for _, c, _ in usage] == [0, 11]  # the second turn restored the reply's end (state at 11)
     branch = history[0][:14]  # shares blocks 0-2 (block 2 now the full one) and 2 tokens of block 3
     third = [(1, branch + list(range(90, 95)), 2)]
-    _, usage3, _, loop3, _ = _run(hybrid, turns + third, every=0)
+    _, usage3, _, loop3, _ = run_turns(hybrid, turns + third, every=0)
     partial = [n for n in _nodes(loop3.cache) if len(n.tokens) == 3 and 3 in n.checkpoints]
     assert len(partial) == 1 and len(partial[0].parent.children) == 2  # beside the full block it grew into
     assert [c for _, c, _ in usage3] == [0, 11, 11]  # not 8 (the first prompt's end, on the shared path)

@@ -10,13 +10,8 @@ import pytest
 
 from engine.backends.cpu.fused_decoder import FusedDecoder, int8_refusal
 from engine.kv import KVLayout
-from engine.loader import open_model
-from engine.sequence import ModelRunner, Sequence
-from tests.support.tiny_gguf import write_tiny_gguf
+from tests.support.fused_decode_runs import CASES, case_id, decode_logits, open_case
 
-CASES = [("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen3", "Q4_0"), ("gemma3", "Q5_0"), ("gemma3", "F16")]
-PROMPT_LENS = (5, 12, 21)
-DECODE_STEPS = 6
 # Largest |fused - unfused| logit on these models: measured 1.7e-5 (llama Q4_1, logits up to 6; batched vs one
 # by one 2.4e-6): float32 sums in another order.
 LOGIT_BOUND = 1e-4
@@ -25,46 +20,13 @@ LOGIT_BOUND = 1e-4
 F16_LOGIT_BOUND = 2e-3
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=case_id)
 def model(request, tmp_path_factory):
-    arch, quant = request.param
-    path = tmp_path_factory.mktemp(arch) / "m.gguf"
-    write_tiny_gguf(path, arch, seed=3, quant=quant, embd_quant="Q8_0")
-    return open_model(str(path), max_positions=256).model
-
-
-def _decode(model, fused: bool, prompt_lens=PROMPT_LENS, together=True, shuffle_blocks=False,
-            token_by_token=False, activations="f32", kv_type="f32") -> list[np.ndarray]:
-    """Logits of every decode step. Prompts are prefilled in one chunk each (the unfused path either way), or
-    token_by_token through decode steps (then every K/V row comes from the path under test). activations:
-    what the fused products quantise them to (int16 / int8: cpu.int8_matvec, test_cpu_int8_decode.py)."""
-    model.backend.fused_decode = fused
-    if model.backend.activations != activations:
-        model.backend.activations = activations
-        model.backend._fused.clear()  # the decoder holds the repacked weights of one choice
-    runner = ModelRunner(model, num_blocks=40, block_size=4, kv_type=kv_type)
-    if shuffle_blocks:  # hand out the free ids in a scrambled order: tables are not one run of blocks
-        everything = runner.allocator.allocate(40)  # a freed id goes to the end of the free list
-        runner.allocator.free([everything[i] for i in np.random.default_rng(0).permutation(40)])
-    seqs = [Sequence([(7 * i + 3 * n) % 60 + 3 for i in range(n)]) for n in prompt_lens]
-    for s in seqs:
-        assert runner.ensure_blocks(s, len(s.token_ids) + DECODE_STEPS)
-        while s.num_pending:
-            runner.step([(s, 1 if token_by_token else s.num_pending)])
-    steps = []
-    for step in range(DECODE_STEPS):
-        for s in seqs:
-            s.token_ids.append(10 + step)
-        if together:
-            steps.append(runner.step([(s, 1) for s in seqs]))
-        else:
-            steps.append(np.concatenate([runner.step([(s, 1)]) for s in seqs]))
-    model.backend.fused_decode = True
-    return steps
+    return open_case(request.param, tmp_path_factory)
 
 
 def test_fused_decode_matches_the_unfused_path(model):
-    fused, unfused = _decode(model, True), _decode(model, False)
+    fused, unfused = decode_logits(model, True), decode_logits(model, False)
     for a, b in zip(fused, unfused):
         np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
         assert np.max(np.abs(a - b)) <= LOGIT_BOUND, np.max(np.abs(a - b))
@@ -73,15 +35,15 @@ def test_fused_decode_matches_the_unfused_path(model):
 def test_fused_decode_on_a_float16_pool_matches_the_unfused_path(model):
     """The step reads and writes float16 K/V through the pool's bits (cpu/half.py), the bytes the unfused path
     stores (tests/test_cpu_half.py); K/V written token by token by either path."""
-    fused = _decode(model, True, token_by_token=True, kv_type="f16")
-    unfused = _decode(model, False, token_by_token=True, kv_type="f16")
+    fused = decode_logits(model, True, token_by_token=True, kv_type="f16")
+    unfused = decode_logits(model, False, token_by_token=True, kv_type="f16")
     for a, b in zip(fused, unfused):
         np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
         assert np.max(np.abs(a - b)) <= F16_LOGIT_BOUND, np.max(np.abs(a - b))
 
 
 def test_fused_batched_decode_equals_one_by_one(model):
-    for a, b in zip(_decode(model, True), _decode(model, True, together=False)):
+    for a, b in zip(decode_logits(model, True), decode_logits(model, True, together=False)):
         assert np.max(np.abs(a - b)) <= LOGIT_BOUND
 
 
@@ -94,15 +56,15 @@ def test_fused_decode_is_bitwise_the_same_for_any_number_of_workers(model, activ
     runs = []
     for workers in (1, 2, 5):
         monkeypatch.setattr(FusedDecoder, "workers", workers)
-        runs.append(_decode(model, True, activations=activations))
+        runs.append(decode_logits(model, True, activations=activations))
     for a, b, c in zip(*runs):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
 
 
 def test_fused_paged_decode_equals_contiguous(model):
-    contiguous = _decode(model, True, token_by_token=True)
-    for a, b in zip(contiguous, _decode(model, True, token_by_token=True, shuffle_blocks=True)):
+    contiguous = decode_logits(model, True, token_by_token=True)
+    for a, b in zip(contiguous, decode_logits(model, True, token_by_token=True, shuffle_blocks=True)):
         np.testing.assert_array_equal(a, b)  # the same operations in the same order, other addresses
 
 

@@ -6,7 +6,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.backends.cpu.fused_matvec import block_sums, matvec2
 from engine.backends.cpu.gguf_dequant import f16_table
 from engine.backends.cpu.quant_linear import KERNEL_KINDS
-from tests.test_cpu_quant_kernels import ALL_TYPES, assert_product_close, random_rows, reference
+from tests.support.quant_rows import ALL_TYPES, assert_product_close, random_rows, reference
 
 _TABLE = f16_table()
 

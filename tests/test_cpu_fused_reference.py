@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from engine.loader import open_model
-from tests.support.reference_helpers import greedy_with_logits
-from tests.test_cpu_weights_reference import N_TOKENS, PROMPTS_IN_CI
+from tests.support.reference_helpers import N_TOKENS, PROMPTS_IN_CI, greedy_with_logits
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).parent / "data"

@@ -11,12 +11,17 @@ import pytest
 from engine.backends.cpu import fused_decoder as cpu_fused_decode
 from engine.backends.cpu import gguf_dequant as d
 from engine.backends.cpu.fused_decoder import int8_refusal
-from tests.test_cpu_fused_decode import PROMPT_LENS, _decode, model  # noqa: F401  (the parametrised fixture)
+from tests.support.fused_decode_runs import CASES, PROMPT_LENS, case_id, decode_logits, open_case
 
 # Largest |logit(int16) - logit(f32)| on these models: measured 7.9e-4 (llama Q4_1, logits up to 6.1);
 # int8: 0.28 there (4.5% of the largest logit; 0.05-0.09 on the others). 5x and 2x margins.
 INT16_BOUND = 4e-3
 INT8_RELATIVE_BOUND = 0.1
+
+
+@pytest.fixture(scope="module", params=CASES, ids=case_id)
+def model(request, tmp_path_factory):
+    return open_case(request.param, tmp_path_factory)
 
 
 def _quantisable(model) -> bool:
@@ -30,7 +35,7 @@ def integer_steps(monkeypatch):
 
 
 def test_int16_activations_keep_ids_and_logits_of_the_float_path(model, integer_steps):
-    f32, int16 = _decode(model, True), _decode(model, True, activations="int16")
+    f32, int16 = decode_logits(model, True), decode_logits(model, True, activations="int16")
     for a, b in zip(int16, f32):
         np.testing.assert_array_equal(a.argmax(-1), b.argmax(-1))
         assert np.max(np.abs(a - b)) <= INT16_BOUND, np.max(np.abs(a - b))
@@ -39,7 +44,7 @@ def test_int16_activations_keep_ids_and_logits_of_the_float_path(model, integer_
 
 
 def test_int8_activations_stay_near_the_float_path(model, integer_steps):
-    f32, int8 = _decode(model, True), _decode(model, True, activations="int8")
+    f32, int8 = decode_logits(model, True), decode_logits(model, True, activations="int8")
     scale = max(np.max(np.abs(a)) for a in f32)
     for a, b in zip(int8, f32):
         assert np.max(np.abs(a - b)) <= INT8_RELATIVE_BOUND * scale
@@ -48,15 +53,15 @@ def test_int8_activations_stay_near_the_float_path(model, integer_steps):
 def test_integer_batched_decode_equals_one_by_one_exactly(model, integer_steps):
     if not _quantisable(model):
         return  # F16 weights: no integer kernel, the float path (test_cpu_fused_decode.py) ran
-    together = _decode(model, True, activations="int16")
-    for a, b in zip(together, _decode(model, True, activations="int16", together=False)):
+    together = decode_logits(model, True, activations="int16")
+    for a, b in zip(together, decode_logits(model, True, activations="int16", together=False)):
         np.testing.assert_array_equal(a, b)  # per-token scales and the same loops for every row
 
 
 def test_integer_paged_decode_equals_contiguous(model, integer_steps):
-    contiguous = _decode(model, True, token_by_token=True, activations="int16")
-    for a, b in zip(contiguous, _decode(model, True, token_by_token=True, shuffle_blocks=True,
-                                        activations="int16")):
+    contiguous = decode_logits(model, True, token_by_token=True, activations="int16")
+    for a, b in zip(contiguous, decode_logits(model, True, token_by_token=True, shuffle_blocks=True,
+                                              activations="int16")):
         np.testing.assert_array_equal(a, b)
 
 
@@ -67,10 +72,10 @@ def test_steps_of_several_tokens_take_the_integer_kernels_each_token_alone(model
     assert cpu_fused_decode.INT_MAX_TOKENS >= len(PROMPT_LENS)
     if not _quantisable(model):
         pytest.skip("float weights: the float kernels run (test_float_weights_refuse_integer_activations)")
-    together = _decode(model, True, activations="int16")
-    for a, b in zip(together, _decode(model, True, together=False, activations="int16")):
+    together = decode_logits(model, True, activations="int16")
+    for a, b in zip(together, decode_logits(model, True, together=False, activations="int16")):
         np.testing.assert_array_equal(a, b)
-    assert any(np.any(a != b) for a, b in zip(together, _decode(model, True)))
+    assert any(np.any(a != b) for a, b in zip(together, decode_logits(model, True)))
 
 
 def test_float_weights_refuse_integer_activations(model):
@@ -86,5 +91,5 @@ def test_prepare_decode_builds_the_decoder_the_steps_then_use(model):
     backend.prepare_decode(model)
     decoder = backend._fused[model]
     assert (decoder is not None) and ("int" in decoder.linears) == _quantisable(model)
-    _decode(model, True, activations="int16")
+    decode_logits(model, True, activations="int16")
     assert backend._fused[model] is decoder  # not rebuilt at the first step

@@ -14,8 +14,9 @@ from numba import njit
 from engine.backends.cpu.int8_gemm import gemm_part, quantize_act, tile_buffer, unpack_tile
 from engine.backends.cpu.int8_repack import INT8_TYPES, repack
 from engine.backends.cpu.vnni_tile import tile_kernel, vnni_enabled
-from tests.test_cpu_int8_matvec import _assert_close_both_ways, _x, quantized_x
-from tests.test_cpu_quant_kernels import random_rows, reference
+from tests.support.quant_rows import (
+    assert_close_both_ways, quantized_x, random_activations, random_rows, reference,
+)
 
 _Q8, _Q16 = np.float32(127.0), np.float32(32767.0)
 QMAX = [_Q8, _Q16]
@@ -37,21 +38,21 @@ def _gemm(tensor_type, n_rows, in_dim, x, half_scales=False, qmax=_Q8):
 @pytest.mark.parametrize("tensor_type", INT8_TYPES, ids=lambda t: t.name)
 def test_tiled_integer_product_matches_gguf_dequantisation(tensor_type, qmax):
     n_rows, in_dim = 45, 512  # one full tile and one of 13 rows
-    x = _x(11, in_dim)  # 11 tokens: two calls of 4 and one of 3
+    x = random_activations(11, in_dim)  # 11 tokens: two calls of 4 and one of 3
     y = _gemm(tensor_type, n_rows, in_dim, x, qmax=qmax)
     w = reference(tensor_type, random_rows(tensor_type, n_rows, in_dim), n_rows, in_dim)
-    _assert_close_both_ways(y, x, w, qmax)
+    assert_close_both_ways(y, x, w, qmax)
 
 
 @pytest.mark.parametrize("tensor_type", [t for t in INT8_TYPES if t.name in ("Q4_0", "Q8_0")], ids=lambda t: t.name)
 def test_float16_scales_give_the_same_products(tensor_type):
-    x = _x(9, 256, seed=3)
+    x = random_activations(9, 256, seed=3)
     np.testing.assert_array_equal(_gemm(tensor_type, 40, 256, x, half_scales=True), _gemm(tensor_type, 40, 256, x))
 
 
 @pytest.mark.parametrize("qmax", QMAX, ids=["int8", "int16"])
 def test_activation_quantisation_is_the_decode_products_rule(qmax):
-    x = _x(3, 256)
+    x = random_activations(3, 256)
     x[1, :32] = np.linspace(-2.0, 2.0, 32)
     x8, dx32, sx32, dx16, sx16 = quantize_act(x, qmax)
     assert x8.dtype == (np.int8 if qmax == _Q8 else np.int16)
@@ -65,7 +66,7 @@ def test_activation_quantisation_is_the_decode_products_rule(qmax):
 
 
 def test_non_finite_activation_makes_its_token_nan_only():
-    x = _x(5, 256)
+    x = random_activations(5, 256)
     x[2, 40] = np.inf
     y = _gemm(INT8_TYPES[0], 33, 256, x)
     assert np.all(np.isnan(y[2])) and np.all(np.isfinite(np.delete(y, 2, axis=0)))
@@ -97,7 +98,7 @@ def _tile_with(which, part, act, y):
                          ids=lambda t: t.name)
 def test_vnni_and_plain_vector_ir_agree(tensor_type, qmax):
     part = tuple(repack(tensor_type, random_rows(tensor_type, 32, 256), 256))
-    act = quantize_act(_x(7, 256, seed=5), qmax)
+    act = quantize_act(random_activations(7, 256, seed=5), qmax)
     y_ir, y_vnni = np.empty((7, 32), np.float32), np.empty((7, 32), np.float32)
     _tile_with(False, part, act, y_ir)
     _tile_with(True, part, act, y_vnni)
@@ -107,7 +108,7 @@ def test_vnni_and_plain_vector_ir_agree(tensor_type, qmax):
 @pytest.mark.parametrize("qmax", QMAX, ids=["int8", "int16"])
 def test_a_tokens_row_does_not_depend_on_the_tokens_computed_with_it(qmax):
     part = tuple(repack(INT8_TYPES[0], random_rows(INT8_TYPES[0], 32, 256), 256))
-    x = _x(7, 256, seed=9)
+    x = random_activations(7, 256, seed=9)
     y_all = np.empty((7, 32), np.float32)
     gemm_part(part, quantize_act(x, qmax), y_all, 0)
     for t in range(7):

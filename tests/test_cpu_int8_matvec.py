@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.backends.cpu import int8_repack as cpu_int8_repack
 from engine.backends.cpu.int8_matvec import project_i8, quantize_act
 from engine.backends.cpu.int8_repack import INT8_TYPES, empty_part, repack, unpack
-from tests.test_cpu_quant_kernels import random_rows, reference
+from tests.support.quant_rows import assert_close_both_ways, quantized_x, random_activations, random_rows, reference
 
 _EMPTY = tuple(empty_part())
 QMAX = [np.float32(127.0), np.float32(32767.0)]
@@ -24,32 +24,6 @@ _ids = {127: "int8", 32767: "int16"}
 
 def _qmax_id(qmax):
     return _ids[int(qmax)]
-
-
-def quantized_x(x: np.ndarray, qmax) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(xq [T, in] int, dx [T, in/32], dx per element [T, in]): ggml's q8 rule (qmax 127), rounding half
-    away from 0."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    dx = np.abs(blocks).max(-1) / qmax
-    inv = np.divide(np.float32(1.0), dx, out=np.zeros_like(dx), where=dx > 0)
-    v = blocks * inv[..., None]
-    xq = np.where(v >= 0, np.floor(v + np.float32(0.5)), -np.floor(np.float32(0.5) - v)).astype(np.int64)
-    return xq.reshape(x.shape), dx, np.repeat(dx, 32, axis=1)
-
-
-def _x(n_tokens, in_dim, seed=1):
-    x = np.random.default_rng(seed).standard_normal((n_tokens, in_dim)).astype(np.float32)
-    x[0, 32:64] = 0.0  # an all-zero block: scale 0, no division by it
-    return x
-
-
-def _assert_close_both_ways(y, x, w, qmax):
-    xq, _, dx_el = quantized_x(x, qmax)
-    xd = (xq * dx_el).astype(np.float32)
-    tight = 1e-5 * (np.abs(xd) @ np.abs(w).T) + 1e-6
-    assert np.all(np.abs(y - xd @ w.T) <= tight), np.max(np.abs(y - xd @ w.T) - tight)
-    derived = (dx_el / 2) @ np.abs(w).T + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6
-    assert np.all(np.abs(y - x @ w.T) <= derived)
 
 
 @pytest.mark.parametrize("tensor_type", INT8_TYPES, ids=lambda t: t.name)
@@ -65,7 +39,7 @@ def test_unpacked_integers_and_scales_rebuild_gguf_dequantisation_exactly(tensor
 
 @pytest.mark.parametrize("qmax", QMAX, ids=_qmax_id)
 def test_activation_quantisation_is_ggmls_q8_rule(qmax):
-    x = _x(3, 256)
+    x = random_activations(3, 256)
     x[1, :32] = np.linspace(-2.0, 2.0, 32)  # the block's extremes land exactly on +-127
     xlo, xhi, x16, dx, dx16, sx, sx16 = quantize_act(x, qmax)
     xq, dx_ref, _ = quantized_x(x, qmax)
@@ -85,19 +59,19 @@ def test_activation_quantisation_is_ggmls_q8_rule(qmax):
 def test_int8_product_matches_the_dequantised_product(tensor_type, n_tokens, qmax):
     out_dim, in_dim = 37, 512  # 37: a partial last task of 16 rows
     rows = random_rows(tensor_type, out_dim, in_dim)
-    x = _x(n_tokens, in_dim)
+    x = random_activations(n_tokens, in_dim)
     y = project_i8(tuple(repack(tensor_type, rows, in_dim)), _EMPTY, x, qmax)
-    _assert_close_both_ways(y, x, reference(tensor_type, rows, out_dim, in_dim), qmax)
+    assert_close_both_ways(y, x, reference(tensor_type, rows, out_dim, in_dim), qmax)
 
 
 @pytest.mark.parametrize("qmax", QMAX, ids=_qmax_id)
 def test_int8_product_stacks_two_parts_of_different_forms(qmax):
     in_dim = 256
     a, b = random_rows(Q.Q4_K, 20, in_dim, seed=2), random_rows(Q.Q6_K, 9, in_dim, seed=3)
-    x = _x(3, in_dim, seed=4)
+    x = random_activations(3, in_dim, seed=4)
     y = project_i8(tuple(repack(Q.Q4_K, a, in_dim)), tuple(repack(Q.Q6_K, b, in_dim)), x, qmax)
     w = np.concatenate([reference(Q.Q4_K, a, 20, in_dim), reference(Q.Q6_K, b, 9, in_dim)])
-    _assert_close_both_ways(y, x, w, qmax)
+    assert_close_both_ways(y, x, w, qmax)
 
 
 @pytest.mark.parametrize("qmax", QMAX, ids=_qmax_id)
@@ -105,7 +79,7 @@ def test_each_token_is_computed_alone(qmax):
     """A batch's row t is bit-identical to token t on its own (per-token scales, the same loops)."""
     rows = random_rows(Q.Q4_1, 40, 256)
     part = tuple(repack(Q.Q4_1, rows, 256))
-    x = _x(5, 256)
+    x = random_activations(5, 256)
     together = project_i8(part, _EMPTY, x, qmax)
     for t in range(5):
         np.testing.assert_array_equal(together[t], project_i8(part, _EMPTY, x[t : t + 1].copy(), qmax)[0])
@@ -126,7 +100,7 @@ def test_repacking_in_row_chunks_equals_repacking_at_once(tensor_type, monkeypat
 def test_a_non_finite_activation_makes_the_product_nan(bad):
     """As on the float path: the rounding must not turn a NaN or an overflow into a finite number."""
     rows = random_rows(Q.Q4_1, 20, 256)
-    x = _x(2, 256)
+    x = random_activations(2, 256)
     x[1, 70] = bad
     y = project_i8(tuple(repack(Q.Q4_1, rows, 256)), _EMPTY, x, QMAX[1])
     assert np.all(np.isfinite(y[0])) and np.all(np.isnan(y[1]))
@@ -141,7 +115,7 @@ def test_float16_scales_give_the_float32_scales_product_bit_for_bit(tensor_type)
     assert half.d.dtype == np.uint16 and half.d.nbytes * 2 == full.d.nbytes
     np.testing.assert_array_equal(half.d.view(np.float16).astype(np.float32), full.d)
     np.testing.assert_array_equal(half.m.view(np.float16).astype(np.float32), full.m)
-    x = _x(3, 256)
+    x = random_activations(3, 256)
     for qmax in QMAX:
         np.testing.assert_array_equal(project_i8(tuple(half), tuple(empty_part(True)), x, qmax),
                                       project_i8(tuple(full), _EMPTY, x, qmax))

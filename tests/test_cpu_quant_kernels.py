@@ -6,56 +6,19 @@ equal gguf's floats exactly (same float32 operations); products may differ only 
 """
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
 
 from engine.backends.cpu import quant_linear as cpu_quant_linear
 from engine.backends.cpu.gguf_row_kernels import kernel_threads, set_kernel_threads
 from engine.backends.cpu.quant_linear import KERNEL_KINDS, QuantLinear
 from engine.quant_weights import LinearPart
-
-QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.BF16, Q.MXFP4]
-# Byte offsets of the float16 scales inside a block, for types gguf cannot quantize.
-RANDOM_BLOCK_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-ALL_TYPES = QUANTIZABLE + list(RANDOM_BLOCK_SCALES) + [Q.F16, Q.F32]
-
-
-def random_rows(tensor_type, out_dim: int, in_dim: int, seed: int = 0) -> np.ndarray:
-    """uint8 [out_dim, row_bytes] of valid blocks of `tensor_type`."""
-    rng = np.random.default_rng(seed)
-    values = rng.standard_normal((out_dim, in_dim)).astype(np.float32)
-    if tensor_type in QUANTIZABLE:
-        return quantize(values, tensor_type)
-    if tensor_type in (Q.F16, Q.F32):
-        return values.astype(np.float16 if tensor_type == Q.F16 else np.float32).view(np.uint8)
-    block_elems, block_bytes = GGML_QUANT_SIZES[tensor_type]
-    rows = rng.integers(0, 256, (out_dim, in_dim // block_elems * block_bytes), dtype=np.uint8)
-    blocks = rows.reshape(out_dim, -1, block_bytes)
-    for offset in RANDOM_BLOCK_SCALES[tensor_type]:
-        scales = (rng.standard_normal(blocks.shape[:2]) * 0.02).astype(np.float16)
-        blocks[:, :, offset : offset + 2] = scales.view(np.uint8).reshape(*blocks.shape[:2], 2)
-    return rows
-
-
-def reference(tensor_type, rows: np.ndarray, out_dim: int, in_dim: int) -> np.ndarray:
-    if tensor_type == Q.F32:
-        return rows.view(np.float32).reshape(out_dim, in_dim)
-    if tensor_type == Q.F16:
-        return rows.view(np.float16).astype(np.float32).reshape(out_dim, in_dim)
-    return dequantize(rows, tensor_type).astype(np.float32).reshape(out_dim, in_dim)
+from tests.support.quant_rows import ALL_TYPES, assert_product_close, random_rows, reference
 
 
 def linear_of(tensor_type, out_dim=40, in_dim=512, seed=0):
     rows = random_rows(tensor_type, out_dim, in_dim, seed)
     part = LinearPart(tensor_type, rows, out_dim, in_dim, f"w{seed}")
     return QuantLinear([part]), reference(tensor_type, rows, out_dim, in_dim)
-
-
-def assert_product_close(y, x, w):
-    # float32 sums of 512 terms in another order: error ~ sqrt(n) * eps * sum |x w|
-    bound = 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-6
-    assert np.all(np.abs(y - x @ w.T) <= bound)
 
 
 def test_every_listed_type_has_a_kernel():

@@ -8,8 +8,7 @@ from engine.backends.cpu.int8_repack import HALF_SCALE_TYPES, INT8_TYPES, repack
 from engine.backends.cpu.quant_linear import QuantLinear
 from engine.backends.cpu.repacked_rows import dequant_part, gather_part
 from engine.quant_weights import LinearPart
-from tests.test_cpu_int8_matvec import _assert_close_both_ways
-from tests.test_cpu_quant_kernels import random_rows, reference
+from tests.support.quant_rows import assert_close_both_ways, random_rows, reference
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["f32-scales", "f16-scales"])
@@ -40,7 +39,7 @@ def test_an_adopting_linear_computes_as_its_raw_rows_did():
     after = [linear.matmul(x_few), linear.matmul(x_many), linear.dequantize()]
     np.testing.assert_array_equal(after[2], before[2])
     np.testing.assert_allclose(after[0], before[0], rtol=1e-5, atol=1e-4)
-    _assert_close_both_ways(after[1], x_many, before[2], np.float32(32767.0))  # int16, adopt_repacked's default
+    assert_close_both_ways(after[1], x_many, before[2], np.float32(32767.0))  # int16, adopt_repacked's default
 
 
 def test_the_head_takes_float16_scales_when_only_the_layers_cannot():

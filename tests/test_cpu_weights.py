@@ -19,8 +19,8 @@ from engine.model import load_model
 from engine.quant_weights import QuantizedLinearLoader
 from engine.sequence import ModelRunner
 from engine.tokenizer import Tokenizer
+from tests.support.pipeline_runs import random_prompt, run_conversations
 from tests.support.reference_helpers import chunked_step_logits
-from tests.test_pipeline import _prompt, _run_conversations
 from tests.support.tiny_gguf import write_tiny_gguf
 
 
@@ -76,7 +76,7 @@ def tiny_quantized(tmp_path_factory):
 @pytest.mark.parametrize("split", [(2,), (1, 3)])
 def test_a_split_quantized_model_computes_bit_identical_logits(tiny_quantized, split):
     model, _ = tiny_quantized
-    prompts = [_prompt(n, seed=n) for n in (5, 17, 9)]
+    prompts = [random_prompt(n, seed=n) for n in (5, 17, 9)]
     # A split model's stages run the unfused layers (the fused decode step takes one-stage models only,
     # tests/test_cpu_fused_decode.py): bit-identity holds against the unfused whole.
     model.backend.fused_decode = False
@@ -87,9 +87,9 @@ def test_a_split_quantized_model_computes_bit_identical_logits(tiny_quantized, s
 
 
 def test_pipelined_stages_calling_kernels_at_once_change_no_token(tiny_quantized):
-    prompts = [_prompt(n, seed=n) for n in (3, 21, 30, 9)]
-    expected, _, _, _ = _run_conversations(tiny_quantized, (), 1, prompts)
-    tokens, reasons, peak, _ = _run_conversations(tiny_quantized, (1, 3), 3, prompts)
+    prompts = [random_prompt(n, seed=n) for n in (3, 21, 30, 9)]
+    expected, _, _, _ = run_conversations(tiny_quantized, (), 1, prompts)
+    tokens, reasons, peak, _ = run_conversations(tiny_quantized, (1, 3), 3, prompts)
     assert tokens == expected and reasons == ["length"] * 4 and peak == 3
 
 

@@ -7,24 +7,19 @@ references (test_reference_smollm2.py, test_reference_gemma3.py) run on the quan
 decode steps also round the activations to int16 (checked against this path in test_cpu_fused_reference.py).
 """
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine.loader import open_model
-from tests.support.reference_helpers import greedy_with_logits
+from tests.support.reference_helpers import N_TOKENS, PROMPTS_IN_CI, greedy_with_logits
 
 pytestmark = pytest.mark.slow
 DATA = Path(__file__).parent / "data"
-N_TOKENS = 48
 # Largest |logit(quantized) - logit(f32)| over every step of every prompt: measured 4.2e-5 on SmolLM2 and
 # 9.9e-5 on gemma3 (logits of magnitude 10-40); a 10x margin for other CPUs' SIMD widths.
 LOGIT_BOUND = 1e-3
-# CI compares two prompts per model (the suite must stay under 15 minutes on 2 cores); every prompt with
-# STRATA_FULL_REFERENCE=1.
-PROMPTS_IN_CI = None if os.environ.get("STRATA_FULL_REFERENCE") == "1" else 2
 
 
 def _compare(path, reference_file, chunk) -> None:

@@ -18,123 +18,65 @@ from engine.kv import KVLayout
 from engine.model import load_model
 from engine.quant_weights import LinearPart
 from engine.sequence import ModelRunner, Sequence
-from tests.support.reference_helpers import chunked_step_logits, greedy_with_logits
+from tests.support.cuda_backend_checks import (
+    BLOCK, EXACT, GEMM, REDUCE, assert_close, greedy_tokens, host_copy, kv_case, launch_log, randn,
+)
+from tests.support.reference_helpers import chunked_step_logits
 from tests.support.tiny_gguf import write_tiny_gguf
-
-BLOCK = 16
-EXACT, REDUCE, GEMM = (1e-5, 1e-6), (1e-4, 1e-5), (3e-2, 3e-2)  # (rtol, atol): elementwise, reductions, fp16 mma
-
-
-@pytest.fixture(scope="session")
-def emulator_dir(tmp_path_factory):
-    """Where the g++ builds of the kernel sources go (once per session)."""
-    from tests.support.kernel_emulator import compiler_available
-
-    if not compiler_available():
-        pytest.skip("g++ is needed to run the CUDA kernels on the CPU")
-    return tmp_path_factory.mktemp("emulated_backend_kernels")
-
-
-@pytest.fixture(params=[pytest.param("gpu", marks=pytest.mark.cuda), "fake", "emulated"])
-def cuda(request, monkeypatch):
-    """A fresh CudaBackend (graphs off; the graph tests turn them on), poisoning every new activation.
-    "fake": numpy twins of the kernels; "emulated": the real kernel sources under g++ (fake_cuda_emulated)."""
-    driver = None
-    if request.param == "gpu":
-        from engine.backends.cuda.device import probe
-
-        available, reason = probe()
-        if not available:
-            pytest.skip(f"no CUDA device: {reason}")
-    elif request.param == "fake":
-        from tests.support import fake_cuda
-
-        driver = fake_cuda.install(monkeypatch)
-    else:
-        from tests.support import fake_cuda_emulated
-
-        driver = fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
-    from engine.backends.cuda.backend import CudaBackend
-
-    backend = CudaBackend(graphs=False)
-    backend.poison = True
-    backend.test_driver = driver
-    yield backend
-    backend.close()
-
-
-def _launch_log(backend) -> list[str] | None:
-    """Kernels launched so far, as the fake drivers record them (None on a GPU, which keeps no log)."""
-    driver = backend.test_driver
-    return None if driver is None else driver.launches
-
-
-def _host(backend, x):
-    out = backend.to_host(x)
-    assert not np.isnan(out).any(), "an output element was never written"
-    return out
-
-
-def _close(actual, expected, tol):
-    np.testing.assert_allclose(actual, expected, rtol=tol[0], atol=tol[1])
-
-
-def _rand(rng, *shape):
-    return rng.standard_normal(shape).astype(np.float32)
 
 
 def test_embedding_rms_norm_add_and_activations_match_numpy(cuda):
     rng, ref = np.random.default_rng(0), NumpyBackend()
-    table, ids = _rand(rng, 50, 24), np.array([3, 0, 49, 3, 7], dtype=np.int64)
-    _close(_host(cuda, cuda.embedding(cuda.upload(table), ids, 2.5)), ref.embedding(table, ids, 2.5), EXACT)
-    x, delta, w = _rand(rng, 5, 24), _rand(rng, 5, 24), _rand(rng, 24)
+    table, ids = randn(rng, 50, 24), np.array([3, 0, 49, 3, 7], dtype=np.int64)
+    assert_close(host_copy(cuda, cuda.embedding(cuda.upload(table), ids, 2.5)), ref.embedding(table, ids, 2.5), EXACT)
+    x, delta, w = randn(rng, 5, 24), randn(rng, 5, 24), randn(rng, 24)
     dx, dd, dw = cuda.upload_activation(x), cuda.upload_activation(delta), cuda.upload(w)
-    _close(_host(cuda, cuda.rms_norm(dx, dw, 1e-6)), ref.rms_norm(x, w, 1e-6), REDUCE)
+    assert_close(host_copy(cuda, cuda.rms_norm(dx, dw, 1e-6)), ref.rms_norm(x, w, 1e-6), REDUCE)
     total, normed = cuda.add_rms_norm(dx, dd, dw, 1e-5)
     ref_total, ref_normed = ref.add_rms_norm(x, delta, w, 1e-5)
-    _close(_host(cuda, total), ref_total, EXACT)
-    _close(_host(cuda, normed), ref_normed, REDUCE)
-    _close(_host(cuda, dx + dd), x + delta, EXACT)
-    heads = _rand(rng, 5, 3, 8)  # QK-norm: rows = T * H
-    _close(_host(cuda, cuda.rms_norm(cuda.upload_activation(heads), cuda.upload(w[:8]), 1e-6)),
-           ref.rms_norm(heads, w[:8], 1e-6), REDUCE)
-    gate_up = _rand(rng, 5, 32)
+    assert_close(host_copy(cuda, total), ref_total, EXACT)
+    assert_close(host_copy(cuda, normed), ref_normed, REDUCE)
+    assert_close(host_copy(cuda, dx + dd), x + delta, EXACT)
+    heads = randn(rng, 5, 3, 8)  # QK-norm: rows = T * H
+    assert_close(host_copy(cuda, cuda.rms_norm(cuda.upload_activation(heads), cuda.upload(w[:8]), 1e-6)),
+                 ref.rms_norm(heads, w[:8], 1e-6), REDUCE)
+    gate_up = randn(rng, 5, 32)
     for kind in ("silu", "gelu_tanh"):
-        _close(_host(cuda, cuda.gated_activation(cuda.upload_activation(gate_up), kind)),
-               ref.gated_activation(gate_up, kind), REDUCE)
+        assert_close(host_copy(cuda, cuda.gated_activation(cuda.upload_activation(gate_up), kind)),
+                     ref.gated_activation(gate_up, kind), REDUCE)
 
 
 def test_split_heads_rope_and_gather_rows_match_numpy(cuda):
     rng, ref = np.random.default_rng(1), NumpyBackend()
-    qkv = _rand(rng, 6, 64 + 32 + 32)
+    qkv = randn(rng, 6, 64 + 32 + 32)
     parts = cuda.split_heads(cuda.upload_activation(qkv), (64, 32, 32), 16)
     for got, want in zip(parts, ref.split_heads(qkv, (64, 32, 32), 16)):
         assert got.shape == want.shape
-        _close(_host(cuda, got), want, EXACT)
+        assert_close(host_copy(cuda, got), want, EXACT)
     positions = np.array([0, 1, 2, 9, 10, 30], dtype=np.int64)
     for rope_dims in (16, 8):  # full and partial rotary
         cos, sin = (np.cos(np.outer(np.arange(40), np.arange(rope_dims // 2) * 0.3)).astype(np.float32),
                     np.sin(np.outer(np.arange(40), np.arange(rope_dims // 2) * 0.3)).astype(np.float32))
-        q = _rand(rng, 6, 4, 16)
+        q = randn(rng, 6, 4, 16)
         got = cuda.rope(cuda.upload_activation(q), positions, (cuda.upload(cos), cuda.upload(sin)), rope_dims)
-        _close(_host(cuda, got), ref.rope(q, positions, (cos, sin), rope_dims), REDUCE)
-    x = _rand(rng, 6, 8)
+        assert_close(host_copy(cuda, got), ref.rope(q, positions, (cos, sin), rope_dims), REDUCE)
+    x = randn(rng, 6, 8)
     rows = np.array([5, 0, 2], dtype=np.int64)
-    _close(_host(cuda, cuda.gather_rows(cuda.upload_activation(x), rows)), x[rows], EXACT)
+    assert_close(host_copy(cuda, cuda.gather_rows(cuda.upload_activation(x), rows)), x[rows], EXACT)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 40])  # matvec, matvec, gemm
 def test_linear_f32_with_bias_matches_numpy(cuda, rows):
     rng = np.random.default_rng(2)
-    x, w, b = _rand(rng, rows, 64), _rand(rng, 48, 64), _rand(rng, 48)
+    x, w, b = randn(rng, rows, 64), randn(rng, 48, 64), randn(rng, 48)
     got = cuda.linear(cuda.upload_activation(x), cuda.upload_linear(w), cuda.upload(b))
-    _close(_host(cuda, got), NumpyBackend().linear(x, w, b), REDUCE if rows <= 8 else GEMM)
+    assert_close(host_copy(cuda, got), NumpyBackend().linear(x, w, b), REDUCE if rows <= 8 else GEMM)
 
 
 @pytest.mark.parametrize("rows", [2, 33])
 def test_linear_of_mixed_type_parts_writes_each_column_range(cuda, rows):
     rng = np.random.default_rng(3)
-    weights = [(Q.Q4_0, _rand(rng, 64, 64)), (Q.Q8_0, _rand(rng, 32, 64)), (Q.F16, _rand(rng, 32, 64))]
+    weights = [(Q.Q4_0, randn(rng, 64, 64)), (Q.Q8_0, randn(rng, 32, 64)), (Q.F16, randn(rng, 32, 64))]
     parts, dense = [], []
     for tensor_type, w in weights:
         if tensor_type == Q.F16:
@@ -146,46 +88,29 @@ def test_linear_of_mixed_type_parts_writes_each_column_range(cuda, rows):
             back = dequantize(raw, tensor_type).astype(np.float32)
         parts.append(LinearPart(tensor_type, raw, w.shape[0], 64, tensor_type.name))
         dense.append(back)
-    x, bias = _rand(rng, rows, 64), _rand(rng, 128)
+    x, bias = randn(rng, rows, 64), randn(rng, 128)
     got = cuda.linear(cuda.upload_activation(x), cuda.upload_linear_quantized(parts), cuda.upload(bias))
     expected = x @ np.concatenate(dense).T + bias
-    _close(_host(cuda, got), expected, REDUCE if rows <= 8 else GEMM)
-    kind, log = "matvec" if rows <= 8 else "gemm", _launch_log(cuda)
+    assert_close(host_copy(cuda, got), expected, REDUCE if rows <= 8 else GEMM)
+    kind, log = "matvec" if rows <= 8 else "gemm", launch_log(cuda)
     assert log is None or [k for k in log if k.startswith(kind)] == [f"{kind}_q4_0", f"{kind}_q8_0", f"{kind}_f16"]
-
-
-def _kv_case(cuda, layout, seqs, window, rng):
-    """Store every sequence's context, then attend its last `new` tokens; returns (cuda out, numpy out)."""
-    ref = NumpyBackend()
-    pools = (cuda.create_kv_pool(layout), ref.create_kv_pool(layout))
-    items = [(list(range(n)), 0, table) for n, _, table in seqs]
-    batch = build_batch(items, layout.block_size, all_logits=True)
-    k = _rand(rng, batch.num_tokens, layout.n_kv_heads, layout.head_dim)
-    v = _rand(rng, batch.num_tokens, layout.n_kv_heads, layout.head_dim)
-    for backend, pool, kk, vv in ((cuda, pools[0], cuda.upload_activation(k), cuda.upload_activation(v)),
-                                  (ref, pools[1], k, v)):
-        backend.store_kv(pool, 1, kk, vv, batch)
-    query = build_batch([(list(range(new)), n - new, table) for n, new, table in seqs], layout.block_size)
-    q = _rand(rng, query.num_tokens, 4, layout.head_dim)
-    got = _host(cuda, cuda.attention(cuda.upload_activation(q), pools[0], 1, query, 0.25, window))
-    return got, ref.attention(q, pools[1], 1, query, 0.25, window), pools
 
 
 @pytest.mark.parametrize("window", [0, 5])
 def test_paged_attention_over_scattered_blocks_with_gqa_matches_numpy(cuda, window):
     layout = KVLayout(num_blocks=12, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
     seqs = [(37, 5, np.array([7, 2, 9])), (16, 1, np.array([0])), (20, 20, np.array([11, 4]))]
-    got, want, _ = _kv_case(cuda, layout, seqs, window, np.random.default_rng(4))
-    _close(got, want, REDUCE)
+    got, want, _ = kv_case(cuda, layout, seqs, window, np.random.default_rng(4))
+    assert_close(got, want, REDUCE)
 
 
 def test_long_context_decode_uses_split_attention_and_matches_numpy(cuda):
     layout = KVLayout(num_blocks=120, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8)
     blocks = np.random.default_rng(5).permutation(120)  # 1280 keys: several 512-key chunks
     # Disjoint tables: two rows of one store_kv writing the same slot race on a GPU (no order between blocks).
-    got, want, _ = _kv_case(cuda, layout, [(1270, 1, blocks[:80]), (600, 2, blocks[80:])], 0, np.random.default_rng(6))
-    _close(got, want, REDUCE)
-    log = _launch_log(cuda)
+    got, want, _ = kv_case(cuda, layout, [(1270, 1, blocks[:80]), (600, 2, blocks[80:])], 0, np.random.default_rng(6))
+    assert_close(got, want, REDUCE)
+    log = launch_log(cuda)
     assert log is None or "paged_attention_split_f32" in log
 
 
@@ -194,7 +119,7 @@ def test_kv_block_copy_park_restore_read_write_round_trip(cuda):
     rng = np.random.default_rng(7)
     pool, host = cuda.create_kv_pool(layout), cuda.create_host_pool(KVLayout(3, BLOCK, 2, 2, 8))
     cuda.grow_host_pool(host, 6)  # a second pinned segment: slots 3..5
-    blocks = {b: (_rand(rng, 2, 2, BLOCK, 8), _rand(rng, 2, 2, BLOCK, 8)) for b in range(8)}
+    blocks = {b: (randn(rng, 2, 2, BLOCK, 8), randn(rng, 2, 2, BLOCK, 8)) for b in range(8)}
 
     def expect(tier_pool, pairs):  # (block read back, block whose data it must hold), K and V
         for block, source in pairs:
@@ -210,22 +135,17 @@ def test_kv_block_copy_park_restore_read_write_round_trip(cuda):
     expect(host, [(4, 3), (5, 4), (0, 0), (2, 5), (3, 1)])  # device block 6 holds a copy of 1
     cuda.restore_blocks(host, pool, [(4, 1), (5, 0), (0, 7)])
     expect(pool, [(1, 3), (0, 4), (7, 0), (2, 2), (6, 1)])  # the last two untouched
-    launched = _launch_log(cuda)
+    launched = launch_log(cuda)
     if launched is not None:
         assert {"copy_kv_blocks_f32", "gather_kv_blocks_f32", "scatter_kv_blocks_f32"} <= set(launched)
-
-
-def _greedy(model, prompt, steps=16, **runner_args):
-    """Greedy tokens after a one-step prefill of `prompt` (the gemm when it has more than 8 rows)."""
-    return greedy_with_logits(model, list(prompt), steps, chunk=len(prompt), block_size=BLOCK, **runner_args)[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_greedy_tokens_of_a_tiny_model_equal_numpy(cuda, tmp_path, arch):
     write_tiny_gguf(tmp_path / "m.gguf", arch, quant="Q8_0")
     cuda.graphs = None
-    expected = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 40))
-    assert _greedy(load_model(tmp_path / "m.gguf", cuda)[0], range(3, 40)) == expected
+    expected = greedy_tokens(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 40))
+    assert greedy_tokens(load_model(tmp_path / "m.gguf", cuda)[0], range(3, 40)) == expected
 
 
 def test_steps_run_on_another_thread_than_the_load(cuda, tmp_path):
@@ -235,8 +155,8 @@ def test_steps_run_on_another_thread_than_the_load(cuda, tmp_path):
     write_tiny_gguf(tmp_path / "m.gguf", "llama", quant="Q8_0")
     model = load_model(tmp_path / "m.gguf", cuda)[0]
     with ThreadPoolExecutor(1) as pool:
-        tokens = pool.submit(_greedy, model, range(3, 20), 4).result()
-    assert tokens == _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 20), 4)
+        tokens = pool.submit(greedy_tokens, model, range(3, 20), 4).result()
+    assert tokens == greedy_tokens(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 20), 4)
 
 
 def test_graph_replay_equals_eager(cuda, tmp_path):
@@ -256,8 +176,8 @@ def test_graph_replay_equals_eager(cuda, tmp_path):
         seq.num_computed -= 1
     again = runner.step([(seq, 1) for seq in seqs])  # replays the same graph with fresh inputs
     assert cuda.graphs.captures == 1 and cuda.graphs.replays == 2
-    _close(first, eager, REDUCE)
-    _close(again, first, EXACT)
+    assert_close(first, eager, REDUCE)
+    assert_close(again, first, EXACT)
 
 
 def _decode_batch(seqs):
@@ -282,10 +202,10 @@ def test_a_layer_split_runs_each_stage_on_its_own_handle_and_matches_numpy(cuda,
         runner.move_blocks([(1, 2)], [(2, 9)], [(0, 10)])  # park block 1, restore it as 9, copy 0 to 10
     # A prefill chunk runs the fp16 tensor-core gemm on real kernels: its tolerance for everything after.
     for got, want in zip(*logits):
-        _close(got, want, GEMM)
+        assert_close(got, want, GEMM)
     for tier, block in (("host", 2), ("device", 9), ("device", 10)):
         for got, want in zip(split.read_block(tier, block), whole.read_block(tier, block)):
-            _close(got, want, GEMM)
+            assert_close(got, want, GEMM)
     blocks = [split.read_block(tier, block)[0] for tier, block in (("device", 1), ("host", 2), ("device", 9))]
     np.testing.assert_array_equal(blocks[0], blocks[1])  # a move copies bits, whatever computed them
     np.testing.assert_array_equal(blocks[1], blocks[2])

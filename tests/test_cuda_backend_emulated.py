@@ -18,8 +18,9 @@ from engine.kv import KVLayout
 from engine.model import load_model
 from engine.quant_weights import LinearPart
 from engine.sequence import ModelRunner, Sequence
-from tests.support.reference_helpers import greedy_with_logits
-from tests.test_cuda_backend import GEMM, REDUCE, _close, _host, _kv_case, _rand, emulator_dir  # noqa: F401
+from tests.support.cuda_backend_checks import (
+    GEMM, REDUCE, assert_close, greedy_and_logits, host_copy, kv_case, randn,
+)
 from tests.support.tiny_gguf import write_tiny_gguf
 
 
@@ -49,22 +50,22 @@ def test_fused_linear_of_mixed_type_parts_matches_numpy(emu, rows):
     tolerance: a wrong column offset or fragment would be far outside it."""
     rng = np.random.default_rng(3)
     # 34 rows: the later parts start at columns 82 and 98, so their y and bias pointers are only 4-aligned
-    weights = [(Q.Q4_0, _rand(rng, 48, 64)), (Q.Q8_0, _rand(rng, 34, 64)), (Q.F16, _rand(rng, 16, 64)),
-               (Q.F32, _rand(rng, 22, 64))]
+    weights = [(Q.Q4_0, randn(rng, 48, 64)), (Q.Q8_0, randn(rng, 34, 64)), (Q.F16, randn(rng, 16, 64)),
+               (Q.F32, randn(rng, 22, 64))]
     parts, dense = [], []
     for tensor_type, w in weights:
         raw = {Q.F16: lambda: w.astype(np.float16).view(np.uint8), Q.F32: lambda: w.view(np.uint8)}.get(
             tensor_type, lambda: quantize(w, tensor_type))()
         parts.append(LinearPart(tensor_type, raw, w.shape[0], 64, tensor_type.name))
         dense.append(dequantize(raw, tensor_type).reshape(w.shape).astype(np.float32))
-    x, bias = _rand(rng, rows, 64), _rand(rng, 120)
-    got = _host(emu, emu.linear(emu.upload_activation(x), emu.upload_linear_quantized(parts), emu.upload(bias)))
+    x, bias = randn(rng, rows, 64), randn(rng, 120)
+    got = host_copy(emu, emu.linear(emu.upload_activation(x), emu.upload_linear_quantized(parts), emu.upload(bias)))
     w = np.concatenate(dense)
     if rows <= 8:
-        _close(got, x @ w.T + bias, REDUCE)
+        assert_close(got, x @ w.T + bias, REDUCE)
     else:
-        _close(got, _fp16(x).astype(np.float64) @ _fp16(w).T.astype(np.float64) + bias, REDUCE)
-        _close(got, NumpyBackend().linear(x, w, bias), GEMM)
+        assert_close(got, _fp16(x).astype(np.float64) @ _fp16(w).T.astype(np.float64) + bias, REDUCE)
+        assert_close(got, NumpyBackend().linear(x, w, bias), GEMM)
     kind = "matvec" if rows <= 8 else "gemm"
     assert [k for k in emu.test_driver.launches if k.startswith(kind)] == [f"{kind}_q4_0", f"{kind}_q8_0",
                                                                         f"{kind}_f16", f"{kind}_f32"]
@@ -73,9 +74,9 @@ def test_fused_linear_of_mixed_type_parts_matches_numpy(emu, rows):
 @pytest.mark.parametrize("rows", [1, 33])
 def test_linear_f32_without_bias(emu, rows):
     rng = np.random.default_rng(2)
-    x, w = _rand(rng, rows, 64), _rand(rng, 40, 64)
-    got = _host(emu, emu.linear(emu.upload_activation(x), emu.upload_linear(w)))
-    _close(got, NumpyBackend().linear(x, w, None), REDUCE if rows <= 8 else GEMM)
+    x, w = randn(rng, rows, 64), randn(rng, 40, 64)
+    got = host_copy(emu, emu.linear(emu.upload_activation(x), emu.upload_linear(w)))
+    assert_close(got, NumpyBackend().linear(x, w, None), REDUCE if rows <= 8 else GEMM)
 
 
 @pytest.mark.parametrize("window", [0, 21])
@@ -87,8 +88,8 @@ def test_split_attention_with_short_chunks_matches_numpy(emu, monkeypatch, windo
     monkeypatch.setattr(cuda_ops, "CHUNK_KEYS", 16)
     layout = KVLayout(num_blocks=12, block_size=8, n_layers=2, n_kv_heads=2, head_dim=8)
     tables = np.array([9, 3, 11, 0, 6, 1, 8]), np.array([2, 10, 5])  # disjoint: no slot written twice
-    got, want, _ = _kv_case(emu, layout, [(53, 1, tables[0]), (20, 2, tables[1])], window, np.random.default_rng(6))
-    _close(got, want, REDUCE)
+    got, want, _ = kv_case(emu, layout, [(53, 1, tables[0]), (20, 2, tables[1])], window, np.random.default_rng(6))
+    assert_close(got, want, REDUCE)
     assert {"paged_attention_split_f32", "attention_combine_f32"} <= set(emu.test_driver.launches)
 
 
@@ -106,21 +107,14 @@ def test_attention_with_wide_heads_and_gqa_groups_matches_numpy(emu, monkeypatch
     seqs = [(13, 2, np.array([7, 2, 9, 1])), (6, 1, np.array([0, 5]))]  # (context, new rows, block table)
     pools = (emu.create_kv_pool(layout), ref.create_kv_pool(layout))
     stored = build_batch([(list(range(n)), 0, table) for n, _, table in seqs], 4, all_logits=True)
-    k, v = _rand(rng, stored.num_tokens, kv_heads, hd), _rand(rng, stored.num_tokens, kv_heads, hd)
+    k, v = randn(rng, stored.num_tokens, kv_heads, hd), randn(rng, stored.num_tokens, kv_heads, hd)
     emu.store_kv(pools[0], 1, emu.upload_activation(k), emu.upload_activation(v), stored)
     ref.store_kv(pools[1], 1, k, v, stored)
     query = build_batch([(list(range(new)), n - new, table) for n, new, table in seqs], 4)
-    q = _rand(rng, query.num_tokens, heads, hd)
-    got = _host(emu, emu.attention(emu.upload_activation(q), pools[0], 1, query, 0.1, 0))
-    _close(got, ref.attention(q, pools[1], 1, query, 0.1, 0), REDUCE)
+    q = randn(rng, query.num_tokens, heads, hd)
+    got = host_copy(emu, emu.attention(emu.upload_activation(q), pools[0], 1, query, 0.1, 0))
+    assert_close(got, ref.attention(q, pools[1], 1, query, 0.1, 0), REDUCE)
     assert ("paged_attention_split_f32" in emu.test_driver.launches) == split
-
-
-def _greedy(model, prompt, steps=8):
-    """Greedy tokens after a one-step prefill of `prompt` (a gemm step: more than 8 rows), then matvec decode
-    steps; also the prefill's last logits."""
-    tokens, rows = greedy_with_logits(model, list(prompt), steps, chunk=len(prompt), block_size=8)
-    return tokens, rows[0]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -128,9 +122,9 @@ def test_greedy_tokens_of_a_q4_0_tiny_model_equal_numpy(emu, tmp_path, arch):
     """Q4_0 weights (test_cuda_backend.py covers Q8_0), prefill through the gemm, decode through matvec."""
     quant = "Q4_0"
     write_tiny_gguf(tmp_path / "m.gguf", arch, quant=quant)
-    expected, expected_first = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15))
-    tokens, first = _greedy(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15))
-    _close(first, expected_first, GEMM)
+    expected, expected_first = greedy_and_logits(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15))
+    tokens, first = greedy_and_logits(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15))
+    assert_close(first, expected_first, GEMM)
     assert tokens == expected
     assert {f"gemm_{quant.lower()}", f"matvec_{quant.lower()}", "paged_attention_f32"} <= set(emu.test_driver.launches)
 

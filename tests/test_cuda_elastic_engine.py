@@ -3,14 +3,12 @@ sequence and the shrink plan's relocations through the engine loop with the nump
 server growing and shrinking its pool on request, and the device arena leaving the pool its room.
 
 The engine tests run on a GPU (marked `cuda`), the numpy twins and the g++ kernels (the `cuda` fixture of
-test_cuda_backend.py); the server and arena tests on the fake driver.
+tests/conftest.py); the server and arena tests on the fake driver.
 """
 import pytest
 
 from engine.backends.reference.backend import NumpyBackend
-from tests.test_cuda_backend import cuda  # noqa: F401
-from tests.test_cuda_backend import emulator_dir  # noqa: F401
-from tests.test_cuda_elastic_pool import PAGE, SEG
+from tests.support.cuda_backend_checks import PAGE, SEG
 
 
 def _tiny_llama(cuda, tmp_path):
@@ -46,7 +44,7 @@ def test_seed_002_on_the_cuda_pool_gives_the_numpy_tokens(cuda, tmp_path):
     """Seed 002's sequence (tests/test_device_pool.py) on the CUDA backend's elastic pool: the pool grows
     by mapping, shrinks to 8 blocks by unmapping (the blocks above moved down or parked first), and the long
     conversation's next turn reuses every computed token with the tokens of the numpy backend."""
-    from tests.test_device_pool import seed_002_sequence
+    from tests.support.pool_sequences import seed_002_sequence
 
     model, numpy_model, tokenizer = _tiny_llama(cuda, tmp_path)
     lengths = {"long_len": 160, "short_len": 112}  # 11 + 7 blocks of 16: the pool outgrows 8 blocks
@@ -62,7 +60,7 @@ def test_seed_002_on_the_cuda_pool_gives_the_numpy_tokens(cuda, tmp_path):
 def test_blocks_moved_down_into_kept_segments_keep_their_bytes_on_cuda(cuda, tmp_path):
     """The shrink plan's relocations (device copies into free ids below the target) run before the chunks
     above are unmapped: the moved conversation's next turn reuses it with the numpy backend's tokens."""
-    from tests.test_device_pool import moved_down_sequence
+    from tests.support.pool_sequences import moved_down_sequence
 
     model, numpy_model, tokenizer = _tiny_llama(cuda, tmp_path)
     reply2, cached, relocated, first_turn = moved_down_sequence(model, tokenizer, True, device_blocks=8)

@@ -3,7 +3,7 @@ mapped as it grows and unmapped as it shrinks, its segment-major layout read and
 (under the engine and a server: tests/test_cuda_elastic_engine.py).
 
 Each runs on a GPU (marked `cuda`), on the numpy twins (tests/support/fake_cuda.py) and on the kernel sources under g++
-(tests/support/fake_cuda_emulated.py), through the `cuda` fixture of test_cuda_backend.py; the fakes' virtual memory
+(tests/support/fake_cuda_emulated.py), through the `cuda` fixture of tests/conftest.py; the fakes' virtual memory
 (tests/support/fake_cuda_vmm.py) is real host virtual memory, so an access to an unmapped chunk cannot pass unseen.
 """
 import os
@@ -19,11 +19,7 @@ from engine.backends.cuda.device import CudaError
 from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout
-from tests.test_cuda_backend import BLOCK, REDUCE, _close, _host, _launch_log, _rand, cuda  # noqa: F401
-from tests.test_cuda_backend import emulator_dir  # noqa: F401
-
-SEG = 4  # blocks per layout segment in these tests (64 in the server): tiny pools still span several
-PAGE = os.sysconf("SC_PAGE_SIZE")
+from tests.support.cuda_backend_checks import BLOCK, PAGE, REDUCE, SEG, assert_close, host_copy, launch_log, randn
 
 
 def _elastic(cuda, layout, mapped_blocks):
@@ -45,17 +41,17 @@ def test_store_and_attention_over_blocks_in_several_segments_match_numpy(cuda, k
     seqs = [(60, 3, tables[0]), (20, 1, tables[1]), (40, 40, tables[2])]
     batch = build_batch([(list(range(n)), 0, t) for n, _, t in seqs], BLOCK, all_logits=True)
     for layer in range(2):
-        k, v = (_rand(rng, batch.num_tokens, 2, 8) for _ in range(2))
+        k, v = (randn(rng, batch.num_tokens, 2, 8) for _ in range(2))
         cuda.store_kv(pool, layer, cuda.upload_activation(k), cuda.upload_activation(v), batch)
         ref.store_kv(ref_pool, layer, k, v, batch)
     for block in (21, 2, 13, 6, 0, 23, 9, 17, 4):
         for got, want in zip(cuda.read_block(pool, block), ref.read_block(ref_pool, block)):
             np.testing.assert_array_equal(got, want)  # the stored rows, scales included, byte for byte
     query = build_batch([(list(range(new)), n - new, t) for n, new, t in seqs], BLOCK)
-    q = _rand(rng, query.num_tokens, 4, 8)
+    q = randn(rng, query.num_tokens, 4, 8)
     for layer in range(2):
-        got = _host(cuda, cuda.attention(cuda.upload_activation(q), pool, layer, query, 0.25, 0))
-        _close(got, ref.attention(q, ref_pool, layer, query, 0.25, 0), REDUCE)
+        got = host_copy(cuda, cuda.attention(cuda.upload_activation(q), pool, layer, query, 0.25, 0))
+        assert_close(got, ref.attention(q, ref_pool, layer, query, 0.25, 0), REDUCE)
     pool.close()
 
 
@@ -65,14 +61,14 @@ def test_long_decode_over_segments_takes_the_split_path_and_matches_numpy(cuda):
     rng = np.random.default_rng(12)
     table = np.random.default_rng(13).permutation(80)[:70]  # 1,120 keys in 20 segments: three 512-key chunks
     batch = build_batch([(list(range(1110)), 0, table)], BLOCK, all_logits=True)
-    k, v = (_rand(rng, 1110, 2, 8) for _ in range(2))
+    k, v = (randn(rng, 1110, 2, 8) for _ in range(2))
     cuda.store_kv(pool, 0, cuda.upload_activation(k), cuda.upload_activation(v), batch)
     ref.store_kv(ref_pool, 0, k, v, batch)
     query = build_batch([([1], 1109, table)], BLOCK)
-    q = _rand(rng, 1, 4, 8)
-    _close(_host(cuda, cuda.attention(cuda.upload_activation(q), pool, 0, query, 0.25, 0)),
-           ref.attention(q, ref_pool, 0, query, 0.25, 0), REDUCE)
-    log = _launch_log(cuda)
+    q = randn(rng, 1, 4, 8)
+    assert_close(host_copy(cuda, cuda.attention(cuda.upload_activation(q), pool, 0, query, 0.25, 0)),
+                 ref.attention(q, ref_pool, 0, query, 0.25, 0), REDUCE)
+    log = launch_log(cuda)
     assert log is None or "paged_attention_split_f16" in log
     pool.close()
 
@@ -84,7 +80,7 @@ def test_block_moves_across_segments_keep_every_byte(cuda, kv_type):
     source = ref.create_kv_pool(layout)
     batch = build_batch([(list(range(12 * BLOCK)), 0, np.arange(12))], BLOCK)
     for layer in range(2):
-        ref.store_kv(source, layer, *(_rand(rng, 12 * BLOCK, 2, 8) * 3 for _ in range(2)), batch)
+        ref.store_kv(source, layer, *(randn(rng, 12 * BLOCK, 2, 8) * 3 for _ in range(2)), batch)
     blocks = {b: ref.read_block(source, b) for b in range(12)}
     pool, host = _elastic(cuda, layout, 12), cuda.create_host_pool(KVLayout(8, BLOCK, 2, 2, 8, kv_type))
     for b, (k, v) in blocks.items():
@@ -104,7 +100,7 @@ def test_growing_and_shrinking_keeps_addresses_and_the_bytes_of_the_ids_kept(cud
     pool = _elastic(cuda, layout, 4)
     fake = cuda.test_driver
     layer_bases = [(pool.layer_k(layer), pool.layer_v(layer)) for layer in range(2)]
-    data = {b: (_rand(rng, 2, 2, BLOCK, 8), _rand(rng, 2, 2, BLOCK, 8)) for b in range(16)}
+    data = {b: (randn(rng, 2, 2, BLOCK, 8), randn(rng, 2, 2, BLOCK, 8)) for b in range(16)}
     stored = {}
 
     def write(ids):

@@ -10,9 +10,8 @@ from engine.backends.cuda.expert_cache.cache import ROLES
 from engine.backends.cuda.expert_cache.setup import configure_expert_cache, parse_expert_cache_mib
 from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
-from tests.conftest import GPU
-from tests.test_cuda_backend import emulator_dir  # noqa: F401
-from tests.test_cuda_backend_emulated import _greedy
+from tests.support.cuda_backend_checks import greedy_and_logits
+from tests.support.device_params import GPU
 from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 PROMPT = range(3, 15)  # 12 tokens: a moe_gemm prefill, then moe_matvec decode steps
@@ -69,14 +68,14 @@ def test_tokens_with_fewer_slots_than_experts_equal_all_resident_and_numpy(make_
                                                                            slots):
     extra = dict(sliding_window=5, weight_scale=0.1) if arch == "gpt-oss" else {}
     write_tiny_moe_gguf(tmp_path / "m.gguf", arch, seed=2, n_layer=2, router_scale=0.3, expert_quant=quant, **extra)
-    expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], PROMPT, steps=6)
+    expected, _ = greedy_and_logits(load_model(tmp_path / "m.gguf", NumpyBackend())[0], PROMPT, steps=6)
     resident, _ = make_backend()
-    assert _greedy(load_model(tmp_path / "m.gguf", resident)[0], PROMPT, steps=6)[0] == expected
+    assert greedy_and_logits(load_model(tmp_path / "m.gguf", resident)[0], PROMPT, steps=6)[0] == expected
     backend, cache = make_backend(slots)
     model = load_model(tmp_path / "m.gguf", backend)[0]
     assert backend.graphs is None  # routing is read back each layer: no decode graphs
     assert model.weights.layers[0].moe.device.gate.weight is None  # the experts live in the host arena
-    tokens, _ = _greedy(model, PROMPT, steps=6)
+    tokens, _ = greedy_and_logits(model, PROMPT, steps=6)
     assert tokens == expected
     s = cache.stats()
     assert s["expert_cache_slots"] == slots < cache.total_experts == 16
@@ -137,7 +136,7 @@ def test_hits_misses_and_tables_on_a_scripted_routing(make_backend, tmp_path):
 
 def test_a_resize_asked_mid_step_applies_at_the_next_step_and_tokens_stay_equal(make_backend, tmp_path):
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=3, n_layer=2, router_scale=0.3)
-    expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], PROMPT, steps=6)
+    expected, _ = greedy_and_logits(load_model(tmp_path / "m.gguf", NumpyBackend())[0], PROMPT, steps=6)
     backend, cache = make_backend(6)
     model = load_model(tmp_path / "m.gguf", backend)[0]
     seen = []  # (step, slots) at each layer's begin
@@ -157,7 +156,7 @@ def test_a_resize_asked_mid_step_applies_at_the_next_step_and_tokens_stay_equal(
         return rounds
 
     cache.at_step_start, cache.begin = at_step_start, layer_begin
-    assert _greedy(model, PROMPT, steps=6)[0] == expected
+    assert greedy_and_logits(model, PROMPT, steps=6)[0] == expected
     assert seen[:6] == [(1, 6), (1, 6), (2, 6), (2, 6), (3, 2), (3, 2)]  # the step it arrived in kept 6 slots
     assert cache.num_slots == 2 and len(cache.slots.resident()) == 2
     cache.slots.check_integrity()
@@ -190,7 +189,7 @@ def test_metrics_name_every_figure_expert_cache(make_backend, tmp_path):
 
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3)
     backend, cache = make_backend(4)
-    _greedy(load_model(tmp_path / "m.gguf", backend)[0], PROMPT, steps=3)
+    greedy_and_logits(load_model(tmp_path / "m.gguf", backend)[0], PROMPT, steps=3)
     metrics = Metrics()
     before = {m.name for m in metrics.registry.collect()}
     metrics.watch_expert_cache(cache)
@@ -228,7 +227,7 @@ def test_serve_counts_the_arena_as_engine_ram_and_wires_metrics_and_admission(ma
     holders = state.engine.memory.holders  # one holder, one name: the expert cache's budget under the admission
     assert list(holders) == ["moe_experts"] and holders["moe_experts"].user.cache is cache
     assert planned == [cache.host_arena_bytes] and planned[0] > 0
-    _greedy(loaded.model, PROMPT, steps=2)
+    greedy_and_logits(loaded.model, PROMPT, steps=2)
     assert cache.num_slots == int(0.03 * 2**20) // cache.slot_bytes < cache.total_experts
     assert "strata_expert_cache_slots" in state.metrics.render().decode()
 
@@ -240,7 +239,7 @@ def test_auto_takes_every_expert_when_the_arena_has_room(make_backend, tmp_path,
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3)
     backend, _ = make_backend()
     cache = configure_expert_cache(backend, "auto")
-    _greedy(load_model(tmp_path / "m.gguf", backend)[0], PROMPT, steps=2)
+    greedy_and_logits(load_model(tmp_path / "m.gguf", backend)[0], PROMPT, steps=2)
     assert cache.num_slots == cache.total_experts == 16
     assert cache.loads == cache.stats()["expert_cache_misses"] <= 16  # only first uses load
 

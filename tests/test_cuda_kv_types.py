@@ -3,7 +3,7 @@
 split-K attention over those rows, block moves that carry the scales, and whole tiny models.
 
 Each runs on a GPU (marked `cuda`), on the numpy twins of the kernels (tests/support/fake_cuda.py) and on the real
-kernel sources under g++ (tests/support/fake_cuda_emulated.py), through the `cuda` fixture of test_cuda_backend.py.
+kernel sources under g++ (tests/support/fake_cuda_emulated.py), through the `cuda` fixture of tests/conftest.py.
 """
 import numpy as np
 import pytest
@@ -12,8 +12,7 @@ from engine.backends.reference.backend import NumpyBackend
 from engine.batch import build_batch
 from engine.kv import KVLayout
 from engine.model import load_model
-from tests.test_cuda_backend import BLOCK, REDUCE, _close, _greedy, _kv_case, _launch_log, _rand, cuda  # noqa: F401
-from tests.test_cuda_backend import emulator_dir  # noqa: F401
+from tests.support.cuda_backend_checks import BLOCK, REDUCE, assert_close, greedy_tokens, kv_case, launch_log, randn
 from tests.support.tiny_gguf import write_tiny_gguf
 
 COMPACT = ("f16", "int8")
@@ -24,14 +23,14 @@ COMPACT = ("f16", "int8")
 def test_store_kv_writes_the_numpy_rows_and_attention_over_them_matches_numpy(cuda, kv_type, head_dim):
     layout = KVLayout(num_blocks=12, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=head_dim, kv_type=kv_type)
     seqs = [(37, 5, np.array([7, 2, 9])), (16, 1, np.array([0])), (20, 20, np.array([11, 4]))]
-    got, want, (pool, ref_pool) = _kv_case(cuda, layout, seqs, 5, np.random.default_rng(4))
-    _close(got, want, REDUCE)
+    got, want, (pool, ref_pool) = kv_case(cuda, layout, seqs, 5, np.random.default_rng(4))
+    assert_close(got, want, REDUCE)
     ref = NumpyBackend()
     for block in (7, 2, 9, 0, 11, 4):
         for got_rows, want_rows in zip(cuda.read_block(pool, block), ref.read_block(ref_pool, block)):
             assert got_rows.dtype == want_rows.dtype and got_rows.shape == want_rows.shape
-            np.testing.assert_array_equal(got_rows[1], want_rows[1])  # layer 1: the one _kv_case stored
-    log = _launch_log(cuda)
+            np.testing.assert_array_equal(got_rows[1], want_rows[1])  # layer 1: the one kv_case stored
+    log = launch_log(cuda)
     assert log is None or {f"store_kv_{kv_type}", f"paged_attention_{kv_type}"} <= set(log)
 
 
@@ -39,10 +38,10 @@ def test_store_kv_writes_the_numpy_rows_and_attention_over_them_matches_numpy(cu
 def test_long_context_decode_over_compact_rows_uses_split_attention(cuda, kv_type):
     layout = KVLayout(num_blocks=120, block_size=BLOCK, n_layers=2, n_kv_heads=2, head_dim=8, kv_type=kv_type)
     blocks = np.random.default_rng(5).permutation(120)
-    got, want, _ = _kv_case(cuda, layout, [(1270, 1, blocks[:80]), (600, 2, blocks[80:])], 0,
-                            np.random.default_rng(6))
-    _close(got, want, REDUCE)
-    log = _launch_log(cuda)
+    got, want, _ = kv_case(cuda, layout, [(1270, 1, blocks[:80]), (600, 2, blocks[80:])], 0,
+                           np.random.default_rng(6))
+    assert_close(got, want, REDUCE)
+    log = launch_log(cuda)
     assert log is None or {f"paged_attention_split_{kv_type}", "attention_combine_f32"} <= set(log)
 
 
@@ -53,7 +52,7 @@ def test_block_moves_carry_compact_rows_and_their_scales(cuda, kv_type):
     source = ref.create_kv_pool(layout)  # rows as numpy stores them: the bytes every move must keep
     batch = build_batch([(list(range(8 * BLOCK)), 0, np.arange(8))], BLOCK)
     for layer in range(2):
-        ref.store_kv(source, layer, *(_rand(rng, 8 * BLOCK, 2, 8) * 3 for _ in range(2)), batch)
+        ref.store_kv(source, layer, *(randn(rng, 8 * BLOCK, 2, 8) * 3 for _ in range(2)), batch)
     blocks = {b: ref.read_block(source, b) for b in range(8)}
     pool, host = cuda.create_kv_pool(layout), cuda.create_host_pool(KVLayout(3, BLOCK, 2, 2, 8, kv_type))
     cuda.grow_host_pool(host, 6)
@@ -74,8 +73,8 @@ def test_greedy_tokens_of_a_tiny_model_with_compact_kv_equal_numpy(cuda, tmp_pat
     so the stored rows agree; a random tiny model's near-tied logits would flip on one int8 step otherwise."""
     write_tiny_gguf(tmp_path / "m.gguf", arch, quant="Q8_0")
     cuda.graphs = None
-    expected = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 11), kv_type=kv_type)
-    assert _greedy(load_model(tmp_path / "m.gguf", cuda)[0], range(3, 11), kv_type=kv_type) == expected
+    expected = greedy_tokens(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 11), kv_type=kv_type)
+    assert greedy_tokens(load_model(tmp_path / "m.gguf", cuda)[0], range(3, 11), kv_type=kv_type) == expected
 
 
 def test_the_cuda_backend_defaults_to_f16_kv():

@@ -5,7 +5,7 @@ states captured inside a chunk), then whole turns through the engine loop with t
 
 Each runs on a GPU (marked `cuda`), on the numpy twins (tests/support/fake_cuda.py) and on the kernel sources under g++
 (tests/support/fake_cuda_emulated.py: short_conv.cu, mul_f32 and the rest), through the `cuda` fixture of
-test_cuda_backend.py.
+tests/conftest.py.
 """
 import asyncio
 
@@ -20,8 +20,7 @@ from engine.sequence import ModelRunner, Sequence
 from engine.tokenizer import Tokenizer
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
-from tests.test_cuda_backend import GEMM, REDUCE, _close, _launch_log, cuda  # noqa: F401
-from tests.test_cuda_backend import emulator_dir  # noqa: F401
+from tests.support.cuda_backend_checks import GEMM, REDUCE, assert_close, launch_log
 from tests.support.tiny_lfm2 import write_tiny_lfm2
 
 BLOCK = 4
@@ -58,9 +57,9 @@ def test_logits_and_greedy_ids_equal_numpy(models, chunk, split):
     cuda_model, numpy_model = models
     got, got_ids = _prefill_and_decode(cuda_model, PROMPT, 8, chunk, split)
     want, want_ids = _prefill_and_decode(numpy_model, PROMPT, 8, chunk, split)
-    _close(got, want, REDUCE if chunk <= 8 else GEMM)
+    assert_close(got, want, REDUCE if chunk <= 8 else GEMM)
     assert got_ids == want_ids
-    log = _launch_log(cuda_model.backend)
+    log = launch_log(cuda_model.backend)
     assert log is None or {"short_conv_f32", "mul_f32"} <= set(log)
 
 
@@ -78,7 +77,7 @@ def test_batched_sequences_keep_their_own_state_rows(models):
         rows.append(runner.step([(seqs[2], 1), (seqs[3], 5), (seqs[4], 2)]))
         rows.append(runner.step([(seqs[4], 1), (seqs[5], 6), (seqs[0], 1)]))
         outs.append(np.concatenate(rows))
-    _close(outs[0], outs[1], REDUCE)
+    assert_close(outs[0], outs[1], REDUCE)
 
 
 def test_a_state_read_and_written_back_resumes_as_numpy(models):
@@ -97,8 +96,8 @@ def test_a_state_read_and_written_back_resumes_as_numpy(models):
         np.testing.assert_array_equal(runner.states.read(resumed), state)  # written exactly
         states.append(state)
         logits.append(runner.step([(resumed, 8)], all_logits=True))
-    _close(states[0], states[1], REDUCE)
-    _close(logits[0], logits[1], REDUCE)
+    assert_close(states[0], states[1], REDUCE)
+    assert_close(logits[0], logits[1], REDUCE)
 
 
 def test_states_captured_inside_a_chunk_equal_numpy(models):
@@ -123,7 +122,7 @@ def test_states_captured_inside_a_chunk_equal_numpy(models):
         captured.append(got)
     assert sorted(captured[0]) == sorted(captured[1]) == [-2, -1, 7, 12, 14]
     for position in captured[1]:
-        _close(captured[0][position], captured[1][position], REDUCE)
+        assert_close(captured[0][position], captured[1][position], REDUCE)
 
 
 def _window_step(model, position: int = 15, new: int = 2):
@@ -155,13 +154,13 @@ def test_a_state_window_recomputes_the_state_and_writes_no_k_v_as_numpy(models):
     their bytes), the state it recomputes is the reference's, and the step's logits are numpy's."""
     outs = [_window_step(model) for model in models]
     for ref_state, state, _, before, after in outs:
-        _close(state, ref_state, REDUCE)
+        assert_close(state, ref_state, REDUCE)
         for block, ((k0, v0), (k1, v1)) in enumerate(zip(before, after)):
             keys = slice(0, min(BLOCK, 15 - block * BLOCK))  # positions < 15 only
             np.testing.assert_array_equal(k1[:, :, keys], k0[:, :, keys])
             np.testing.assert_array_equal(v1[:, :, keys], v0[:, :, keys])
-    _close(outs[0][1], outs[1][1], REDUCE)
-    _close(outs[0][2], outs[1][2], REDUCE)
+    assert_close(outs[0][1], outs[1][1], REDUCE)
+    assert_close(outs[0][2], outs[1][2], REDUCE)
 
 
 def test_turns_through_the_engine_loop_reuse_checkpoints_and_give_numpy_tokens(models, tmp_path):

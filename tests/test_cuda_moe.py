@@ -7,8 +7,7 @@ import pytest
 
 from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
-from tests.test_cuda_backend import GEMM, _close, emulator_dir  # noqa: F401
-from tests.test_cuda_backend_emulated import _greedy
+from tests.support.cuda_backend_checks import GEMM, assert_close, greedy_and_logits
 from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 MOE_KERNELS = {"moe_route_f32", "moe_plan", "moe_combine_f32"}
@@ -46,11 +45,12 @@ def _launched(backend) -> set[str] | None:
 def test_qwen3moe_greedy_tokens_on_the_device_moe_path_equal_numpy(emu, tmp_path, expert_quant):
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, expert_quant=expert_quant,
                         router_scale=0.3)
-    expected, expected_first = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=6)
+    numpy_model = load_model(tmp_path / "m.gguf", NumpyBackend())[0]
+    expected, expected_first = greedy_and_logits(numpy_model, range(3, 15), steps=6)
     model = load_model(tmp_path / "m.gguf", emu)[0]
     assert model.weights.layers[0].moe.device is not None and not model.weights.layers[0].moe.gate_up
-    tokens, first = _greedy(model, range(3, 15), steps=6)
-    _close(first, expected_first, GEMM)
+    tokens, first = greedy_and_logits(model, range(3, 15), steps=6)
+    assert_close(first, expected_first, GEMM)
     assert tokens == expected
     launched = _launched(emu)
     assert launched is None or MOE_KERNELS | {f"moe_matvec_{expert_quant.lower()}", f"moe_gemm_{expert_quant.lower()}",
@@ -63,9 +63,10 @@ def test_gpt_oss_greedy_tokens_on_cuda_equal_numpy(emu, tmp_path, expert_quant):
     router biases, biased experts with the clamped SwiGLU, MXFP4 expert blocks."""
     write_tiny_moe_gguf(tmp_path / "m.gguf", "gpt-oss", seed=2, n_layer=2, sliding_window=5, weight_scale=0.1,
                         router_scale=0.3, expert_quant=expert_quant)
-    expected, expected_first = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=6)
-    tokens, first = _greedy(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15), steps=6)
-    _close(first, expected_first, GEMM)
+    numpy_model = load_model(tmp_path / "m.gguf", NumpyBackend())[0]
+    expected, expected_first = greedy_and_logits(numpy_model, range(3, 15), steps=6)
+    tokens, first = greedy_and_logits(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15), steps=6)
+    assert_close(first, expected_first, GEMM)
     assert tokens == expected
     launched = _launched(emu)
     assert launched is None or {"attention_combine_sinks_f32", "gated_swiglu_oai_f32",
@@ -75,8 +76,8 @@ def test_gpt_oss_greedy_tokens_on_cuda_equal_numpy(emu, tmp_path, expert_quant):
 def test_a_fused_gate_up_tensor_is_split_for_the_device(emu, tmp_path):
     write_tiny_moe_gguf(tmp_path / "m.gguf", "gpt-oss", seed=2, n_layer=2, weight_scale=0.1, router_scale=0.3,
                         fused_gate_up=True, expert_quant="Q8_0")
-    expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=4)
-    tokens, _ = _greedy(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15), steps=4)
+    expected, _ = greedy_and_logits(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=4)
+    tokens, _ = greedy_and_logits(load_model(tmp_path / "m.gguf", emu)[0], range(3, 15), steps=4)
     assert tokens == expected
 
 
@@ -108,10 +109,10 @@ def test_qwen3moe_decode_replays_a_cuda_graph_with_the_same_tokens(emulator_dir,
     from engine.backends.cuda.backend import CudaBackend
 
     write_tiny_moe_gguf(tmp_path / "m.gguf", "qwen3moe", seed=2, n_layer=2, router_scale=0.3)
-    expected, _ = _greedy(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=6)
+    expected, _ = greedy_and_logits(load_model(tmp_path / "m.gguf", NumpyBackend())[0], range(3, 15), steps=6)
     backend = CudaBackend(graphs=True)
     try:
-        tokens, _ = _greedy(load_model(tmp_path / "m.gguf", backend)[0], range(3, 15), steps=6)
+        tokens, _ = greedy_and_logits(load_model(tmp_path / "m.gguf", backend)[0], range(3, 15), steps=6)
         assert tokens == expected
         assert backend.graphs is not None and backend.graphs.replays > 0
     finally:

@@ -15,7 +15,7 @@ from engine.loader import open_model
 from engine.model import load_model
 from engine.sampling import SamplingParams
 from scheduler.request import Request
-from tests.conftest import GPU
+from tests.support.device_params import GPU
 from tests.support.reference_helpers import greedy_with_logits
 from tests.support.server_harness import run_on_app
 from tests.support.tiny_gguf import write_tiny_gguf

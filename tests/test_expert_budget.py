@@ -15,8 +15,7 @@ import pytest
 from engine.backends.cuda.expert_cache.cache import ROLES
 from engine.backends.reference.backend import NumpyBackend
 from scheduler.request import Request, SamplingParams
-from tests.test_cuda_backend import emulator_dir  # noqa: F401
-from tests.test_cuda_elastic_pool import PAGE, SEG
+from tests.support.cuda_backend_checks import PAGE, SEG, greedy_and_logits
 from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 RESERVED, MIN_BLOCKS = 22, 8
@@ -208,12 +207,11 @@ def test_a_shrink_evicts_the_least_recently_used_and_moves_the_rest_down_with_th
     most recently used experts sit in slots 0..4 with their bytes, the pages above are unmapped, and the next
     steps' tokens equal numpy's."""
     from engine.backends.cuda.expert_cache.memory import VmmSlotMemory
-    from tests.test_cuda_backend_emulated import _greedy
 
     model, numpy_model, _ = moe
     cache = model.backend.expert_cache
     cache.create_slots(16, VmmSlotMemory(cache.device, cache.slot_bytes, cache.total_experts))
-    _greedy(model, range(3, 15), steps=3)
+    greedy_and_logits(model, range(3, 15), steps=3)
     recent = cache.slots.resident()[-5:]
     slots_before = {key: cache.slots.slot_of(*key) for key in recent}
     assert any(slot >= 5 for slot in slots_before.values())  # some must move
@@ -223,7 +221,8 @@ def test_a_shrink_evicts_the_least_recently_used_and_moves_the_rest_down_with_th
     assert cache.memory.vmm.mapped_bytes == cache.memory.bytes_for(5) < cache.memory.bytes_for(16)
     assert cache.num_shrinks == 1 and cache.moved_by_shrinks == sum(s >= 5 for s in slots_before.values())
     check_slots(model.backend, cache)
-    assert _greedy(model, range(3, 15), steps=6)[0] == _greedy(numpy_model, range(3, 15), steps=6)[0]
+    prompt = range(3, 15)
+    assert greedy_and_logits(model, prompt, steps=6)[0] == greedy_and_logits(numpy_model, prompt, steps=6)[0]
     check_slots(model.backend, cache)
 
 

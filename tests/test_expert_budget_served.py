@@ -4,8 +4,7 @@ it in its MAX, counted once and shown (the start-up line, /cache tiers, /metrics
 the pool's start fail at start."""
 import pytest
 
-from tests.test_cuda_backend import emulator_dir  # noqa: F401
-from tests.test_cuda_elastic_pool import PAGE
+from tests.support.cuda_backend_checks import PAGE
 from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 

@@ -13,7 +13,7 @@ from engine.sequence import ModelRunner
 from engine.tokenizer import Tokenizer
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
-from tests.test_tokenizer import gpt2_fields, spm_fields
+from tests.support.tokenizer_fields import gpt2_fields, spm_fields
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -8,8 +8,8 @@ import pytest
 from api.tool_calls import create_output_parser, detect_format, get_format
 from api.tool_calls.harmony import HarmonyParser
 from engine.tokenizer import Tokenizer
-from tests.test_tool_formats import SPLITS, TOOLS, _feed, _joined, _tokens
 from tests.support.tiny_moe_gguf import HARMONY_TEMPLATE, HARMONY_TOKENS, write_tiny_moe_gguf
+from tests.support.tool_streams import SPLITS, TOOLS, byte_tokens, feed, joined
 
 ARGS = '{"city": "Paris", "days": 2}'
 CASES = [  # (name, model output after "<|start|>assistant", content, reasoning, [(name, arguments)])
@@ -42,7 +42,7 @@ CASES = [  # (name, model output after "<|start|>assistant", content, reasoning,
 def test_channels_map_to_content_reasoning_and_tool_calls_under_every_split(name, text, content, reasoning, calls):
     for split in SPLITS:
         parser = get_format("harmony").create_parser(TOOLS)
-        got_content, got_reasoning, got_calls = _joined(_feed(parser, split(text)))
+        got_content, got_reasoning, got_calls = joined(feed(parser, split(text)))
         assert (got_content, got_reasoning) == (content, reasoning), split
         assert [(c["name"], c["arguments"]) for c in got_calls] == calls
         assert parser.num_tool_calls == len(calls)
@@ -99,7 +99,7 @@ def _accepts(grammar: str, text: str) -> bool:
     assert llguidance.LLMatcher.validate_grammar(compiled, TOKENIZER) == ""
     matcher = llguidance.LLMatcher(TOKENIZER, compiled, log_level=0)
     assert not matcher.is_error(), matcher.get_error()
-    return matcher.consume_tokens(_tokens(text, SPECIALS)) and matcher.is_accepting()
+    return matcher.consume_tokens(byte_tokens(text, SPECIALS)) and matcher.is_accepting()
 
 
 CALL = f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{ARGS}<|call|>"

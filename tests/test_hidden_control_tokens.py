@@ -12,14 +12,14 @@ from engine.tokenizer import IncrementalDecoder, Tokenizer
 from scheduler.output import OutputProcessor
 from scheduler.request import Request
 from scheduler.step import StepResult
-from tests.test_tokenizer import GPT2_MERGES, _byte_chars
+from tests.support.tokenizer_fields import GPT2_MERGES, byte_chars
 
 MARKUP = ["<tool_call>", "</tool_call>", "<|channel|>", "<|message|>", "<think>", "</think>"]
 
 
 def _tokenizer() -> Tokenizer:
     """ChatML's control tokens, then every format's markup as control tokens too, the bytes, the merges."""
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *MARKUP] + _byte_chars() + [a + b for a, b in GPT2_MERGES]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *MARKUP] + byte_chars() + [a + b for a, b in GPT2_MERGES]
     controls = 3 + len(MARKUP)
     return Tokenizer.from_gguf_fields({
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": tokens,

@@ -4,7 +4,7 @@ own tier is tests/test_expert_budget.py). Block bytes 64, 4-block growth segment
 import asyncio
 
 from tests.support.cache_requests import serve_request_via
-from tests.test_memory_service import _service, _state
+from tests.support.memory_service_setup import cache_state, create_service
 
 BLOCK = 64
 
@@ -38,7 +38,7 @@ class ScriptedTier:
 
 
 def _with_holder(held_blocks: int, floor_blocks: int, at_once: bool = False):
-    service, cache = _service(min_blocks=4, reserved=12, host_blocks=8)
+    service, cache = create_service(min_blocks=4, reserved=12, host_blocks=8)
     holder = service.register_budget("moe_experts")
     assert holder.grow_now(held_blocks * BLOCK)
     holder.attach(ScriptedTier(holder, floor_blocks * BLOCK, at_once))
@@ -52,11 +52,11 @@ def _allocate(service, cache, tokens):
 def test_a_request_that_would_park_waits_for_the_holder_then_grows_into_what_it_gave_back():
     service, cache, holder = _with_holder(held_blocks=8, floor_blocks=2)
     serve_request_via(service, cache, [1] * 16)  # 4 blocks cached: the pool is at its ceiling (12 - 8)
-    before = _state(cache)
+    before = cache_state(cache)
     grant = _allocate(service, cache, [2] * 8)  # 2 fresh blocks: would park two of the conversation's
     assert not grant.granted and grant.plan is not None and not grant.plan.parks  # refused for now
     assert holder.user.asked == [2 * BLOCK]  # the fewest blocks that avoid the park, not all 6 it could give
-    assert _state(cache) == before and service.num_waits_for_holders == 1
+    assert cache_state(cache) == before and service.num_waits_for_holders == 1
     grant = _allocate(service, cache, [2] * 8)  # asked again before the bytes are back: the same 2 in all
     assert not grant.granted and holder.user.asked == [2 * BLOCK, 2 * BLOCK] and holder.user.owed == 2 * BLOCK
     holder.user.release()
@@ -94,8 +94,8 @@ def test_a_request_larger_than_the_ceiling_is_admitted_against_what_the_holder_c
 def test_a_grow_without_parking_takes_only_spare_budget_and_free_ids():
     service, cache, holder = _with_holder(held_blocks=4, floor_blocks=2)
     serve_request_via(service, cache, [1] * 32)  # 8 blocks cached, ceiling 8: no spare, no free id
-    before = _state(cache)
+    before = cache_state(cache)
     assert not asyncio.run(holder.grow(2 * BLOCK, park=False))  # would park: refused whole
-    assert _state(cache) == before
+    assert cache_state(cache) == before
     assert asyncio.run(holder.grow(2 * BLOCK))  # parking allowed (the default): granted by parking 2
     assert cache.stats["parks"] == 2 and holder.held_bytes == 6 * BLOCK

@@ -7,133 +7,48 @@ conversations continue, the logits after restoring a checkpoint equal those comp
 the same chunks (after a park, a spill to disk and a restart), and a miss for want of a checkpoint says
 where the nearest one was.
 """
-import asyncio
 import logging
 
 import numpy as np
 import pytest
 
-from engine.backends.reference.backend import NumpyBackend
-from engine.gguf_file import GGUFFile
-from engine.model import load_model
-from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner, Sequence
-from engine.tokenizer import Tokenizer
-from scheduler.cache.disk_tier import DiskTier, cache_key
-from scheduler.engine_loop import EngineLoop
-from scheduler.request import Request
-from tests.test_cache_workloads import HEAD_LEN, HEAD_SWAP, _agent_turns, _ideal, _random_turns
-from tests.support.tiny_lfm2 import write_tiny_lfm2
-from tests.support.tiny_qwen3next import write_tiny_qwen3next
-
-BLOCK = 4
-
-
-# qwen3next's DeltaNet layers at a size whose state (a checkpoint) costs one block of 4 tokens, as lfm2's does
-WRITERS = {"lfm2": lambda path: write_tiny_lfm2(path, seed=4, n_ctx=1024),
-           "qwen3next": lambda path: write_tiny_qwen3next(path, seed=4, n_ctx=1024, n_k_heads=1, n_v_heads=2,
-                                                          k_head_dim=4, v_head_dim=4)}
+from tests.support.hybrid_runs import BLOCK, WRITERS, open_hybrid, run_turns
+from tests.support.turn_workloads import agent_turns, random_turns
 
 
 @pytest.fixture(scope="module", params=sorted(WRITERS))
 def hybrid(tmp_path_factory, request):
-    path = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf"
-    WRITERS[request.param](path)
-    return load_model(path, NumpyBackend())[0], Tokenizer.from_gguf_fields(GGUFFile(path).fields)
+    return open_hybrid(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
     """The tiny lfm2 alone, for tests whose expected checkpoint positions are its own."""
-    path = tmp_path_factory.mktemp("lfm2-only") / "tiny-lfm2.gguf"
-    WRITERS["lfm2"](path)
-    return load_model(path, NumpyBackend())[0], Tokenizer.from_gguf_fields(GGUFFile(path).fields)
-
-
-def _disk(root, runner, blocks):
-    lay = runner.layout
-    return DiskTier(root, cache_key("tiny-lfm2", (BLOCK,)), (lay.n_layers, lay.n_kv_heads, BLOCK, lay.head_dim),
-                    "float32", blocks)
-
-
-def _run(hybrid, turns, cache_on=True, num_blocks=400, host_blocks=0, disk_root=None, disk_blocks=256, every=2,
-         concurrency=1, history=None, chunk=8, hints=None, on_start=None, layer_split=(), groups=1,
-         write_behind_mib_s=0.0, guesses=None):
-    """Turns [(conversation, new user tokens, reply length)] through one engine loop. Returns (replies,
-    [(prompt_len, cached, ideal)], per step [(request id, tokens computed, logits row, block table)], the loop,
-    the conversations' histories)."""
-    model, tokenizer = hybrid
-    history = {} if history is None else history
-    steps, out = [], {}
-
-    async def main():
-        runner = ModelRunner(model, num_blocks, BLOCK, host_blocks=host_blocks, layer_split=layer_split)
-        disk = _disk(disk_root, runner, disk_blocks) if disk_root is not None else None
-        loop = EngineLoop(runner, tokenizer, num_slots=3, prefill_chunk=chunk, max_queue=64, prefix_cache=cache_on,
-                          integrity_checks=True, disk=disk, state_checkpoint_every=every, batch_groups=groups,
-                          write_behind_mib_s=write_behind_mib_s)
-        finish = loop.pipeline.finish
-
-        def recording_finish(work, logits):
-            steps.extend((r.request_id, n, np.array(logits[i]), list(r.seq.block_table))
-                         for i, (r, n) in enumerate(work))
-            return finish(work, logits)
-
-        loop.pipeline.finish = recording_finish
-        loop.start()
-        if on_start is not None:
-            on_start(loop)
-        replies, usage, cached = [], [], [h[:-1] for h in history.values()]
-        for start in range(0, len(turns), concurrency):
-            batch, streams = turns[start : start + concurrency], []
-            for i, (conv, user, reply_len) in enumerate(batch):
-                past = history.get(conv, [])
-                if user and user[0] == HEAD_SWAP:  # the head toggles (tests/test_cache_workloads.py)
-                    past, user = user[1 : HEAD_LEN + 1] + past[HEAD_LEN:], user[HEAD_LEN + 1 :]
-                prompt = past + user
-                params = SamplingParams(temperature=0, max_tokens=reply_len, ignore_eos=True)
-                request = Request(f"t{start + i}", prompt, params,
-                                  checkpoint_positions=(hints or {}).get(start + i, ()),
-                                  checkpoint_guesses=(guesses or {}).get(start + i, ()))
-                streams.append((conv, prompt, loop.submit(request)))
-            for conv, prompt, stream in streams:
-                tokens, last = [], None
-                async for delta in stream:
-                    tokens += delta.token_ids
-                    last = delta
-                replies.append(tokens)
-                usage.append((len(prompt), last.usage.cached_tokens, _ideal(prompt, cached)))
-            for (conv, prompt, _), tokens in zip(streams, replies[-len(batch):]):
-                history[conv] = prompt + tokens
-                cached.append(prompt + tokens[:-1])  # the reply's last token is never computed
-        await loop.shutdown(1)
-        out.update(replies=replies, usage=usage, loop=loop)
-
-    asyncio.run(main())
-    return out["replies"], out["usage"], steps, out["loop"], history
+    return open_hybrid("lfm2", tmp_path_factory.mktemp("lfm2-only"))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cache_on_and_off_produce_identical_replies(hybrid, seed):
-    turns = _random_turns(seed)
-    on, usage, _, loop, _ = _run(hybrid, turns, concurrency=3)
-    off, usage_off, _, _, _ = _run(hybrid, turns, cache_on=False, concurrency=3)
+    turns = random_turns(seed)
+    on, usage, _, loop, _ = run_turns(hybrid, turns, concurrency=3)
+    off, usage_off, _, _, _ = run_turns(hybrid, turns, cache_on=False, concurrency=3)
     assert on == off and all(c == 0 for _, c, _ in usage_off)
     assert sum(c for _, c, _ in usage) > 0 and loop.cache.ckpt.stats["restored"] > 0
 
 
 def test_pipeline_stages_and_batch_groups_keep_each_sequence_s_state(hybrid):
     """Three stages (each with its share of the state pools) and three groups in flight at once."""
-    turns = _random_turns(3, count=15)
-    on, usage, _, loop, _ = _run(hybrid, turns, concurrency=3, layer_split=(1, 3), groups=3)
-    off, _, _, _, _ = _run(hybrid, turns, cache_on=False, concurrency=3)
+    turns = random_turns(3, count=15)
+    on, usage, _, loop, _ = run_turns(hybrid, turns, concurrency=3, layer_split=(1, 3), groups=3)
+    off, _, _, _, _ = run_turns(hybrid, turns, cache_on=False, concurrency=3)
     assert on == off and sum(c for _, c, _ in usage) > 0
 
 
 def test_agent_workload_computes_exactly_the_ideal(hybrid):
     """Continuing conversations, a toggling head and short one-offs: every reused prefix ends at a
     checkpoint (a reply's end), so nothing cached is recomputed."""
-    _, usage, _, loop, _ = _run(hybrid, _agent_turns(), concurrency=3)
+    _, usage, _, loop, _ = run_turns(hybrid, agent_turns(), concurrency=3)
     assert [p - c for p, c, _ in usage] == [ideal for _, _, ideal in usage]
     assert loop.cache.stats["miss_no_checkpoint"] == 0
 
@@ -144,13 +59,13 @@ def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(
     """small-host: a host tier of 2 slots, less than a block and its states: blocks are parked with the
     states that fit (scheduler/cache/room.py `park_with_states`), the rest dropped."""
     partial = _count_partial_parks(monkeypatch)
-    turns = _random_turns(7, conversations=5, count=30)
+    turns = random_turns(7, conversations=5, count=30)
     extra = dict(num_blocks=70, host_blocks=30) if pressure == "host" else \
         dict(num_blocks=70, host_blocks=2 if pressure == "small-host" else 8, disk_root=tmp_path, disk_blocks=400)
     if pressure == "write-behind":  # K/V files written while serving: a spill of such a block writes only
         extra.update(disk_blocks=120, write_behind_mib_s=10_000.0)  # its checkpoints' files
-    on, usage, _, loop, _ = _run(hybrid, turns, concurrency=3, **extra)
-    off, _, _, _, _ = _run(hybrid, turns, cache_on=False, num_blocks=70, concurrency=3)
+    on, usage, _, loop, _ = run_turns(hybrid, turns, concurrency=3, **extra)
+    off, _, _, _, _ = run_turns(hybrid, turns, cache_on=False, num_blocks=70, concurrency=3)
     assert on == off
     stats, ckpt = loop.cache.stats, loop.cache.ckpt.stats
     assert stats["parks"] > 0 and stats["restores"] > 0 and ckpt["restored"] > 0
@@ -211,13 +126,13 @@ def test_logits_after_a_restored_checkpoint_equal_computing_from_scratch(hybrid,
     setup = {"device": dict(), "host": dict(num_blocks=40, host_blocks=60),
              "disk": dict(num_blocks=40, host_blocks=4, **disk), "restart": disk}[where]
     if where == "restart":
-        _, _, steps1, _, history = _run(hybrid, first, **setup)
-        _, usage, steps2, loop, _ = _run(hybrid, second, history=history, **setup)
+        _, _, steps1, _, history = run_turns(hybrid, first, **setup)
+        _, usage, steps2, loop, _ = run_turns(hybrid, second, history=history, **setup)
         steps = steps1 + [(f"b{rid}", *rest) for rid, *rest in steps2]
         second_id = "bt0"
     else:
         turns = first + (others if where != "device" else []) + second
-        _, usage, steps, loop, history = _run(hybrid, turns, **setup)
+        _, usage, steps, loop, history = run_turns(hybrid, turns, **setup)
         second_id = f"t{len(turns) - 1}"
     prompt_len, cached, _ = usage[-1]
     assert cached == 29 + 6 - 1  # the first turn's prompt and reply, less the reply's last token
@@ -240,7 +155,7 @@ def test_a_miss_for_want_of_a_checkpoint_says_where_the_nearest_one_is(hybrid, c
     shared = list(range(30, 67))
     turns = [(0, shared + [200, 201, 202, 203, 204], 2), (1, shared + [210, 211], 2)]
     with caplog.at_level(logging.INFO, logger="strata"):
-        _, usage, _, loop, _ = _run(hybrid, turns, every=2)
+        _, usage, _, loop, _ = run_turns(hybrid, turns, every=2)
     assert usage[1][1] == 32
     assert loop.cache.stats["miss_no_checkpoint"] == 1
     lines = [r.getMessage() for r in caplog.records if "state checkpoint" in r.getMessage()]
@@ -255,7 +170,7 @@ def test_where_a_prompt_leaves_a_cached_sequence_it_leaves_a_checkpoint(hybrid):
     21, so a third one branching there reuses exactly 21 tokens."""
     shared = list(range(40, 61))
     turns = [(c, shared + [100 + 10 * c + i for i in range(9)], 2) for c in range(3)]
-    _, usage, _, loop, _ = _run(hybrid, turns, every=0)
+    _, usage, _, loop, _ = run_turns(hybrid, turns, every=0)
     window = loop.cache.ckpt.window_tokens
     assert window == (6 if hybrid[0].config.arch == "lfm2" else 0)
     assert [c for _, c, _ in usage] == [0, 21 - window if window else 0, 21]
@@ -267,7 +182,7 @@ def test_checkpoint_hints_of_a_request_are_kept(hybrid):
     """A request's checkpoint_positions (the API passes where its messages begin) become checkpoints."""
     first = list(range(40, 70))
     turns = [(0, first, 2), (1, first[:13] + [5, 6, 7], 2)]
-    _, usage, _, _, _ = _run(hybrid, turns, every=0, hints={0: (11,)})
+    _, usage, _, _, _ = run_turns(hybrid, turns, every=0, hints={0: (11,)})
     assert usage[1][1] == 11
 
 
@@ -292,7 +207,7 @@ def test_the_same_prompt_again_computes_only_its_last_token_from_a_checkpoint_in
     the retry restores it, computes the last token alone and gets the first request's logits (up to the
     round-off of a 5-row step against a 1-row one)."""
     prompt = list(range(20, 49))
-    _, usage, steps, _, _ = _run(hybrid, [(0, prompt, 3), (1, prompt, 3)], every=0)
+    _, usage, steps, _, _ = run_turns(hybrid, [(0, prompt, 3), (1, prompt, 3)], every=0)
     assert usage[1][1] == len(prompt) - 1
     first = [row for rid, n, row, _ in steps if rid == "t0"][len(range(0, 29, 8)) - 1]
     retry = [(n, row) for rid, n, row, _ in steps if rid == "t1"]
@@ -304,8 +219,8 @@ def test_a_request_that_fills_the_pool_goes_on_without_room_for_checkpoints(hybr
     """30 prompt + 6 reply tokens in a pool of exactly 9 blocks of 4: no slot is left for a checkpoint, so
     the request is admitted and steps without one (it must not wait or preempt itself forever)."""
     turns = [(0, list(range(20, 50)), 6)]
-    on, usage, _, loop, _ = _run(hybrid, turns, num_blocks=9, every=1, hints={0: (4, 8, 12)})
-    off, _, _, _, _ = _run(hybrid, turns, num_blocks=9, cache_on=False)
+    on, usage, _, loop, _ = run_turns(hybrid, turns, num_blocks=9, every=1, hints={0: (4, 8, 12)})
+    off, _, _, _, _ = run_turns(hybrid, turns, num_blocks=9, cache_on=False)
     assert on == off and loop.num_preemptions == 0
 
 
@@ -319,8 +234,8 @@ def test_a_step_short_of_slots_keeps_as_many_checkpoints_as_fit_branch_points_fi
     prompt's end before the every-block ones, then the latest); the first reply block then needs a slot
     back, and the every-block one goes (branch points last)."""
     turns = [(0, list(range(20, 50)), 6)]
-    on, _, _, loop, _ = _run(lfm2, turns, num_blocks=12, every=1, chunk=32, hints={0: (12,)})
-    off, _, _, _, _ = _run(lfm2, turns, num_blocks=12, cache_on=False, chunk=32)
+    on, _, _, loop, _ = run_turns(lfm2, turns, num_blocks=12, every=1, chunk=32, hints={0: (12,)})
+    off, _, _, _, _ = run_turns(lfm2, turns, num_blocks=12, cache_on=False, chunk=32)
     assert on == off and loop.num_preemptions == 0
     assert _checkpoint_positions(loop.cache) == [12, 29, 35]  # and the reply's end (30 + 6 - 1)
     assert loop.cache.ckpt.stats["taken"] == 3 and loop.cache.ckpt.stats["dropped"] == 1
@@ -332,12 +247,12 @@ def test_a_step_short_of_slots_gives_up_a_guess_before_a_branch_point(lfm2):
     alone the hint would go (4 after the start, against 16 and 9); a guess ranks with the periodic states,
     so it goes first."""
     turns = [(0, list(range(20, 50)), 6)]
-    on, _, _, loop, _ = _run(lfm2, turns, num_blocks=12, every=0, chunk=32, hints={0: (4,)}, guesses={0: (20,)})
-    off, _, _, _, _ = _run(lfm2, turns, num_blocks=12, cache_on=False, chunk=32)
+    on, _, _, loop, _ = run_turns(lfm2, turns, num_blocks=12, every=0, chunk=32, hints={0: (4,)}, guesses={0: (20,)})
+    off, _, _, _, _ = run_turns(lfm2, turns, num_blocks=12, cache_on=False, chunk=32)
     assert on == off and loop.num_preemptions == 0
     assert _checkpoint_positions(loop.cache) == [4, 29, 35]
     assert loop.cache.ckpt.stats["taken"] == 3 and loop.cache.ckpt.stats["dropped"] == 1
-    as_hint, _, _, loop, _ = _run(lfm2, turns, num_blocks=12, every=0, chunk=32, hints={0: (4, 20)})
+    as_hint, _, _, loop, _ = run_turns(lfm2, turns, num_blocks=12, every=0, chunk=32, hints={0: (4, 20)})
     assert as_hint == off and _checkpoint_positions(loop.cache) == [20, 29, 35]
 
 
@@ -345,7 +260,7 @@ def test_a_corrupt_checkpoint_file_only_shortens_the_match(hybrid, tmp_path):
     """After a restart the checkpoint files are corrupted (after the start-up scan): the second turn's
     match falls back to an earlier checkpoint (or none), recomputes the rest and replies as cache off."""
     first, second = [(0, list(range(20, 49)), 6)], [(0, [5, 6, 7, 8], 4)]
-    _, _, _, _, history = _run(hybrid, first, disk_root=tmp_path, every=2)
+    _, _, _, _, history = run_turns(hybrid, first, disk_root=tmp_path, every=2)
     saved = {conv: list(tokens) for conv, tokens in history.items()}
 
     def corrupt(loop):
@@ -356,8 +271,8 @@ def test_a_corrupt_checkpoint_file_only_shortens_the_match(hybrid, tmp_path):
             raw[-1] ^= 0xFF
             path.write_bytes(bytes(raw))
 
-    on, usage, _, loop, _ = _run(hybrid, second, disk_root=tmp_path, every=2, history=history, on_start=corrupt)
-    off, _, _, _, _ = _run(hybrid, second, cache_on=False, history=saved)
+    on, usage, _, loop, _ = run_turns(hybrid, second, disk_root=tmp_path, every=2, history=history, on_start=corrupt)
+    off, _, _, _, _ = run_turns(hybrid, second, cache_on=False, history=saved)
     assert on == off
     # Every checkpoint on the path was unreadable: nothing reusable, or (lfm2) each unreadable one shortens
     # the match back to the next (34, 28, 24), until a window is cheaper: 24 less its 6 tokens.

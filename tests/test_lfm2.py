@@ -16,6 +16,7 @@ from engine.config import config_from_gguf
 from engine.model import load_model
 from engine.sequence import ModelRunner, Sequence
 from scripts.make_lfm2_reference import tensor_digest
+from tests.support.reference_helpers import assert_close_relative, prefill_and_decode
 from tests.support.tiny_lfm2 import write_tiny_lfm2
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "lfm2_tiny_reference.json").read_text())
@@ -28,28 +29,6 @@ def reference_model(tmp_path_factory):
     info = write_tiny_lfm2(path, **REFERENCE["gguf_args"])
     assert tensor_digest(info["tensors"]) == REFERENCE["tensor_sha256"], "tiny lfm2 writer changed"
     return load_model(path, NumpyBackend())[0]
-
-
-def _prefill_and_decode(model, ids, greedy, chunk, layer_split=()):
-    """Logits of every position of ids + greedy: prompt in chunks, then one token per step."""
-    runner = ModelRunner(model, num_blocks=64, block_size=BLOCK, layer_split=layer_split)
-    seq = Sequence(list(ids))
-    runner.ensure_blocks(seq, len(ids) + len(greedy))
-    rows = []
-    while seq.num_pending:
-        rows.append(runner.step([(seq, min(chunk, seq.num_pending))], all_logits=True))
-    out_ids = []
-    for token in greedy:
-        out_ids.append(int(np.argmax(rows[-1][-1])))
-        seq.token_ids.append(token)  # follow the reference's ids so every row is comparable
-        rows.append(runner.step([(seq, 1)], all_logits=True))
-    return np.concatenate(rows), out_ids
-
-
-def _assert_close_rel(actual, expected, what):
-    scale = np.abs(expected).max()
-    err = np.abs(actual - expected).max() / scale
-    assert err <= 1e-3, f"{what}: max error {err:.2e} of the logit scale"
 
 
 def test_config_reads_the_layer_pattern_and_conv_length(reference_model):
@@ -94,16 +73,16 @@ def test_config_rejects_a_head_count_list_of_the_wrong_length():
 def test_logits_and_greedy_ids_match_transformers(reference_model, case):
     ref = REFERENCE["prompts"][case]
     assert len(ref["greedy_ids"]) >= 32
-    logits, ids = _prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"], chunk=8)
-    _assert_close_rel(logits, np.array(ref["logits"], dtype=np.float32), f"prompt {case}")
+    logits, ids = prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"], chunk=8)
+    assert_close_relative(logits, np.array(ref["logits"], dtype=np.float32), f"prompt {case}")
     assert ids == ref["greedy_ids"]
 
 
 def test_chunked_prefill_and_a_layer_split_equal_one_shot(reference_model):
     ref = REFERENCE["prompts"][1]
-    whole, _ = _prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"][:4], chunk=100)
+    whole, _ = prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"][:4], chunk=100)
     for chunk, split in ((1, ()), (5, ()), (7, (2, 5))):
-        other, _ = _prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"][:4], chunk, split)
+        other, _ = prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"][:4], chunk, split)
         np.testing.assert_allclose(other, whole, atol=1e-5, rtol=1e-5, err_msg=f"chunk {chunk} split {split}")
 
 

@@ -14,7 +14,7 @@ from scheduler.cache.disk_tier import DiskTier
 from scheduler.engine_loop import EngineLoop
 from scheduler.memory.admission import MemoryAdmission
 from scheduler.request import Request
-from tests.test_cache_workloads import _random_turns
+from tests.support.turn_workloads import random_turns
 
 RESERVED, MIN_BLOCKS, HOST_BLOCKS = 70, 40, 24
 
@@ -85,7 +85,7 @@ async def _shake(loop, seed=3):
 
 @pytest.fixture(scope="module")
 def workload():
-    return [(c, u, r * 4) for c, u, r in _random_turns(9, conversations=8, count=36)]
+    return [(c, u, r * 4) for c, u, r in random_turns(9, conversations=8, count=36)]
 
 
 @pytest.fixture(scope="module")

@@ -5,31 +5,13 @@ import asyncio
 
 import pytest
 
-from scheduler.cache.block_mover import RecordingMover
 from scheduler.cache.device_pool import resize_pool
-from scheduler.memory.admission import MemoryAdmission
-from scheduler.memory.service import MemoryService
-from scheduler.cache.prefix_cache import PrefixCache
 from tests.support.cache_requests import serve_request_via
-
-B = 4
-
-
-def _service(min_blocks=4, reserved=12, host_blocks=8):
-    admission = MemoryAdmission(host_blocks, 64)
-    admission.set_device_pool(min_blocks, reserved, 4)
-    cache = PrefixCache(min_blocks, B, host_blocks=host_blocks, mover=RecordingMover(), admission=admission)
-    return MemoryService(cache), cache
-
-
-def _state(cache):
-    return (cache.num_blocks, cache.tiers.free_ids("device"), cache.tiers.free_ids("host"),
-            {k: b.tokens for k, b in cache.tiers.blocks("device").items()}, {k: b.tokens for k, b in cache.tiers.blocks("host").items()},
-            cache.admission.host_committed_blocks, dict(cache.admission.held_device_bytes))
+from tests.support.memory_service_setup import cache_state, create_service
 
 
 def test_queued_requests_are_served_in_arrival_order_and_the_engine_grant_waits_its_turn():
-    service, cache = _service()
+    service, cache = create_service()
     order = []
 
     async def main():
@@ -51,7 +33,7 @@ def test_queued_requests_are_served_in_arrival_order_and_the_engine_grant_waits_
 def test_a_queued_shrink_plans_at_its_turn_not_when_asked():
     """A shrink asked while ids 4-7 were cached and movable; a request queued ahead of it pins them. The
     shrink planned when asked would park blocks a running request now holds; planned at its turn, it stops."""
-    service, cache = _service(reserved=8)
+    service, cache = create_service(reserved=8)
     serve_request_via(service, cache, [1] * 8)  # ids 0-1
     serve_request_via(service, cache, [2] * 24)  # grows to 8, ids 2-7
     stale = cache.plan_shrink(4)
@@ -77,18 +59,18 @@ def test_a_queued_shrink_plans_at_its_turn_not_when_asked():
 
 
 def test_a_refused_queued_shrink_leaves_every_block_where_it_was():
-    service, cache = _service(reserved=8)
+    service, cache = create_service(reserved=8)
     serve_request_via(service, cache, [1] * 32)  # the pool grows to 8, every id cached
-    before = _state(cache)
+    before = cache_state(cache)
     cache.admission.refuse_points = {"park"}
     state = asyncio.run(service.request(lambda: resize_pool(service, 4), "resize"))
     assert state["stopped_by"] == "the memory admission refused the moves" and state["device_blocks"] == 8
-    assert _state(cache) == before and cache.admission.refusals == 1 and cache.stats["refused_plans"] == 1
+    assert cache_state(cache) == before and cache.admission.refusals == 1 and cache.stats["refused_plans"] == 1
     cache.check_integrity()
 
 
 def test_a_budget_holder_takes_spare_device_memory_then_shrinks_the_pool_by_parking():
-    service, cache = _service(min_blocks=4, reserved=12)
+    service, cache = create_service(min_blocks=4, reserved=12)
     experts = service.register_budget("experts")
     serve_request_via(service, cache, [1] * 32)  # grows to 8 blocks; 4 of the 12-block budget spare
     assert asyncio.run(experts.grow(4 * 64)) and cache.num_blocks == 8  # from the spare: nothing moved
@@ -104,18 +86,18 @@ def test_a_budget_holder_takes_spare_device_memory_then_shrinks_the_pool_by_park
 
 
 def test_a_budget_holder_is_refused_whole_when_the_pool_cannot_shrink_far_enough():
-    service, cache = _service(min_blocks=4, reserved=8, host_blocks=1)
+    service, cache = create_service(min_blocks=4, reserved=8, host_blocks=1)
     experts = service.register_budget("experts")
     serve_request_via(service, cache, [1] * 32)  # 8 blocks cached; the host tier has room to park only one
-    before = _state(cache)
+    before = cache_state(cache)
     assert not asyncio.run(experts.grow(3 * 64))  # a shrink to 5 would stop at 7: refused, nothing moved
-    assert _state(cache) == before and cache.admission.refusals == 1 and experts.held_bytes == 0
+    assert cache_state(cache) == before and cache.admission.refusals == 1 and experts.held_bytes == 0
     assert not asyncio.run(experts.grow(5 * 64))  # below the pool's minimum: refused at once
     cache.check_integrity()
 
 
 def test_register_budget_refuses_a_second_holder_of_the_same_name():
-    service, _ = _service()
+    service, _ = create_service()
     service.register_budget("experts")
     with pytest.raises(ValueError, match="registered already"):
         service.register_budget("experts")

@@ -11,7 +11,7 @@ from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
 from scheduler.engine_loop import EngineLoop
 from scheduler.request import Request
-from tests.test_cache_workloads import _random_turns
+from tests.support.turn_workloads import random_turns
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ async def _shake_pool(loop, min_blocks, reserved, seed=11):
 
 
 def _long_replies(seed):
-    return [(c, u, r * 6) for c, u, r in _random_turns(seed, conversations=10, count=80)]
+    return [(c, u, r * 6) for c, u, r in random_turns(seed, conversations=10, count=80)]
 
 
 def test_preemption_under_a_small_pool_keeps_every_token_and_recomputes_nothing(tiny):

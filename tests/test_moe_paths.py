@@ -1,6 +1,6 @@
-"""The paged engine against itself on tiny qwen3moe and gpt-oss GGUFs: the dense architectures' path
-equalities (tests/test_model_paths.py, imported and run here on the MoE models) and bit-identical split
-pipeline stages. The independent reference is tests/test_moe_reference.py (transformers)."""
+"""The paged engine against itself on tiny qwen3moe and gpt-oss GGUFs: the path equalities that
+tests/test_model_paths.py runs on the dense architectures (tests/support/path_equalities.py) and bit-identical
+split pipeline stages. The independent reference is tests/test_moe_reference.py (transformers)."""
 import numpy as np
 import pytest
 
@@ -10,14 +10,8 @@ from engine.batch import build_batch
 from engine.kv import layout_for
 from engine.model import load_model
 from engine.sequence import ModelRunner
+from tests.support import path_equalities
 from tests.support.reference_helpers import chunked_step_logits
-from tests.test_model_paths import (  # noqa: F401  (collected here with this module's `tiny`)
-    test_batched_equals_one_by_one,
-    test_chunked_prefill_equals_one_shot,
-    test_decode_after_prefill_equals_full_prefill,
-    test_mixed_prefill_and_decode_in_one_step,
-    test_paged_equals_contiguous,
-)
 from tests.support.tiny_moe_gguf import MOE_ARCHS, write_tiny_moe_gguf
 
 # The dense tests' 1e-5 bounds float32 summation-order differences; the gain of the tiny model sets how
@@ -39,6 +33,26 @@ def tiny(request, tmp_path_factory):
     backend = QuantizedNumpyBackend() if weights == "quantized" else NumpyBackend()
     model, gguf, _ = load_model(path, backend)
     return model, gguf
+
+
+def test_batched_equals_one_by_one(tiny):
+    path_equalities.batched_equals_one_by_one(tiny)
+
+
+def test_paged_equals_contiguous(tiny):
+    path_equalities.paged_equals_contiguous(tiny)
+
+
+def test_chunked_prefill_equals_one_shot(tiny):
+    path_equalities.chunked_prefill_equals_one_shot(tiny)
+
+
+def test_decode_after_prefill_equals_full_prefill(tiny):
+    path_equalities.decode_after_prefill_equals_full_prefill(tiny)
+
+
+def test_mixed_prefill_and_decode_in_one_step(tiny):
+    path_equalities.mixed_prefill_and_decode_in_one_step(tiny)
 
 
 @pytest.mark.parametrize("split", [(1,), (1, 2)])

@@ -8,10 +8,10 @@ import pytest
 from engine.sampling import Sampler, SamplingParams
 from engine.sequence import ModelRunner, Sequence
 from engine.stages import split_layers
-from scheduler.engine_loop import EngineLoop
 from scheduler.pipeline import Pipeline, StageFailure
 from scheduler.request import Request
 from scheduler.step import sample_step
+from tests.support.pipeline_runs import random_prompt, run_conversations
 from tests.support.reference_helpers import chunked_step_logits
 
 SPLITS = [(), (2,), (1, 3)]  # one, two and three stages of a 4-layer model
@@ -20,10 +20,6 @@ SPLITS = [(), (2,), (1, 3)]  # one, two and three stages of a 4-layer model
 @pytest.fixture(scope="module")
 def tiny(load_tiny):
     return load_tiny("llama", seed=5, n_ctx=512, n_layer=4)
-
-
-def _prompt(n, seed):
-    return np.random.default_rng(seed).integers(3, 250, size=n).tolist()
 
 
 def test_split_layers_cuts_at_the_given_first_layers_and_names_bad_values():
@@ -38,7 +34,7 @@ def test_split_layers_cuts_at_the_given_first_layers_and_names_bad_values():
 def test_a_split_model_computes_bit_identical_logits(load_tiny, arch):
     model, _ = load_tiny(arch, seed=2, **({} if arch == "gemma3" else {"n_layer": 4}))
     n = model.config.n_layers
-    prompts = [_prompt(13, 1), _prompt(7, 2)]
+    prompts = [random_prompt(13, 1), random_prompt(7, 2)]
 
     def run(split):  # chunked prefill, then decode-sized steps
         return chunked_step_logits(ModelRunner(model, 32, 4, layer_split=split), prompts)
@@ -52,7 +48,7 @@ def test_block_operations_act_on_every_stage(tiny):
     model, _ = tiny
     whole, split = ModelRunner(model, 16, 4, host_blocks=4), ModelRunner(model, 16, 4, host_blocks=4, layer_split=(1, 3))
     for runner in (whole, split):
-        seq = Sequence(_prompt(8, 3))
+        seq = Sequence(random_prompt(8, 3))
         runner.ensure_blocks(seq, 8)
         runner.step([(seq, 8)])
     k, v = whole.read_block("device", 1)
@@ -67,47 +63,10 @@ def test_block_operations_act_on_every_stage(tiny):
     assert np.array_equal(split.stages[2].kv_pool.k[:, :, 48:52], (k * 2)[3:])  # the last stage's layer
 
 
-def _run_conversations(tiny, split, groups, prompts, max_tokens=10, slots=4, wrap_pipeline=None):
-    """Submit every prompt at once; returns (token lists, finish reasons, peak groups in flight, loop)."""
-    model, tokenizer = tiny
-    peak = {"groups": 0}
-
-    async def main():
-        loop = EngineLoop(ModelRunner(model, 256, 4, layer_split=split), tokenizer, num_slots=slots,
-                          prefill_chunk=8, max_queue=16, integrity_checks=True, batch_groups=groups)
-        real_run = loop.pipeline.run
-
-        async def counting_run(group, work):
-            peak["groups"] = max(peak["groups"], loop.pipeline.num_in_flight + 1)
-            return await real_run(group, work)
-
-        loop.pipeline.run = counting_run
-        if wrap_pipeline:
-            wrap_pipeline(loop.pipeline)
-        loop.start()
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        streams = [loop.submit(Request(f"c{i}", p, params)) for i, p in enumerate(prompts)]
-
-        async def collect(stream):
-            tokens, last = [], None
-            async for delta in stream:
-                tokens += delta.token_ids
-                last = delta
-            return tokens, last.finish_reason
-
-        results = await asyncio.gather(*[collect(s) for s in streams])
-        loop.cache.check_integrity()
-        await loop.shutdown(1)
-        return results, loop
-
-    results, loop = asyncio.run(main())
-    return [t for t, _ in results], [r for _, r in results], peak["groups"], loop
-
-
 @pytest.fixture(scope="module")
 def unpipelined(tiny):
-    prompts = [_prompt(n, seed=n) for n in (3, 21, 30, 9)]
-    tokens, _, _, _ = _run_conversations(tiny, (), 1, prompts)
+    prompts = [random_prompt(n, seed=n) for n in (3, 21, 30, 9)]
+    tokens, _, _, _ = run_conversations(tiny, (), 1, prompts)
     return prompts, tokens
 
 
@@ -115,7 +74,7 @@ def unpipelined(tiny):
 @pytest.mark.parametrize("split", SPLITS)
 def test_pipelined_greedy_outputs_equal_the_unpipelined_loop(tiny, unpipelined, split, groups):
     prompts, expected = unpipelined
-    tokens, reasons, peak, loop = _run_conversations(tiny, split, groups, prompts)
+    tokens, reasons, peak, loop = run_conversations(tiny, split, groups, prompts)
     assert tokens == expected and reasons == ["length"] * 4
     assert peak == groups  # the groups really were in the pipeline at once
     stats = loop.pipeline.snapshot()
@@ -137,7 +96,7 @@ def test_a_stage_that_fails_on_one_group_fails_only_that_group(tiny, unpipelined
 
         pipeline._launch = launch
 
-    tokens, reasons, _, loop = _run_conversations(tiny, (2,), 4, prompts, wrap_pipeline=inject)
+    tokens, reasons, _, loop = run_conversations(tiny, (2,), 4, prompts, wrap_pipeline=inject)
     assert state["failed"] and reasons == ["length", "error", "length", "length"]
     assert [tokens[i] for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
     assert loop.pipeline.snapshot()[1]["failures"] == 1 and loop.cache.num_free == 256
@@ -157,7 +116,7 @@ def test_close_drains_the_stages_in_order(tiny):
         pipeline.start()
         jobs = []
         for g, n in enumerate((5, 9)):
-            request = Request(f"r{g}", _prompt(n, g), SamplingParams(temperature=0, max_tokens=1))
+            request = Request(f"r{g}", random_prompt(n, g), SamplingParams(temperature=0, max_tokens=1))
             request.seq = Sequence(list(request.prompt_ids))
             runner.ensure_blocks(request.seq, n)
             request.sampler = Sampler(request.params)
@@ -179,7 +138,7 @@ def test_stage_failure_names_the_stage():
 def test_host_tier_grows_in_segments_keeping_every_parked_block(tiny):
     model, _ = tiny
     runner = ModelRunner(model, 16, 4, host_blocks=0, layer_split=(1, 3))
-    seq = Sequence(_prompt(8, 3))
+    seq = Sequence(random_prompt(8, 3))
     runner.ensure_blocks(seq, 8)
     runner.step([(seq, 8)])
     runner.grow_host(1)

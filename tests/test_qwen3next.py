@@ -21,7 +21,7 @@ from engine.delta_rule import chunked, l2_normalize, recurrent_step, unit_lower_
 from engine.gguf_file import GGUFFile
 from engine.model import load_model
 from engine.sequence import ModelRunner, Sequence
-from tests.test_lfm2 import _assert_close_rel, _prefill_and_decode
+from tests.support.reference_helpers import assert_close_relative, prefill_and_decode
 from tests.support.tiny_qwen3next import write_tiny_qwen3next
 
 DATA = Path(__file__).parent / "data"
@@ -100,8 +100,8 @@ def test_logits_and_greedy_ids_match_transformers(reference_model, backend, case
     model = reference_model if backend is NumpyBackend else load_model(GGUF_PATH, backend())[0]
     ref = REFERENCE["prompts"][case]
     assert len(ref["greedy_ids"]) >= 32
-    logits, ids = _prefill_and_decode(model, ref["prompt_ids"], ref["greedy_ids"], chunk=100)
-    _assert_close_rel(logits, np.array(ref["logits"], dtype=np.float32), f"prompt {case}")
+    logits, ids = prefill_and_decode(model, ref["prompt_ids"], ref["greedy_ids"], chunk=100)
+    assert_close_relative(logits, np.array(ref["logits"], dtype=np.float32), f"prompt {case}")
     assert ids == ref["greedy_ids"]
 
 
@@ -109,17 +109,17 @@ def test_chunked_prefill_and_layer_splits_equal_one_shot(reference_model):
     """The 90-token prompt in one step is three 32-token chunks of the delta rule (the last one padded);
     in steps of 1, 5, 7 and 64 (across 1, 2 and 3 stages) every step starts from the state the last one left."""
     ref = REFERENCE["prompts"][1]
-    whole, _ = _prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"][:4], chunk=100)
+    whole, _ = prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"][:4], chunk=100)
     for chunk, split in ((1, ()), (5, ()), (7, (2,)), (64, (1, 3))):
-        other, _ = _prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"][:4], chunk, split)
+        other, _ = prefill_and_decode(reference_model, ref["prompt_ids"], ref["greedy_ids"][:4], chunk, split)
         np.testing.assert_allclose(other, whole, **PATH_TOL, err_msg=f"chunk {chunk} split {split}")
 
 
 def test_decode_equals_prefill(reference_model):
     """The recurrent one-token rule (decode) gives what the chunked rule gives over the same tokens."""
     ids = REFERENCE["prompts"][0]["prompt_ids"] + REFERENCE["prompts"][0]["greedy_ids"]
-    prefill, _ = _prefill_and_decode(reference_model, ids, [], chunk=len(ids))
-    decoded, _ = _prefill_and_decode(reference_model, ids[:1], ids[1:], chunk=1)
+    prefill, _ = prefill_and_decode(reference_model, ids, [], chunk=len(ids))
+    decoded, _ = prefill_and_decode(reference_model, ids[:1], ids[1:], chunk=1)
     np.testing.assert_allclose(decoded, prefill, **PATH_TOL)
 
 

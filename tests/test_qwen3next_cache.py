@@ -8,9 +8,9 @@ from engine.backends.reference.backend import NumpyBackend
 from engine.gguf_file import GGUFFile
 from engine.model import load_model
 from engine.tokenizer import Tokenizer
-from tests.test_cache_workloads import _random_turns
-from tests.test_hybrid_cache import _run
+from tests.support.hybrid_runs import run_turns
 from tests.support.tiny_qwen3next import write_tiny_qwen3next
+from tests.support.turn_workloads import random_turns
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +21,9 @@ def heavy(tmp_path_factory):
 
 
 def test_checkpoints_of_nine_blocks_are_counted_and_replies_do_not_change(heavy):
-    turns = _random_turns(5, conversations=3, count=12)
-    on, usage, _, loop, _ = _run(heavy, turns, concurrency=3, num_blocks=160, host_blocks=60)
-    off, _, _, _, _ = _run(heavy, turns, cache_on=False, num_blocks=160, concurrency=3)
+    turns = random_turns(5, conversations=3, count=12)
+    on, usage, _, loop, _ = run_turns(heavy, turns, concurrency=3, num_blocks=160, host_blocks=60)
+    off, _, _, _, _ = run_turns(heavy, turns, cache_on=False, num_blocks=160, concurrency=3)
     assert loop.cache.ckpt.units == 9
     assert on == off and sum(c for _, c, _ in usage) > 0 and loop.cache.ckpt.stats["restored"] > 0
 

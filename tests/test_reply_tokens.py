@@ -5,7 +5,7 @@ from engine.loader import encode_chat_prompt
 from engine.tokenizer import Tokenizer
 from api.prompt_ids import KeptReply, PromptIds, encode_prompt
 from api.reply_memory import ReplyMemory, prompt_key, reply_as_generated
-from tests.test_tokenizer import gpt2_fields
+from tests.support.tokenizer_fields import gpt2_fields
 
 TOK = Tokenizer.from_gguf_fields(gpt2_fields())
 TEMPLATE = ChatTemplate(CHATML_TEMPLATE, "test")

@@ -10,76 +10,29 @@ import dataclasses
 import httpx
 import pytest
 
-from api.chat_turn import ChatTurn, encode_turn, render_turn
-from api.tool_specs import normalise_tools
 from engine.chat_template import ChatTemplate
-
 from engine.loader import encode_chat_prompt
-from scheduler.cache.tree import common_prefix_len
+from tests.support.served_workload import assert_ideal, chat, run_workload
 from tests.support.server_harness import running_server
 
 pytestmark = pytest.mark.slow
 
 
-def _chat(url, messages, max_tokens=12):
-    body = {"model": "smollm2", "messages": messages, "temperature": 0, "max_tokens": max_tokens}
-    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
-    return reply["choices"][0]["message"]["content"], reply["usage"]
-
-
-def _ids(state, messages, add_generation_prompt=True):
-    """The prompt ids the server makes of these messages: rendered, the replies it generated kept as generated."""
-    turn = ChatTurn(messages, normalise_tools(None), add_generation_prompt=add_generation_prompt)
-    return encode_turn(state, turn, render_turn(state, turn), "").ids
-
-
-def _workload(url, state):
-    """Two conversations alternating, with a short unrelated request between turns."""
-    history = {"a": [{"role": "user", "content": "Tell me about the history of Rome."}],
-               "b": [{"role": "user", "content": "How do plants make food from sunlight?"}]}
-    seen, checks = [], []
-
-    def run(messages):
-        prompt = _ids(state, messages)
-        text, usage = _chat(url, messages)
-        assert usage["prompt_tokens"] == len(prompt)
-        shared = max((common_prefix_len(prompt, s) for s in seen), default=0)
-        computed = usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
-        checks.append((computed, len(prompt) - shared, len(prompt)))
-        # the prompt and its reply as the next prompt that carries it has them (the generated ids)
-        answered = _ids(state, messages + [{"role": "assistant", "content": text}], add_generation_prompt=False)
-        seen.append(answered[:usage["prompt_tokens"] + usage["completion_tokens"]])
-        return text
-
-    for turn in range(3):
-        for name in ("a", "b"):
-            text = run(history[name])
-            history[name] += [{"role": "assistant", "content": text},
-                              {"role": "user", "content": f"Tell me more, part {turn + 2}."}]
-        run([{"role": "user", "content": f"Quick question {turn}: what is 2 plus 2?"}])
-    return checks
-
-
-def _assert_ideal(checks):
-    for computed, not_shared, _ in checks:
-        assert not_shared <= computed <= not_shared + 1, checks
-
-
 def test_alternating_conversations_with_short_requests_compute_only_what_is_new(smollm2):
     with running_server(smollm2, batch=2, ctx_size=1024) as (url, state):
-        checks = _workload(url, state)
+        checks = run_workload(url, state)
         state.engine.cache.check_integrity()
-    _assert_ideal(checks)
+    assert_ideal(checks)
     assert sum(c for c, _, _ in checks) < 0.5 * sum(n for _, _, n in checks)  # most of every prompt reused
 
 
 def test_a_tiny_device_pool_spills_to_host_ram_and_still_computes_only_what_is_new(smollm2):
     with running_server(smollm2, batch=1, ctx_size=256, kv_cache_mib=1) as (url, state):
-        checks = _workload(url, state)
+        checks = run_workload(url, state)
         usage = httpx.get(url + "/cache").json()
         metrics = httpx.get(url + "/metrics").text
         state.engine.cache.check_integrity()
-    _assert_ideal(checks)
+    assert_ideal(checks)
     assert usage["parks"] > 0 and usage["restores"] > 0 and usage["dropped_blocks"] == 0
     assert usage["moves"]["park"]["count"] == usage["parks"] and usage["moves"]["park"]["bytes"] > 0
     assert 'strata_cache_moves_total{op="park"}' in metrics and "strata_cache_move_seconds_total" in metrics
@@ -134,9 +87,9 @@ def test_compaction_that_drops_old_messages_reuses_the_kept_head(smollm2):
         {"role": "user", "content": f"Step {i}: read file number {i} and summarise it."},
         {"role": "assistant", "content": f"File {i} defines a parser and two helpers."})]
     with running_server(smollm2, batch=1, ctx_size=1024) as (url, _):
-        _chat(url, history + [{"role": "user", "content": "Continue."}])
+        chat(url, history + [{"role": "user", "content": "Continue."}])
         compacted = [system, history[-2], history[-1], {"role": "user", "content": "Continue."}]
-        _, usage = _chat(url, compacted)
+        _, usage = chat(url, compacted)
     head = encode_chat_prompt(smollm2.tokenizer, smollm2.chat_template.render([system], add_generation_prompt=False))
     prompt = encode_chat_prompt(smollm2.tokenizer, smollm2.chat_template.render(compacted))
     cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -146,11 +99,11 @@ def test_compaction_that_drops_old_messages_reuses_the_kept_head(smollm2):
 def test_the_cache_survives_a_server_restart_with_a_disk_tier(smollm2, tmp_path):
     messages = [{"role": "user", "content": "Write two sentences about lighthouses."}]
     with running_server(smollm2, batch=1, ctx_size=512, conversation_cache_dir=str(tmp_path)) as (url, _):
-        reply, first = _chat(url, messages)
+        reply, first = chat(url, messages)
     assert first["prompt_tokens_details"]["cached_tokens"] == 0
     follow_up = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}]
     with running_server(smollm2, batch=1, ctx_size=512, conversation_cache_dir=str(tmp_path)) as (url, state):
-        _, usage = _chat(url, follow_up)
+        _, usage = chat(url, follow_up)
         tiers = state.engine.cache.stats
     assert usage["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"]  # prompt + reply from disk
     assert tiers["disk_loads"] > 0

@@ -8,8 +8,8 @@ from engine.loader import encode_chat_prompt, open_model
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
 from scheduler.cache.tree import common_prefix_len
+from tests.support.served_workload import prompt_ids
 from tests.support.server_harness import running_server
-from tests.test_server_cache import _ids
 from tests.support.tiny_moe_gguf import MOE_ARCHS, write_tiny_moe_gguf
 
 
@@ -20,7 +20,7 @@ def tiny_moe(request, tmp_path_factory):
     return open_model(str(path), fetch=False, backend_name="auto")  # auto: numpy for MoE (no cuda experts)
 
 
-def _chat(url, messages, max_tokens=10):
+def chat(url, messages, max_tokens=10):
     body = {"model": "moe", "messages": messages, "temperature": 0, "max_tokens": max_tokens}
     reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 200, reply.text
@@ -38,7 +38,7 @@ def test_a_chat_request_returns_the_engines_greedy_reply(tiny_moe):
     prompt = encode_chat_prompt(tiny_moe.tokenizer, tiny_moe.chat_template.render(messages))
     expected = _greedy(tiny_moe, prompt).text
     with running_server(tiny_moe, batch=2, ctx_size=256, served_model_name="moe") as (url, _):
-        text, usage = _chat(url, messages)
+        text, usage = chat(url, messages)
     assert text == expected and usage["prompt_tokens"] == len(prompt)
 
 
@@ -46,10 +46,10 @@ def test_a_second_turn_computes_only_what_is_new(tiny_moe):
     history = [{"role": "user", "content": "where is the station"}]
     with running_server(tiny_moe, batch=1, ctx_size=256, served_model_name="moe") as (url, state):
         first_prompt = encode_chat_prompt(tiny_moe.tokenizer, tiny_moe.chat_template.render(history))
-        text, first = _chat(url, history)
+        text, first = chat(url, history)
         history += [{"role": "assistant", "content": text}, {"role": "user", "content": "and the sea"}]
-        prompt = _ids(state, history)  # as the server makes it: the reply's span holds its generated ids
-        _, second = _chat(url, history)
+        prompt = prompt_ids(state, history)  # as the server makes it: the reply's span holds its generated ids
+        _, second = chat(url, history)
         state.engine.cache.check_integrity()
     # What the cache holds after turn 1: its prompt and the reply's generated ids (a random model's reply
     # need not re-encode to the same ids, so the shared prefix is counted against what was generated).

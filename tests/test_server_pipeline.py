@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.support.served_workload import assert_ideal, chat, run_workload
 from tests.support.server_harness import running_server
-from tests.test_server_cache import _assert_ideal, _chat, _workload
 
 pytestmark = pytest.mark.slow
 
@@ -15,12 +15,12 @@ pytestmark = pytest.mark.slow
 def test_a_three_stage_pipeline_with_one_slot_per_group_computes_only_what_is_new(smollm2):
     # The seeds' failing case: --batch N --batch-groups N (one slot per group) under a layer split.
     with running_server(smollm2, batch=2, batch_groups="2", layer_split="10,20", ctx_size=1024) as (url, state):
-        checks = _workload(url, state)
+        checks = run_workload(url, state)
         pipeline = httpx.get(url + "/pipeline").json()
         slots = _slots_while_decoding(url)
         metrics = httpx.get(url + "/metrics").text
         state.engine.cache.check_integrity()
-    _assert_ideal(checks)
+    assert_ideal(checks)
     assert [s["layers"] for s in pipeline["stages"]] == [[0, 9], [10, 19], [20, 29]]
     assert all(s["jobs"] > 0 and s["busy_seconds"] > 0 and s["queue_depth"] == 0 for s in pipeline["stages"])
     assert [g["group"] for g in pipeline["groups"]] == [0, 1]
@@ -46,11 +46,11 @@ def test_the_disk_tier_is_shared_by_different_layer_splits(smollm2, tmp_path):
     messages = [{"role": "user", "content": "Write two sentences about lighthouses."}]
     with running_server(smollm2, batch=1, ctx_size=512, layer_split="15",
                         conversation_cache_dir=str(tmp_path)) as (url, _):
-        reply, first = _chat(url, messages)
+        reply, first = chat(url, messages)
     follow_up = messages + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter."}]
     with running_server(smollm2, batch=1, ctx_size=512, layer_split="7,21",
                         conversation_cache_dir=str(tmp_path)) as (url, state):
-        _, usage = _chat(url, follow_up)
+        _, usage = chat(url, follow_up)
         state.engine.cache.check_integrity()
         loads = state.engine.cache.stats["disk_loads"]
     assert usage["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] and loads > 0
@@ -63,7 +63,7 @@ def test_four_concurrent_streams_through_the_pipeline_match_the_unpipelined_serv
     def replies(**config):
         with running_server(smollm2, batch=4, ctx_size=1024, **config) as (url, _):
             def one(prompt):
-                return _chat(url, [{"role": "user", "content": prompt}], max_tokens=16)[0]
+                return chat(url, [{"role": "user", "content": prompt}], max_tokens=16)[0]
 
             with ThreadPoolExecutor(4) as pool:
                 return list(pool.map(one, prompts))

@@ -18,13 +18,11 @@ from engine.recurrent_state import RecurrentStates
 from engine.sequence import ModelRunner, Sequence
 from engine.short_conv import ConvStatePool
 from engine.state_window import state_window_tokens
+from tests.support.hybrid_runs import LOGIT_BOUND, STATE_BOUND
 from tests.support.tiny_lfm2 import write_tiny_lfm2
 
 BLOCK, CHUNK, P = 4, 8, 37  # P inside a block: the window reads a partly filled one too
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(3, 270, 60)]
-# Measured on this model (max over rows / the largest logit): 2.9e-7 for the logits, 1.0e-5 absolute on
-# conv states of magnitude ~10; the bounds leave 30x and 10x room for other BLAS builds.
-LOGIT_BOUND, STATE_BOUND = 1e-5, 1e-4
 
 
 @pytest.fixture(scope="module")

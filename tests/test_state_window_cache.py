@@ -13,10 +13,15 @@ import numpy as np
 import pytest
 
 from scheduler.cache.hybrid_steps import HybridSteps
-from tests.test_hybrid_cache import BLOCK, _run, lfm2  # noqa: F401 - lfm2 is the fixture
-from tests.test_state_window import LOGIT_BOUND
+from tests.support.hybrid_runs import LOGIT_BOUND, open_hybrid, run_turns
 
 WINDOW = 6
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    """The tiny lfm2 of tests/test_hybrid_cache.py, whose window and checkpoint positions these tests expect."""
+    return open_hybrid("lfm2", tmp_path_factory.mktemp("lfm2-only"))
 
 
 def _branching_turns(seed: int, count: int = 24, conversations: int = 6):
@@ -36,13 +41,13 @@ def _branching_turns(seed: int, count: int = 24, conversations: int = 6):
 
 
 @pytest.mark.parametrize("seed,pressure", [(0, "none"), (1, "host"), (2, "disk"), (3, "disk"), (0, "preempt")])
-def test_cache_on_and_off_produce_identical_replies_with_windows(lfm2, seed, pressure, tmp_path):  # noqa: F811
+def test_cache_on_and_off_produce_identical_replies_with_windows(lfm2, seed, pressure, tmp_path):
     turns = _branching_turns(seed)
     extra = {"none": {}, "host": dict(num_blocks=60, host_blocks=20),
              "disk": dict(num_blocks=60, host_blocks=8, disk_root=tmp_path, disk_blocks=400),
              "preempt": dict(num_blocks=36, host_blocks=40)}[pressure]
-    on, usage, _, loop, _ = _run(lfm2, turns, concurrency=3, every=8, **extra)
-    off, _, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3, num_blocks=60)
+    on, usage, _, loop, _ = run_turns(lfm2, turns, concurrency=3, every=8, **extra)
+    off, _, _, _, _ = run_turns(lfm2, turns, cache_on=False, concurrency=3, num_blocks=60)
     assert on == off
     assert loop.cache.stats["state_windows"] > 0
     if pressure != "none":
@@ -51,23 +56,23 @@ def test_cache_on_and_off_produce_identical_replies_with_windows(lfm2, seed, pre
         assert loop.num_preemptions > 0
 
 
-def test_windows_through_pipeline_stages_and_batch_groups(lfm2):  # noqa: F811
+def test_windows_through_pipeline_stages_and_batch_groups(lfm2):
     """Three stages (each its share of the conv states; the window's rows skip every stage's K/V store) and
     three groups in flight."""
     turns = _branching_turns(4, count=15)
-    on, _, _, loop, _ = _run(lfm2, turns, concurrency=3, every=8, layer_split=(1, 3), groups=3)
-    off, _, _, _, _ = _run(lfm2, turns, cache_on=False, concurrency=3)
+    on, _, _, loop, _ = run_turns(lfm2, turns, concurrency=3, every=8, layer_split=(1, 3), groups=3)
+    off, _, _, _, _ = run_turns(lfm2, turns, cache_on=False, concurrency=3)
     assert on == off and loop.cache.stats["state_windows"] > 0
 
 
-def test_a_branch_far_from_a_checkpoint_reuses_the_k_v_and_computes_the_window(lfm2):  # noqa: F811
+def test_a_branch_far_from_a_checkpoint_reuses_the_k_v_and_computes_the_window(lfm2):
     """37 shared tokens, no checkpoint before them (every=0): the second prompt reuses 37 tokens of K/V,
     computes its 6-token window plus its own 2 tokens, and reports 31 cached; its logits equal cache off's
     within the rounding bound and its replies are the same."""
     shared = list(range(30, 67))
     turns = [(0, shared + [200, 201, 202, 203, 204], 3), (1, shared + [210, 211], 3)]
-    on, usage, steps, loop, _ = _run(lfm2, turns, every=0)
-    off, _, steps_off, _, _ = _run(lfm2, turns, every=0, cache_on=False)
+    on, usage, steps, loop, _ = run_turns(lfm2, turns, every=0)
+    off, _, steps_off, _, _ = run_turns(lfm2, turns, every=0, cache_on=False)
     assert on == off
     assert usage[1][1] == 37 - WINDOW and loop.cache.stats["state_windows"] == 1
     first_step = [n for rid, n, _, _ in steps if rid == "t1"][0]
@@ -80,20 +85,20 @@ def test_a_branch_far_from_a_checkpoint_reuses_the_k_v_and_computes_the_window(l
 
 
 @pytest.mark.parametrize("shared_len, cached, windows", [(37, 32, 0), (38, 32, 0), (39, 39 - WINDOW, 1)])
-def test_a_branch_near_a_checkpoint_restores_it_instead(lfm2, shared_len, cached, windows):  # noqa: F811
+def test_a_branch_near_a_checkpoint_restores_it_instead(lfm2, shared_len, cached, windows):
     """The K/V match ends 5, 6 or 7 tokens past a checkpoint (at 32, every 2 blocks of 4): restoring it and
     computing 5 costs less than a 6-token window, 6 the same (the checkpoint: bitwise exact), 7 more."""
     shared = list(range(30, 30 + shared_len))
     turns = [(0, shared + [200, 201, 202, 203, 204], 2), (1, shared + [210, 211], 2)]
-    _, usage, _, loop, _ = _run(lfm2, turns, every=2)
+    _, usage, _, loop, _ = run_turns(lfm2, turns, every=2)
     assert usage[1][1] == cached and loop.cache.stats["state_windows"] == windows
 
 
-def test_the_log_says_the_state_came_from_a_window(lfm2, caplog):  # noqa: F811
+def test_the_log_says_the_state_came_from_a_window(lfm2, caplog):
     shared = list(range(30, 67))
     turns = [(0, shared + [200, 201], 2), (1, shared + [210, 211], 2), (2, shared[:20] + [5, 6], 2)]
     with caplog.at_level(logging.INFO, logger="strata"):
-        _, usage, _, _, _ = _run(lfm2, turns, every=0, hints={0: (11,)})
+        _, usage, _, _, _ = run_turns(lfm2, turns, every=0, hints={0: (11,)})
     assert [c for _, c, _ in usage] == [0, 37 - WINDOW, 20 - WINDOW]
     lines = [r.getMessage() for r in caplog.records if "window" in r.getMessage()]
     assert lines == [
@@ -103,7 +108,7 @@ def test_the_log_says_the_state_came_from_a_window(lfm2, caplog):  # noqa: F811
         "checkpoint is at token 11)"]
 
 
-def test_a_request_preempted_before_its_window_ran_leaves_no_state(lfm2):  # noqa: F811
+def test_a_request_preempted_before_its_window_ran_leaves_no_state(lfm2):
     """Its state slot holds the window's zeros, not the state at num_computed: no checkpoint from it."""
     hybrid = HybridSteps(SimpleNamespace(states=SimpleNamespace(enabled=True)),
                          SimpleNamespace(enabled=True, ckpt=SimpleNamespace(enabled=True)))

@@ -3,22 +3,19 @@ and the llguidance grammars for forced calls (compiled, and matched with a byte-
 from __future__ import annotations
 
 import json
-import random
-import re
 from pathlib import Path
 
 import llguidance
 import pytest
 
-from api.tool_calls import FORMATS, ParsedDelta, create_output_parser, detect_format, get_format
+from api.tool_calls import FORMATS, create_output_parser, detect_format, get_format
 from api.tool_calls.base import PlainContentParser
+from tests.support.tool_streams import SPLITS, TOOLS, byte_tokens, feed, joined, split_chars
 
 DATA = Path(__file__).parent / "data" / "tool_outputs"
-TOOLS = json.loads((DATA / "tools.json").read_text(encoding="utf-8"))
 FORMAT_NAMES = ["hermes", "qwen3_coder", "llama3_json", "mistral", "generic"]
 MARKUP = ("<tool_call>", "</tool_call>", "<function=", "<parameter=", "</parameter>", "[TOOL_CALLS]", "[ARGS]",
           "<|python_tag|>", '"tool_calls"', '"response"')
-CALL_ID = re.compile(r"call_[A-Za-z0-9]{24}")
 
 
 def _cases():
@@ -27,56 +24,12 @@ def _cases():
             yield pytest.param(name, case, id=f"{name}-{case['name']}")
 
 
-def _split_whole(text: str) -> list[str]:
-    return [text]
-
-
-def _split_chars(text: str) -> list[str]:
-    return list(text)
-
-
-def _split_random(seed: int):
-    def split(text: str) -> list[str]:
-        rng, pieces, start = random.Random(seed), [], 0
-        while start < len(text):
-            end = start + rng.randint(1, 9)
-            pieces.append(text[start:end])
-            start = end
-        return pieces
-    return split
-
-
-SPLITS = [_split_whole, _split_chars] + [_split_random(seed) for seed in range(6)]
-
-
-def _feed(parser, pieces: list[str]) -> list[ParsedDelta]:
-    deltas = [parser.feed(piece) for piece in pieces]
-    deltas.append(parser.finish())
-    return deltas
-
-
-def _joined(deltas: list[ParsedDelta]) -> tuple[str, str, list[dict]]:
-    """Content, reasoning and calls as a client assembles them, checking the OpenAI delta rules on the way."""
-    calls: list[dict] = []
-    for delta in deltas:
-        for call in delta.tool_calls:
-            if call.index == len(calls):  # a new call: its first delta carries id and name
-                assert call.id and CALL_ID.fullmatch(call.id) and call.name, call
-                calls.append({"id": call.id, "name": call.name, "arguments": call.arguments})
-            else:
-                assert call.index == len(calls) - 1, "fragments must belong to the latest call"
-                assert call.id is None and call.name is None, call
-                calls[-1]["arguments"] += call.arguments
-    assert len({call["id"] for call in calls}) == len(calls)
-    return "".join(d.content for d in deltas), "".join(d.reasoning for d in deltas), calls
-
-
 @pytest.mark.parametrize("format_name,case", list(_cases()))
 def test_parser_on_recorded_outputs(format_name: str, case: dict) -> None:
     results = []
     for split in SPLITS:
         parser = get_format(format_name).create_parser(TOOLS)
-        content, reasoning, calls = _joined(_feed(parser, split(case["text"])))
+        content, reasoning, calls = joined(feed(parser, split(case["text"])))
         assert parser.num_tool_calls == len(calls)
         results.append((content, reasoning, [(call["name"], call["arguments"]) for call in calls]))
     assert all(result == results[0] for result in results), "every split must give the whole-fed result"
@@ -179,20 +132,12 @@ TOKENIZER = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer())
 SPECIAL_IDS = {token: 256 + number for number, token in enumerate(SPECIAL_TOKENS)}
 
 
-def _tokens(text: str, specials: dict[str, int]) -> list[int]:
-    pattern = "(" + "|".join(re.escape(token) for token in specials) + ")" if specials else None
-    out: list[int] = []
-    for piece in re.split(pattern, text) if pattern else [text]:
-        out += [specials[piece]] if piece in specials else list(piece.encode())
-    return out
-
-
 def _accepts(grammar: str, text: str, specials: dict[str, int] | None = None) -> bool:
     compiled = llguidance.grammar_from("lark", grammar)
     assert llguidance.LLMatcher.validate_grammar(compiled, TOKENIZER) == ""
     matcher = llguidance.LLMatcher(TOKENIZER, compiled, log_level=0)
     assert not matcher.is_error(), matcher.get_error()
-    return matcher.consume_tokens(_tokens(text, specials or {})) and matcher.is_accepting()
+    return matcher.consume_tokens(byte_tokens(text, specials or {})) and matcher.is_accepting()
 
 
 HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
@@ -325,11 +270,11 @@ def test_generic_json_replies_are_a_call_or_a_response_object() -> None:
     assert not _accepts(lazy, "Hello there.") and not _accepts(lazy, '{"answer": "x"}')
     none_choice = fmt.answer_only_grammar()
     assert _accepts(none_choice, response) and not _accepts(none_choice, GOOD["generic"][0])
-    deltas = _feed(fmt.create_parser(TOOLS), _split_chars(response))
-    assert _joined(deltas)[0] == 'Hello "there" é'
+    deltas = feed(fmt.create_parser(TOOLS), split_chars(response))
+    assert joined(deltas)[0] == 'Hello "there" é'
     # the end-of-turn token may end the answer inside its string (a small model must be able to stop)
     assert _accepts(lazy, '{"response": "Hello \\"there') and not _accepts(lazy, '{"response": "a"b')
-    assert _joined(_feed(fmt.create_parser(TOOLS), _split_chars('{"response": "Hello \\"there')))[0] == 'Hello "there'
+    assert joined(feed(fmt.create_parser(TOOLS), split_chars('{"response": "Hello \\"there')))[0] == 'Hello "there'
     assert '{"response": "<your answer>"}' in fmt.system_prompt(TOOLS)
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 'Hello "there" é'}]
     rendered = rewrite_history(history, "tools", json_answers=True)

@@ -1,7 +1,16 @@
-"""Shared by the reference tests: greedy decoding through the paged runner, and top-5 comparison."""
+"""Shared by the reference tests: greedy decoding through the paged runner, the logits of every position of a
+prompt and its reference continuation, and the comparisons against a reference (top-5, relative error)."""
+import os
+
 import numpy as np
 
 from engine.sequence import ModelRunner, Sequence
+
+# The real-model comparisons of one CPU path against another on the reference prompts (tests/data/*_reference.json;
+# test_cpu_weights_reference.py, test_cpu_fused_reference.py): N_TOKENS greedy tokens per prompt; CI compares two
+# prompts per model (the suite must stay under 15 minutes on 2 cores), every prompt with STRATA_FULL_REFERENCE=1.
+N_TOKENS = 48
+PROMPTS_IN_CI = None if os.environ.get("STRATA_FULL_REFERENCE") == "1" else 2
 
 
 def greedy_with_logits(model, prompt_ids, n_new, chunk=64, block_size=16, **runner_args):
@@ -75,3 +84,26 @@ def compare_to_reference(rows, reference_rows, k=5):
     error = np.abs(np.take_along_axis(rows, top, -1) - np.take_along_axis(reference_rows, top, -1))
     gap = None if first is None else float(reference_rows[first, top[first, 0]] - reference_rows[first, top[first, 1]])
     return first, float(error.max()), gap
+
+
+def prefill_and_decode(model, ids, greedy, chunk, layer_split=(), block_size=4):
+    """Logits of every position of ids + greedy: prompt in chunks, then one token per step."""
+    runner = ModelRunner(model, num_blocks=64, block_size=block_size, layer_split=layer_split)
+    seq = Sequence(list(ids))
+    runner.ensure_blocks(seq, len(ids) + len(greedy))
+    rows = []
+    while seq.num_pending:
+        rows.append(runner.step([(seq, min(chunk, seq.num_pending))], all_logits=True))
+    out_ids = []
+    for token in greedy:
+        out_ids.append(int(np.argmax(rows[-1][-1])))
+        seq.token_ids.append(token)  # follow the reference's ids so every row is comparable
+        rows.append(runner.step([(seq, 1)], all_logits=True))
+    return np.concatenate(rows), out_ids
+
+
+def assert_close_relative(actual, expected, what):
+    """Largest |actual - expected| within 1e-3 of expected's largest magnitude (the logit scale)."""
+    scale = np.abs(expected).max()
+    err = np.abs(actual - expected).max() / scale
+    assert err <= 1e-3, f"{what}: max error {err:.2e} of the logit scale"
