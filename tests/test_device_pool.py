@@ -181,9 +181,15 @@ def test_the_server_grows_its_pool_and_shrinks_it_on_request(smollm2):
             assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
         bad = httpx.post(url + "/cache/device-pool", json={"max_mib": 1, "max_blocks": 2})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_mib"
-    with running_server(smollm2, batch=1, ctx_size=512) as (url, state):
-        fixed = httpx.post(url + "/cache/device-pool", json={"max_blocks": 4})
-        assert fixed.status_code == 400 and "--kv-cache-mib MIN:MAX" in fixed.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_a_fixed_pool_refuses_to_be_resized_and_names_the_flag(server):
+    import httpx
+
+    url, _ = server  # the API tests' shared server: a fixed pool (--kv-cache-mib without MIN:MAX)
+    fixed = httpx.post(url + "/cache/device-pool", json={"max_blocks": 4})
+    assert fixed.status_code == 400 and "--kv-cache-mib MIN:MAX" in fixed.json()["error"]["message"]
 
 
 def test_blocks_moved_down_by_a_shrink_keep_their_bytes(load_tiny):

@@ -18,11 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support.server_harness import running_server
-
 pytestmark = pytest.mark.slow
 
-SERVED_NAME = "strata-fuzz"
+SERVED_NAME = "smollm2"  # a name the shared server answers to (conftest's `server`: --model smollm2)
 EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "40"))  # per test; raise it locally for a longer hunt
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large"}
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
@@ -90,9 +88,9 @@ raw = st.binary(max_size=16) | junk.map(orjson.dumps)  # not an object at all, o
 
 
 @pytest.fixture(scope="module")
-def url(smollm2):
-    with running_server(smollm2, ctx_size=512, batch=2, served_model_name=SERVED_NAME) as (base, _):
-        yield base
+def url(server):
+    """The default model's server that the API tests share (tests/conftest.py)."""
+    return server[0]
 
 
 def _assert_anthropic_error(response: httpx.Response) -> None:

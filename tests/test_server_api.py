@@ -171,5 +171,9 @@ def test_utility_routes(server):
     assert prompt.endswith("<|im_start|>assistant\n")
     chat_form = httpx.post(url + "/tokenize", json={"messages": QUESTION}).json()
     assert chat_form["count"] == len(chat_form["tokens"]) > 20
+    # a generation of its own: the two families have samples only once a step ran, and on the shared server
+    # this test may be the first to ask anything
+    assert httpx.post(url + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 1},
+                      timeout=60).status_code == 200
     metrics = httpx.get(url + "/metrics").text
     assert "strata_generated_tokens_total" in metrics and "strata_step_seconds_bucket" in metrics

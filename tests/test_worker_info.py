@@ -44,10 +44,10 @@ def test_load_counts_waiting_prompts_then_the_blocks_an_admitted_request_holds(l
 
 
 @pytest.mark.slow
-def test_get_load_answers_one_rank_in_sglang_shape(smollm2):
-    with running_server(smollm2, batch=1, ctx_size=512) as (url, state):
-        assert httpx.get(url + "/get_load").json() == [
-            {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+def test_get_load_answers_one_rank_in_sglang_shape(server):
+    url, _ = server  # idle between tests: nothing running or waiting
+    assert httpx.get(url + "/get_load").json() == [
+        {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
 
 
 @pytest.mark.slow
@@ -69,10 +69,11 @@ def test_conversation_name_prefers_the_body_then_the_routing_key_then_x_conversa
 
 
 @pytest.mark.slow
-def test_a_responses_turn_named_only_by_the_routers_header_is_tracked_under_it(smollm2):
+def test_a_responses_turn_named_only_by_the_routers_header_is_tracked_under_it(server):
     # what reaches a replica from sglang-router: the routing key header, prompt_cache_key dropped from the body
-    with running_server(smollm2, batch=1, ctx_size=512) as (url, state):
-        body = {"model": "smollm2", "input": "Say hi.", "max_output_tokens": 2, "store": False}
-        reply = httpx.post(url + "/v1/responses", json=body, headers={"X-SMG-Routing-Key": "codex-7"}, timeout=120)
-        assert reply.status_code == 200
-        assert [c["key"] for c in state.engine.conversations.snapshot()] == ["codex-7"]
+    url, state = server
+    before = {c["key"] for c in state.engine.conversations.snapshot()}  # the shared server's earlier tests'
+    body = {"model": "smollm2", "input": "Say hi.", "max_output_tokens": 2, "store": False}
+    reply = httpx.post(url + "/v1/responses", json=body, headers={"X-SMG-Routing-Key": "codex-7"}, timeout=120)
+    assert reply.status_code == 200
+    assert [c["key"] for c in state.engine.conversations.snapshot() if c["key"] not in before] == ["codex-7"]
