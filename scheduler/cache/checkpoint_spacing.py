@@ -20,6 +20,7 @@ said, 16-token blocks):
     model               state / checkpoint          K/V block   units   N (blocks)   tokens
     tiny-lfm2 (f32)     1.5 KiB (3 conv x 2 x 64)   8 KiB       1       2            32
     tiny-qwen3next (f32) 16.5 KiB                   8 KiB       3       6            96
+    tiny-qwen3next      16.5 KiB                   4 KiB       5       10           160  (scripts/bench_cache.py)
     LFM2-1.2B           160 KiB (10 conv layers)    192 KiB     1       2            32
     Qwen3-Next-80B-A3B  75.4 MiB (36 DeltaNet)      384 KiB     201     402          6432
 
