@@ -53,14 +53,17 @@ def test_agent_workload_computes_exactly_the_ideal(hybrid):
     assert loop.cache.stats["miss_no_checkpoint"] == 0
 
 
-@pytest.mark.parametrize("pressure", ["host", "disk", "write-behind", "small-host"])
+@pytest.mark.parametrize("pressure", ["host", "disk", "write-behind", "small-host", "small-host-no-disk"])
 def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(hybrid, pressure, tmp_path,
                                                                                  monkeypatch):
-    """small-host: a host tier of 2 slots, less than a block and its states: blocks are parked with the
-    states that fit (scheduler/cache/room.py `park_with_states`), the rest dropped."""
+    """small-host: a host tier of 2 slots, less than a block and its states: such blocks go to the disk
+    tier whole, with all their states (scheduler/cache/room.py `park_with_states`), none parked without
+    some; small-host-no-disk: without a disk tier they are parked with the states that fit, the rest
+    dropped."""
     partial = _count_partial_parks(monkeypatch)
     turns = random_turns(7, conversations=5, count=30)
     extra = dict(num_blocks=70, host_blocks=30) if pressure == "host" else \
+        dict(num_blocks=70, host_blocks=2) if pressure == "small-host-no-disk" else \
         dict(num_blocks=70, host_blocks=2 if pressure == "small-host" else 8, disk_root=tmp_path, disk_blocks=400)
     if pressure == "write-behind":  # K/V files written while serving: a spill of such a block writes only
         extra.update(disk_blocks=120, write_behind_mib_s=10_000.0)  # its checkpoints' files
@@ -69,11 +72,13 @@ def test_pressure_moves_checkpoints_with_their_blocks_and_never_changes_replies(
     assert on == off
     stats, ckpt = loop.cache.stats, loop.cache.ckpt.stats
     assert stats["parks"] > 0 and stats["restores"] > 0 and ckpt["restored"] > 0
-    if pressure != "host":
+    if pressure not in ("host", "small-host-no-disk"):
         assert stats["spills"] > 0 and stats["disk_loads"] > 0
     if pressure == "write-behind":
         assert loop.write_behind.written_blocks > 0, "nothing was written behind"
     if pressure == "small-host":
+        assert not partial and ckpt["restored"] > 0, "a block was parked without some of its states"
+    if pressure == "small-host-no-disk":
         assert partial, "no block was parked with only some of its states"
 
 

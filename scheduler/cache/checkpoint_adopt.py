@@ -18,14 +18,23 @@ from scheduler.cache.tree import CachedBlock
 
 
 def park_order(ckpt: Checkpoints, node: CachedBlock) -> list[int]:
-    """The node's checkpoints (k), the most useful first: the one whose loss costs least recompute (the
-    smallest gap to the one before it on the path, `Checkpoints.gap` for the first) goes first, the earlier
-    on a tie, gaps counted again after each goes (checkpoint_spacing.most_useful). A park keeps them in this
-    order as the host tier has room (scheduler/cache/room.py); an adoption as the device has."""
+    """The node's checkpoints (k), the most useful first. On a tip (a node without children: where a
+    conversation's last turn ended) the last state comes first: the next turn goes on from it, and a tier
+    with room for one state would otherwise keep one before it (a reply of 2-4 tokens left the reply-end
+    state the smallest gap, after the prompt-end's; tiny qwen3next under --pressure then recomputed every
+    turn from the tip block's first state, docs/BENCHMARKS.md issue 28). The others: the one whose loss
+    costs least recompute (the smallest gap to the one before it on the path, `Checkpoints.gap` for the
+    first) goes first, the earlier on a tie, gaps counted again after each goes
+    (checkpoint_spacing.most_useful). A park keeps them in this order as the host tier has room
+    (scheduler/cache/room.py); an adoption as the device has."""
     if not node.checkpoints:
         return []
     first = min(node.checkpoints)
-    return most_useful(node.checkpoints, first - ckpt.gap(node, first), ())
+    order = most_useful(node.checkpoints, first - ckpt.gap(node, first), ())
+    if node.children:
+        return order
+    last = max(node.checkpoints)
+    return [last] + [k for k in order if k != last]
 
 
 def adopt_parked_states(ckpt: Checkpoints, node: CachedBlock, free_device_slots: int) -> None:

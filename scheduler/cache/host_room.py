@@ -73,6 +73,26 @@ class HostRoom:
         self.free += self.weight(victim)
         return True
 
+    def spill_whole(self, victim: CachedBlock, taken: int) -> bool:
+        """A device victim whose states do not all fit the host tier goes straight to disk with all of
+        them, when the disk has (or can make) room: the `taken` host slots it got are given back. False
+        (nothing changed) without a disk tier or room there."""
+        has_file = victim.disk_copy and victim not in self.plan.copy_drops
+        need = self.weight(victim) - (self._copy_slots(victim) if has_file else 0)
+        if not self.view.tiers.disk_blocks:
+            return False
+        if has_file:
+            self.leaves.leaving(victim)
+        while self.disk_room < need and self._make_disk_room():
+            pass
+        if self.disk_room < need:
+            return False
+        self.disk_room -= need
+        self.free += taken
+        self.plan.spills.append(victim)
+        self.leaves.move_down(victim)
+        return True
+
     def _make_disk_room(self) -> bool:
         """Room for files: a written-behind copy goes first (its block stays resident; its checkpoints'
         copies go with it), else a disk leaf (with its checkpoint files). False when neither is left."""

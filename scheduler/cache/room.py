@@ -47,11 +47,16 @@ def plan_device_room(view: CacheView, plan: RoomPlan, count: int, exclude: set[C
 def park_with_states(view: CacheView, plan: RoomPlan, host: HostRoom, victim: CachedBlock) -> None:
     """A device victim whose block has a host slot goes there with as many of its checkpoints as the host
     tier takes, the most useful first (`park_order`); the rest are planned as checkpoint drops, the least
-    useful first. Before, a block whose states did not all fit was dropped with its K/V and states."""
+    useful first. Before, a block whose states did not all fit was dropped with its K/V and states.
+    When the disk tier has room for the block and all its states, it goes there instead, whole: a host
+    tier that holds one state (tiny qwen3next under --pressure: 7 slots, a state 5) otherwise dropped a
+    conversation tip's reply-end state whenever the host had no leaf to spill for it yet."""
     order = park_order(view.ckpt, victim)
     kept = 0
     while kept < len(order) and host.take_slots(view.ckpt.units):
         kept += 1
+    if kept < len(order) and host.spill_whole(victim, 1 + kept * view.ckpt.units):
+        return
     left = order[kept:][::-1]
     plan.checkpoint_drops += [(victim, k) for k in left]
     host.trimmed[victim] = set(left)

@@ -38,6 +38,8 @@ def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[
         kept = 0
         while kept < len(order) and host.take_slots(cache.ckpt.units):
             kept += 1
+        if kept < len(order) and host.spill_whole(victim, 1 + kept * cache.ckpt.units):
+            continue  # issue 28: to disk with all its states when the disk has room for them
         plan.checkpoint_drops += [(victim, k) for k in reversed(order[kept:])]
         host.trimmed[id(victim)] = set(order[kept:])
         plan.parks.append(victim)
@@ -45,10 +47,18 @@ def plan_device_room(cache: "PrefixCache", plan: Plan, count: int, exclude: set[
 
 
 def _keep_order(cache: "PrefixCache", node: CachedBlock) -> list[int]:
-    """The node's checkpoints, most useful first: repeatedly the one with the smallest gap to the kept one
-    before it (the first: to the path's previous checkpoint, `Checkpoints.gap`) goes, the earlier on a tie."""
+    """The node's checkpoints, most useful first: a tip's (no children) last one, then repeatedly the one
+    with the smallest gap to the kept one before it (the first: to the path's previous checkpoint,
+    `Checkpoints.gap`) goes, the earlier on a tie."""
     if not node.checkpoints:
         return []
+    if not node.children:  # issue 28: a tip's last state first (the next turn goes on from it)
+        last = max(node.checkpoints)
+        return [last] + [k for k in _keep_order_by_gap(cache, node) if k != last]
+    return _keep_order_by_gap(cache, node)
+
+
+def _keep_order_by_gap(cache: "PrefixCache", node: CachedBlock) -> list[int]:
     first = min(node.checkpoints)
     start, kept, gone = first - cache.ckpt.gap(node, first), set(node.checkpoints), []
     while kept:
@@ -142,6 +152,25 @@ class _HostRoom:
         self.free += self.weight(victim)
         return True
 
+
+    def spill_whole(self, victim: CachedBlock, taken: int) -> bool:
+        """A device victim whose states do not all fit the host tier: to disk with all of them when it has
+        (or can make) room, the `taken` host slots given back."""
+        cache, plan = self.cache, self.plan
+        if not cache.tiers.disk_blocks:
+            return False
+        where = _virtual_tiers(plan)
+        tier = lambda b: where.get(id(b), b.tier)  # noqa: E731
+        has_file = victim.disk_copy and victim not in plan.copy_drops
+        need = self.weight(victim) - (self._files(victim) if has_file else 0)
+        while self.disk_room < need and self._make_disk_room(tier, victim):
+            pass
+        if self.disk_room < need:
+            return False
+        self.disk_room -= need
+        self.free += taken
+        plan.spills.append(victim)
+        return True
 
     def _files(self, block: CachedBlock) -> int:
         """Disk slots a resident block's files take: its own and its checkpoints' written-behind copies."""
