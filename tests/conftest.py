@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cuda_fixture import cuda_backend
+
 from tests.support.device_params import GPU
 
 # Subprocesses the tests start (`strata serve`, helper scripts) import this checkout's code, not whichever
@@ -140,25 +142,4 @@ def emulator_dir(tmp_path_factory):
 def cuda(request, monkeypatch):
     """A fresh CudaBackend (graphs off; the graph tests turn them on), poisoning every new activation.
     "fake": numpy twins of the kernels; "emulated": the real kernel sources under g++ (fake_cuda_emulated)."""
-    driver = None
-    if request.param == "gpu":
-        from engine.backends.cuda.device import probe
-
-        available, reason = probe()
-        if not available:
-            pytest.skip(f"no CUDA device: {reason}")
-    elif request.param == "fake":
-        from tests.support import fake_cuda
-
-        driver = fake_cuda.install(monkeypatch)
-    else:
-        from tests.support import fake_cuda_emulated
-
-        driver = fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
-    from engine.backends.cuda.backend import CudaBackend
-
-    backend = CudaBackend(graphs=False)
-    backend.poison = True
-    backend.test_driver = driver
-    yield backend
-    backend.close()
+    yield from cuda_backend(request.param, monkeypatch, request)

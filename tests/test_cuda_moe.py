@@ -8,6 +8,7 @@ import pytest
 from engine.backends.reference.backend import NumpyBackend
 from engine.model import load_model
 from tests.support.cuda_backend_checks import GEMM, assert_close, greedy_and_logits
+from tests.support.cuda_fixture import cuda_backend
 from tests.support.tiny_moe_gguf import write_tiny_moe_gguf
 
 MOE_KERNELS = {"moe_route_f32", "moe_plan", "moe_combine_f32"}
@@ -17,24 +18,7 @@ MOE_KERNELS = {"moe_route_f32", "moe_plan", "moe_combine_f32"}
 def emu(request, monkeypatch):
     """A CudaBackend (graphs off, activations poisoned with NaN) on the emulated kernels or on device 0.
     (tests/test_cuda_backend.py's "fake" driver has no numpy twins of the MoE kernels.)"""
-    driver = None
-    if request.param == "gpu":
-        from engine.backends.cuda.device import probe
-
-        available, reason = probe()
-        if not available:
-            pytest.skip(f"no CUDA device: {reason}")
-    else:
-        from tests.support import fake_cuda_emulated
-
-        driver = fake_cuda_emulated.install(monkeypatch, request.getfixturevalue("emulator_dir"))
-    from engine.backends.cuda.backend import CudaBackend
-
-    backend = CudaBackend(graphs=False)
-    backend.poison = True
-    backend.test_driver = driver
-    yield backend
-    backend.close()
+    yield from cuda_backend(request.param, monkeypatch, request)
 
 
 def _launched(backend) -> set[str] | None:
