@@ -8,10 +8,8 @@ import pytest
 
 from api.reply_journal import ReplyJournal, journal_path
 from api.reply_memory import GeneratedReply, ReplyMemory, prompt_key
-from engine.loader import open_model
 from tests.support.server_harness import running_server
-from tests.support.tiny_gguf import tiny_vocab
-from tests.support.tiny_lfm2 import write_tiny_lfm2
+from tests.support.reply_model import FIRST, MAX_TOKENS, open_reply_model
 
 
 def _reply(text, ids, splits=True):
@@ -58,17 +56,9 @@ def test_a_line_cut_by_a_crash_is_skipped_and_the_bound_applies_on_load(tmp_path
     assert [r.text for _, _, r in ReplyJournal(path).read()] == ["r2", "r3"]  # rewritten with what was kept
 
 
-OUTPUT_TEXT = "heint"  # byte tokens whose text re-encodes merged ("he", "in"), as in test_server_reply_tokens
-MAX_TOKENS = 12
-FIRST = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "How many?"}]
-
-
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
-    tokens = tiny_vocab()[0]
-    path = tmp_path_factory.mktemp("journal") / "tiny-lfm2.gguf"
-    write_tiny_lfm2(path, seed=5, n_ctx=1024, output_ids=[tokens.index(c) for c in OUTPUT_TEXT])
-    return open_model(str(path), max_positions=1024)
+    return open_reply_model(tmp_path_factory.mktemp("journal"))
 
 
 def _chat(url, model, messages):

@@ -13,24 +13,15 @@ import pytest
 from api.chat_turn import ChatTurn, render_turn
 from api.tool_specs import normalise_tools
 from engine.generate import generate
-from engine.loader import encode_chat_prompt, open_model
+from engine.loader import encode_chat_prompt
 from engine.sampling import SamplingParams
 from engine.sequence import ModelRunner
 from tests.support.server_harness import running_server
-from tests.support.tiny_gguf import tiny_vocab
-from tests.support.tiny_lfm2 import write_tiny_lfm2
-
-OUTPUT_TEXT = "heint"  # a head that writes these one byte a token: "h" "e" re-encodes as "he", "i" "n" as "in"
-MAX_TOKENS = 12
-FIRST = [{"role": "system", "content": "Answer."}, {"role": "user", "content": "How many?"}]
-
+from tests.support.reply_model import FIRST, MAX_TOKENS, open_reply_model
 
 @pytest.fixture(scope="module")
 def lfm2(tmp_path_factory):
-    tokens = tiny_vocab()[0]
-    path = tmp_path_factory.mktemp("reply") / "tiny-lfm2.gguf"
-    write_tiny_lfm2(path, seed=5, n_ctx=1024, output_ids=[tokens.index(c) for c in OUTPUT_TEXT])
-    return open_model(str(path), max_positions=1024)
+    return open_reply_model(tmp_path_factory.mktemp("reply"))
 
 
 def _chat(url, model, messages, **sampling):
