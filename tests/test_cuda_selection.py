@@ -5,7 +5,8 @@ The check runs pytest's own collection of the whole suite in a subprocess, with 
 device_check.sh's test step and a small plugin that records, for every item, whether `-m cuda` kept it,
 its string parameters, and which fixtures of its closure reach a device. Which items need a GPU is decided
 without looking at marks: a parameter "gpu" (the suite's convention, tests/conftest.py), or a fixture that
-reaches a device (its source calls open_device, probe, cuInit or Device()) and has no CPU variant.
+reaches a device (its source, or that of a tests/support function it calls, calls open_device, probe, cuInit
+or Device()) and has no CPU variant.
 """
 import json
 import os
@@ -29,12 +30,22 @@ DEVICE_CALL = re.compile(r"\b(open_device|probe|cuInit|cuDeviceGet\w*)\(|\bDevic
 _selected, _deselected, _fixtures = [], [], {}
 
 
-def _fixture(fixturedef):
-    """{"device": reaches a device, "params": its param values (None when not parametrised)}."""
+def _source(func):
     try:
-        source = inspect.getsource(fixturedef.func)
+        return inspect.getsource(func)
     except (OSError, TypeError):
-        source = ""
+        return ""
+
+
+def _fixture(fixturedef):
+    """{"device": reaches a device, "params": its param values (None when not parametrised)}. A fixture's
+    source includes that of the tests/support functions it calls (the shared setup lives there)."""
+    func = fixturedef.func
+    source = _source(func)
+    for name in getattr(getattr(func, "__code__", None), "co_names", ()):
+        helper = getattr(func, "__globals__", {}).get(name)
+        if inspect.isfunction(helper) and helper.__module__.startswith("tests.support"):
+            source += _source(helper)
     params = fixturedef.params
     if params is not None:
         params = [str(p.values[0]) if hasattr(p, "values") else str(p) for p in params]
