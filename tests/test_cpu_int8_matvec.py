@@ -85,13 +85,13 @@ def test_each_token_is_computed_alone(qmax):
         np.testing.assert_array_equal(together[t], project_i8(part, _EMPTY, x[t : t + 1].copy(), qmax)[0])
 
 
-@pytest.mark.parametrize("tensor_type", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("tensor_type", [Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
 def test_repacking_in_row_chunks_equals_repacking_at_once(tensor_type, monkeypatch):
     rows = random_rows(tensor_type, 37, 256)
     whole = repack(tensor_type, rows, 256)
     monkeypatch.setattr(cpu_int8_repack, "REPACK_ROWS", 16)  # 37 = 16 + 16 + 5
     chunked = repack(tensor_type, rows, 256)
-    assert whole.form == chunked.form
+    assert whole.form == chunked.form and (whole.m is whole.d) == (chunked.m is chunked.d)
     for a, b in zip(whole[1:], chunked[1:]):
         np.testing.assert_array_equal(a, b)
 
@@ -108,7 +108,7 @@ def test_a_non_finite_activation_makes_the_product_nan(bad):
 
 @pytest.mark.parametrize("tensor_type", cpu_int8_repack.HALF_SCALE_TYPES, ids=lambda t: t.name)
 def test_float16_scales_give_the_float32_scales_product_bit_for_bit(tensor_type):
-    """The types whose scales are float16 in the file repack them as float16 bits (4 bytes a group fewer);
+    """The types whose scales are float16 in the file repack them as float16 bits (2-4 bytes a group fewer);
     widened in the kernel they are the same float32 values, so the products are identical."""
     rows = random_rows(tensor_type, 37, 256)
     full, half = repack(tensor_type, rows, 256), repack(tensor_type, rows, 256, half_scales=True)
@@ -126,11 +126,33 @@ def test_k_quant_scales_are_refused_as_float16():
         repack(Q.Q4_K, random_rows(Q.Q4_K, 2, 256), 256, half_scales=True)
 
 
-def test_half_scales_fit_says_whether_the_derived_mins_stay_in_float16_range():
+def test_a_symmetric_types_float16_mins_need_no_range_check():
+    """q8_0's mins are -128 d: stored, a d of 1000 overflowed float16; as d times m_factor they cannot."""
     rows = random_rows(Q.Q8_0, 4, 256).copy()
-    assert cpu_int8_repack.half_scales_fit(Q.Q8_0, rows)
-    rows[2, :2] = np.array([1000.0], np.float16).view(np.uint8)  # -128 * 1000 overflows float16
-    assert not cpu_int8_repack.half_scales_fit(Q.Q8_0, rows)
-    with pytest.raises(ValueError):
-        repack(Q.Q8_0, rows, 256, half_scales=True)
-    assert not cpu_int8_repack.half_scales_fit(Q.Q6_K, random_rows(Q.Q6_K, 2, 256))
+    rows[2, :2] = np.array([1000.0], np.float16).view(np.uint8)
+    full, half = repack(Q.Q8_0, rows, 256), repack(Q.Q8_0, rows, 256, half_scales=True)
+    x = random_activations(2, 256)
+    y = project_i8(tuple(half), tuple(empty_part(True)), x, QMAX[1])
+    assert np.all(np.isfinite(y))
+    np.testing.assert_array_equal(y, project_i8(tuple(full), _EMPTY, x, QMAX[1]))
+
+
+# bytes a 32-weight group takes repacked, float32 / float16 scales (int8_repack's table)
+_GROUP_BYTES = {Q.Q4_0: (20, 18), Q.Q4_1: (24, 20), Q.Q5_0: (24, 22), Q.Q5_1: (28, 24), Q.Q8_0: (36, 34),
+                Q.Q4_K: (24, None), Q.Q5_K: (28, None), Q.Q6_K: (40, None)}
+
+
+@pytest.mark.parametrize("tensor_type", INT8_TYPES, ids=lambda t: t.name)
+def test_repacked_bytes_a_group_are_the_tables(tensor_type):
+    """A symmetric type keeps no mins array (its m is d itself) and the 5-bit types keep their fifth bits
+    as bits: the sizes int8_repack's docstring states, which the decode step streams every token."""
+    rows = random_rows(tensor_type, 8, 256)
+    symmetric = tensor_type in (Q.Q4_0, Q.Q5_0, Q.Q8_0, Q.Q6_K)
+    for half, expected in zip((False, True), _GROUP_BYTES[tensor_type]):
+        if expected is None:
+            continue
+        part = repack(tensor_type, rows, 256, half_scales=half)
+        assert (part.m is part.d) == symmetric
+        assert part.qh.shape[1] == (8 if tensor_type in (Q.Q5_0, Q.Q5_1, Q.Q5_K) else 0)
+        arrays = {id(a): a for a in (part.qs, part.qh, part.d, part.m)}.values()
+        assert sum(a.nbytes for a in arrays) == expected * 8 * 8, (half, part.form)

@@ -21,7 +21,7 @@ from engine.backends.cpu.fused_layer import GELU_TANH, SILU
 from engine.backends.cpu.fused_step import decode_step
 from engine.backends.cpu.gguf_dequant import f16_table
 from engine.backends.cpu.gguf_row_kernels import _LANES, call_kernel
-from engine.backends.cpu.int8_repack import HALF_SCALE_TYPES, INT8_TYPES, empty_part, half_scales_fit, repack
+from engine.backends.cpu.int8_repack import HALF_SCALE_TYPES, INT8_TYPES, empty_part, repack
 from engine.backends.cpu.quant_linear import (KERNEL_KINDS, KERNEL_MAX_ROWS, QuantLinear, mapping_root,
                                              release_mappings)
 from engine.batch import BatchMeta
@@ -97,18 +97,18 @@ def _repack_and_adopt(layers: list[QuantLinear], head: QuantLinear, act_qmax: fl
                       ) -> tuple[list[tuple], int]:
     """Every linear repacked and adopting its repacked copy (QuantLinear.adopt_repacked), one at a time so
     that each one's raw copy is freed before the next is repacked (peak RSS: one linear's two forms, not
-    the model's). The layers' linears all with float16 scales when every part allows it exactly (4 bytes a
-    32-weight group fewer to stream: 24 -> 20 for q4_1, 40 -> 36 for q8_0), else all float32 (the step's
+    the model's). The layers' linears all with float16 scales when every part allows it exactly (2-4 bytes
+    a 32-weight group fewer to stream: 24 -> 20 for q4_1, 36 -> 34 for q8_0), else all float32 (the step's
     typed List of layers holds one array type); the head, in a List of its own, decides for itself (gemma3's
-    Q8_0 head beside Q4_K / Q6_K layers: 210 -> 189 MB a token). Returns the (part0, part1) pairs, the
+    Q8_0 head beside Q4_K / Q6_K layers: 190 -> 179 MB a token). Returns the (part0, part1) pairs, the
     head's last, and the bytes of file mapping handed back: the whole file once up front (the loader has read
     every tensor; repacking re-reads a linear's pages from the page cache), and each linear's pages again
     after its repack."""
     linears = layers + [head]
     if all(m.repacked is not None for m in linears):  # an earlier decoder of this model repacked them
         return [_adopted(m) for m in linears], 0
-    half_layers, half_head = (all(_GGUF_TYPE[k] in HALF_SCALE_TYPES and half_scales_fit(_GGUF_TYPE[k], rows)
-                                  for m in group for k, rows, _ in m.parts) for group in (layers, [head]))
+    half_layers, half_head = (all(_GGUF_TYPE[k] in HALF_SCALE_TYPES for m in group for k, _, _ in m.parts)
+                              for group in (layers, [head]))
     mappings = [root for m in linears for _, rows, _ in m.parts if (root := mapping_root(rows)) is not None]
     released = release_mappings(mappings)
     pairs = []

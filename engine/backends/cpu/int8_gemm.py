@@ -26,7 +26,7 @@ from numba.extending import overload
 from engine.backends.cpu.gguf_row_kernels import call_kernel
 from engine.backends.cpu.half import as_float
 from engine.backends.cpu.int8_matvec import block_scale, round_half_away
-from engine.backends.cpu.int8_repack import U8
+from engine.backends.cpu.int8_repack import U5, U8
 from engine.backends.cpu.numba_cache_deps import key_on_sources
 from engine.backends.cpu.vnni_tile import MAX_TOKENS, TILE_ROWS, tile_dot
 
@@ -75,10 +75,11 @@ def unpack_tile(part, r0, n, wt, dt, mt, rows):
     (contiguous writes LLVM vectorises), then moved a 32-bit lane at a time into the tile's order, a
     [32, in / lane] transpose; writing the tile's order weight by weight cost ~5 ns a weight (1.8 s a pass
     over Qwen2.5-0.5B's weights, paid again by every prefill chunk)."""
-    form, qs, _, d, m = part
+    form, qs, qh, d, m, m_factor = part
     lane = 4 // wt.itemsize  # weights a 32-bit lane holds
     n_groups = d.shape[1]
     n_in = qs.shape[1] * (1 if form == U8 else 2)
+    five = form == U5
     for i in range(TILE_ROWS):
         if i >= n:
             rows[i, :] = 0
@@ -95,8 +96,14 @@ def unpack_tile(part, r0, n, wt, dt, mt, rows):
                     q = qs[r, b * 16 + j]
                     rows[i, b * 32 + j] = q & np.uint8(15)
                     rows[i, b * 32 + 16 + j] = q >> np.uint8(4)
+            if five:  # bit j of qh[r, b]: bit 4 of weight 32 b + j (a loop of its own: the one above vectorises)
+                for b in range(n_in // 32):
+                    bits = qh[r, b]
+                    for j in range(32):
+                        rows[i, b * 32 + j] |= np.uint8(((bits >> np.uint32(j)) & np.uint32(1)) << np.uint32(4))
         for g in range(n_groups):
-            dt[g * TILE_ROWS + i], mt[g * TILE_ROWS + i] = as_float(d[r, g]), as_float(m[r, g])
+            dt[g * TILE_ROWS + i] = as_float(d[r, g])
+            mt[g * TILE_ROWS + i] = as_float(m[r, g]) * m_factor
     lanes_in, tile_lanes = rows.view(np.uint32), wt.view(np.uint32)  # [32, in / lane], [in / lane * 32]
     for kk in range(n_in // lane):
         for i in range(TILE_ROWS):
@@ -118,7 +125,7 @@ def _tile_buffer_typed(n, like):
 @njit(parallel=True, cache=True)
 def gemm_part(part, act, y, col0):
     """y[:, col0 : col0 + rows] = x @ part.T for act = quantize_act(x, qmax), parallel over 32-row tiles."""
-    form, qs, _, d, _ = part
+    qs, d = part[1], part[3]
     xq, dx32, sx32, dx16, sx16 = act
     n_tok, n_in = xq.shape
     n_rows, n_groups = qs.shape[0], d.shape[1]

@@ -27,9 +27,9 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from engine.backends.cpu.int8_repack import U8
+from engine.backends.cpu.int8_repack import U4, U5
 from engine.backends.cpu.numba_cache_deps import key_on_sources
-from engine.backends.cpu.simd_dot import MAX_TOKENS, u4_rows, u8_rows16, u8_rows32
+from engine.backends.cpu.simd_dot import MAX_TOKENS, u4_rows, u5_rows, u8_rows16, u8_rows32
 
 _F32, _I32, _I16 = np.float32, np.int32, np.int16
 _FASTMATH = {"reassoc", "contract", "nsz"}  # as gguf_row_kernels: no nnan / ninf
@@ -110,25 +110,27 @@ def _part_rows(part, first, last, act, y, col0):
     """y[t, col0 + r] = part row r . token t for rows first .. last - 1 and every token, up to MAX_TOKENS
     tokens a call (simd_dot: they share the row's unpacking); a token's result does not depend on the
     tokens it is computed with, so a batch's row t is bit-identical to token t alone."""
-    form, qs, qh, d, m = part
+    form, qs, qh, d, m, mf = part
     xlo, xhi, x16, dx, dx16, sx, sx16 = act
     n_tok = x16.shape[0]
     for r in range(first, last):
         t = 0
         while t < n_tok:
             n = min(MAX_TOKENS, n_tok - t)
-            if form != U8:
-                u4_rows(qs, d, m, xlo, xhi, dx, sx, r, t, n, y, col0 + r)
+            if form == U4:
+                u4_rows(qs, qh, d, m, mf, xlo, xhi, dx, sx, r, t, n, y, col0 + r)
+            elif form == U5:
+                u5_rows(qs, qh, d, m, mf, xlo, xhi, dx, sx, r, t, n, y, col0 + r)
             elif x16.shape[1] // d.shape[1] == 32:
-                u8_rows32(qs, d, m, x16, dx, sx, r, t, n, y, col0 + r)
+                u8_rows32(qs, qh, d, m, mf, x16, dx, sx, r, t, n, y, col0 + r)
             else:
-                u8_rows16(qs, d, m, x16, dx16, sx16, r, t, n, y, col0 + r)
+                u8_rows16(qs, qh, d, m, mf, x16, dx16, sx16, r, t, n, y, col0 + r)
             t += n
 
 
 @njit(parallel=True, cache=True, fastmath=_FASTMATH)
 def matvec2_i8(part0, part1, act, y):
-    """y[:, :] = x @ [part0; part1].T for act = quantize_act(x); parts are (form, qs, qh, d, m) tuples
+    """y[:, :] = x @ [part0; part1].T for act = quantize_act(x); parts are (form, qs, qh, d, m, m_factor) tuples
     (int8_repack.Int8Part), part1 may have 0 rows. One parallel region over both parts' rows."""
     n0, n1 = part0[1].shape[0], part1[1].shape[0]
     tasks0 = (n0 + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK

@@ -74,7 +74,8 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         if self.repacked is not None:
-            return sum(sum(a.nbytes for a in part[1:]) for part, _ in self.repacked)
+            # the distinct arrays of each part (a symmetric type's m is its d)
+            return sum(a.nbytes for part, _ in self.repacked for a in {id(a): a for a in part[1:5]}.values())
         return sum(rows.nbytes for _, rows, _ in self.parts)
 
     @property

@@ -7,13 +7,16 @@ A group of weights is one instruction sequence:
 
     U4 block (16 bytes, 32 weights): zero-extend to 16 int16, mask the low nibbles / shift out the high ones,
         vpmaddwd each against the block's 16 low-half / 16 high-half activations -> 8 int32 (exact sums)
+    U5 block: U4's, with the block's 32-bit word of fifth bits as a <32 x i1> vector (bit j: weight j),
+        zero-extended and shifted into bit 4 of each weight first
     U8 group (32 or 16 bytes): zero-extend, vpmaddwd against the group's activations -> 8 int32
-    then  acc (8 float32) += float(int32 sums) * (d dx),  offset += m sx  (the weight mins)
+    then  acc (8 float32) += float(int32 sums) * (d dx),  offset += (m m_factor) sx  (the weight mins;
+          m_factor is 1, or the power of two that makes a symmetric type's d its min: exact)
 
 A row function computes 1-4 tokens (MAX_TOKENS): the groups go in fours, their scales and mins read as
 vectors, each group unpacked once for every token, a token's four scaled groups summed in pairs and then
 added to its one accumulator (one dependent add per four groups); one horizontal sum per row and token.
-The integer sums are exact (255 * 32767 * 4 < 2^31), so only float32 summation order differs from a plain
+The integer sums are exact (255 * 32767 * 4 < 2^31, 31 * 32767 * 4 for U5), so only float32 summation order differs from a plain
 dot product; tests/test_cpu_simd_dot.py checks the integer part exactly and the rest against a float64
 reference. A token's operations are the same whatever tokens share its call, so a batch's rows are
 bit-identical to each token alone.
@@ -37,7 +40,8 @@ _V4F, _V8F, _V8I32 = ir.VectorType(_F32, 4), ir.VectorType(_F32, 8), ir.VectorTy
 _V16I16, _V32I16 = ir.VectorType(_I16, 16), ir.VectorType(_I16, 32)
 _V16I8, _V32I8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
 _FAST = ("reassoc", "contract", "nsz")
-U4_BLOCK, U8_GROUP32, U8_GROUP16 = "u4", "u8g32", "u8g16"  # the three group layouts
+U4_BLOCK, U5_BLOCK, U8_GROUP32, U8_GROUP16 = "u4", "u5", "u8g32", "u8g16"  # the four group layouts
+_NIBBLES = (U4_BLOCK, U5_BLOCK)
 
 
 def simd_enabled() -> bool:
@@ -96,8 +100,10 @@ class _Row:
 
     def __init__(self, builder, kind, args, tokens):
         self.b, (self.layout, self.half, self.x86) = builder, kind
-        qs, d, m, xa, xb, dx, sx, self.n_groups, x_stride, s_stride, y, y_stride = args
-        self.qs, self.d, self.m = qs, d, m
+        qs, qh, d, m, m_factor, xa, xb, dx, sx, self.n_groups, x_stride, s_stride, y, y_stride = args
+        self.qs, self.qh, self.d, self.m = qs, qh, d, m
+        self.m_factor4 = splat(builder, m_factor, _V4F)
+        self.m_factor = m_factor
         at = [ir.Constant(_I64, t) for t in range(tokens)]
         self.xa = [builder.gep(xa, [builder.mul(t, x_stride)]) for t in at]
         self.xb = [builder.gep(xb, [builder.mul(t, x_stride)]) for t in at]
@@ -120,9 +126,15 @@ class _Row:
     def weights(self, g):
         """Group g's weights as int16 vectors, unpacked once for every token."""
         b, qs = self.b, self.qs
-        if self.layout == U4_BLOCK:
+        if self.layout in _NIBBLES:
             w = b.zext(_load(b, qs, b.mul(g, ir.Constant(_I64, 16)), _V16I8), _V16I16)
-            return b.and_(w, ir.Constant(_V16I16, [15] * 16)), b.lshr(w, ir.Constant(_V16I16, [4] * 16))
+            low, high = b.and_(w, ir.Constant(_V16I16, [15] * 16)), b.lshr(w, ir.Constant(_V16I16, [4] * 16))
+            if self.layout == U4_BLOCK:
+                return low, high
+            bits = b.bitcast(b.load(b.gep(self.qh, [g])), ir.VectorType(ir.IntType(1), 32))  # bit j: weight j
+            fifth = b.shl(b.zext(bits, _V32I16), ir.Constant(_V32I16, [4] * 32))
+            return (b.or_(low, b.shuffle_vector(fifth, fifth, lane_mask(range(16)))),
+                    b.or_(high, b.shuffle_vector(fifth, fifth, lane_mask(range(16, 32)))))
         if self.layout == U8_GROUP32:
             w = b.zext(_load(b, qs, b.mul(g, ir.Constant(_I64, 32)), _V32I8), _V32I16)
             return b.shuffle_vector(w, w, lane_mask(range(16))), b.shuffle_vector(w, w, lane_mask(range(16, 32)))
@@ -131,7 +143,7 @@ class _Row:
     def sums(self, weights, g, t):
         """float(exact int32 sums of group g . token t), 8 lanes."""
         b = self.b
-        if self.layout == U4_BLOCK:
+        if self.layout in _NIBBLES:
             at = b.mul(g, ir.Constant(_I64, 16))
             x = (_load(b, self.xa[t], at, _V16I16), _load(b, self.xb[t], at, _V16I16))
         elif self.layout == U8_GROUP32:
@@ -146,7 +158,8 @@ class _Row:
     def four_groups(self, g0):
         """Groups g0 .. g0 + 3 for every token: their scales and mins read as vectors of 4."""
         b = self.b
-        d4, m4 = _scales4(b, self.d, g0, self.half), _scales4(b, self.m, g0, self.half)
+        d4 = _scales4(b, self.d, g0, self.half)
+        m4 = b.fmul(_scales4(b, self.m, g0, self.half), self.m_factor4, flags=_FAST)
         s4 = []
         for t in range(len(self.y)):
             s4.append(b.fmul(d4, _load(b, self.dx[t], g0, _V4F), flags=_FAST))
@@ -164,7 +177,8 @@ class _Row:
 
     def one_group(self, g):
         b = self.b
-        d, m = _scale(b, self.d, g, self.half), _scale(b, self.m, g, self.half)
+        d = _scale(b, self.d, g, self.half)
+        m = b.fmul(_scale(b, self.m, g, self.half), self.m_factor, flags=_FAST)
         weights = self.weights(g)
         for t in range(len(self.y)):
             s = b.fmul(d, b.load(b.gep(self.dx[t], [g])), flags=_FAST)
@@ -179,7 +193,8 @@ class _Row:
 
 
 def _row_function(module, kind, tokens):
-    """void fn(qs*, d*, m*, xa*, xb*, dx*, sx*, i64 groups, i64 x_stride, i64 s_stride, y*, i64 y_stride):
+    """void fn(qs*, qh*, d*, m*, float m_factor, xa*, xb*, dx*, sx*, i64 groups, i64 x_stride, i64 s_stride,
+    y*, i64 y_stride):
     y[t * y_stride] = one row . token t for t < tokens (the tokens' activations x_stride / s_stride elements
     apart); kind = (layout, scales are float16 bits, x86's vpmaddwd).
 
@@ -193,15 +208,15 @@ def _row_function(module, kind, tokens):
     except KeyError:
         pass
     scale = (_I16 if half else _F32).as_pointer()
-    fnty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), scale, scale, _I16.as_pointer(), _I16.as_pointer(),
-                                           _F32.as_pointer(), _F32.as_pointer(), _I64, _I64, _I64,
-                                           _F32.as_pointer(), _I64])
+    fnty = ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32.as_pointer(), scale, scale, _F32,
+                                           _I16.as_pointer(), _I16.as_pointer(), _F32.as_pointer(),
+                                           _F32.as_pointer(), _I64, _I64, _I64, _F32.as_pointer(), _I64])
     fn = ir.Function(module, fnty, name)
     fn.linkage = "internal"
     fn.attributes.add("noinline")
     builder = ir.IRBuilder(fn.append_basic_block("entry"))
     row = _Row(builder, kind, fn.args, tokens)
-    n_groups = fn.args[7]
+    n_groups = fn.args[9]
     fours = builder.lshr(n_groups, ir.Constant(_I64, 2))
     with cgutils.for_range(builder, fours) as loop:
         row.four_groups(builder.shl(loop.index, ir.Constant(_I64, 2)))
@@ -219,24 +234,27 @@ MAX_TOKENS = 4  # tokens one call computes (the weights' unpacking is shared by 
 
 
 def _rows_codegen(layout, x86):
-    """codegen of (qs, d, m, xa, xb, dx, sx, r, t0, count, y, col): y[t0 + i, col] = row r . token t0 + i
-    for i < count (1 .. MAX_TOKENS; other counts do nothing)."""
+    """codegen of (qs, qh, d, m, m_factor, xa, xb, dx, sx, r, t0, count, y, col): y[t0 + i, col] = row r .
+    token t0 + i for i < count (1 .. MAX_TOKENS; other counts do nothing)."""
     def codegen(context, builder, signature, args):
-        qs, d, m, xa, xb, dx, sx, r, t0, count, y, col = args
+        qs, qh, d, m, m_factor, xa, xb, dx, sx, r, t0, count, y, col = args
         types_ = signature.args
         r, t0, count, col = (context.cast(builder, v, types_[i], types.intp)
-                             for i, v in ((7, r), (8, t0), (9, count), (11, col)))
+                             for i, v in ((9, r), (10, t0), (11, count), (13, col)))
+        m_factor = context.cast(builder, m_factor, types_[4], types.float32)
         qs_p, _ = element_pointer(context, builder, types_[0], qs, r)
-        d_p, d_ary = element_pointer(context, builder, types_[1], d, r)
-        m_p, _ = element_pointer(context, builder, types_[2], m, r)
-        xa_p, xa_ary = element_pointer(context, builder, types_[3], xa, t0)
-        xb_p, _ = element_pointer(context, builder, types_[4], xb, t0)
-        dx_p, dx_ary = element_pointer(context, builder, types_[5], dx, t0)
-        sx_p, _ = element_pointer(context, builder, types_[6], sx, t0)
-        y_p, y_ary = element_pointer(context, builder, types_[10], y, t0, col)
-        call_args = [qs_p, d_p, m_p, xa_p, xb_p, dx_p, sx_p, row_length(builder, d_ary),
-                     row_length(builder, xa_ary), row_length(builder, dx_ary), y_p, row_length(builder, y_ary)]
-        kind = (layout, types_[1].dtype == types.uint16, simd_enabled() if x86 is None else x86)
+        qh_p, _ = element_pointer(context, builder, types_[1], qh, r)
+        d_p, d_ary = element_pointer(context, builder, types_[2], d, r)
+        m_p, _ = element_pointer(context, builder, types_[3], m, r)
+        xa_p, xa_ary = element_pointer(context, builder, types_[5], xa, t0)
+        xb_p, _ = element_pointer(context, builder, types_[6], xb, t0)
+        dx_p, dx_ary = element_pointer(context, builder, types_[7], dx, t0)
+        sx_p, _ = element_pointer(context, builder, types_[8], sx, t0)
+        y_p, y_ary = element_pointer(context, builder, types_[12], y, t0, col)
+        call_args = [qs_p, builder.bitcast(qh_p, _I32.as_pointer()), d_p, m_p, m_factor, xa_p, xb_p, dx_p,
+                     sx_p, row_length(builder, d_ary), row_length(builder, xa_ary), row_length(builder, dx_ary),
+                     y_p, row_length(builder, y_ary)]
+        kind = (layout, types_[2].dtype == types.uint16, simd_enabled() if x86 is None else x86)
         done = builder.append_basic_block("rows_done")
         switch = builder.switch(count, done)
         for tokens in range(1, MAX_TOKENS + 1):
@@ -256,34 +274,40 @@ def _check(arrays):
 
 
 def row_dots(x86=None):
-    """(u4, u8 groups of 32, u8 groups of 16) row-product intrinsics, each
+    """(u4, u5, u8 groups of 32, u8 groups of 16) row-product intrinsics, each
 
-        f(qs, d, m, activations..., dx, sx, r, t0, count, y, col):  y[t0 + i, col] = row r . token t0 + i
+        f(qs, qh, d, m, m_factor, activations..., dx, sx, r, t0, count, y, col):
+            y[t0 + i, col] = row r . token t0 + i
 
-    for i < count (1 .. MAX_TOKENS), float32; the activations are int8_matvec's (U4: the xlo, xhi planes
-    and dx, sx; U8 groups of 32: x16, dx, sx; of 16 (q6_k): x16, dx16, sx16). x86 None: vpmaddwd where numba
-    targets AVX2, else plain vector IR; True / False force either (tests compare the two)."""
+    for i < count (1 .. MAX_TOKENS), float32; the weights are an int8_repack.Int8Part's arrays (qh is read
+    by u5 alone), the activations int8_matvec's (U4, U5: the xlo, xhi planes and dx, sx; U8 groups of 32:
+    x16, dx, sx; of 16 (q6_k): x16, dx16, sx16). x86 None: vpmaddwd where numba targets AVX2, else plain
+    vector IR; True / False force either (tests compare the two)."""
 
-    @intrinsic
-    def u4_rows(typingctx, qs, d, m, xlo, xhi, dx, sx, r, t0, count, y, col):
-        _check((qs, d, m, xlo, xhi, dx, sx, y))
-        return types.void(qs, d, m, xlo, xhi, dx, sx, r, t0, count, y, col), _rows_codegen(U4_BLOCK, x86)
+    def nibbles(layout):
+        codegen = _rows_codegen(layout, x86)
+
+        @intrinsic
+        def nibble_rows(typingctx, qs, qh, d, m, m_factor, xlo, xhi, dx, sx, r, t0, count, y, col):
+            _check((qs, qh, d, m, xlo, xhi, dx, sx, y))
+            return types.void(qs, qh, d, m, m_factor, xlo, xhi, dx, sx, r, t0, count, y, col), codegen
+        return nibble_rows
 
     def u8(layout):
         codegen = _rows_codegen(layout, x86)
 
         def u8_codegen(context, builder, signature, args):  # x16 passed as both planes (the second unused)
             a = signature.args
-            doubled = types.void(*a[:4], a[3], *a[4:])
-            return codegen(context, builder, doubled, (*args[:4], args[3], *args[4:]))
+            doubled = types.void(*a[:6], a[5], *a[6:])
+            return codegen(context, builder, doubled, (*args[:6], args[5], *args[6:]))
 
         @intrinsic
-        def u8_rows(typingctx, qs, d, m, x16, dx, sx, r, t0, count, y, col):
-            _check((qs, d, m, x16, dx, sx, y))
-            return types.void(qs, d, m, x16, dx, sx, r, t0, count, y, col), u8_codegen
+        def u8_rows(typingctx, qs, qh, d, m, m_factor, x16, dx, sx, r, t0, count, y, col):
+            _check((qs, qh, d, m, x16, dx, sx, y))
+            return types.void(qs, qh, d, m, m_factor, x16, dx, sx, r, t0, count, y, col), u8_codegen
         return u8_rows
 
-    return u4_rows, u8(U8_GROUP32), u8(U8_GROUP16)
+    return nibbles(U4_BLOCK), nibbles(U5_BLOCK), u8(U8_GROUP32), u8(U8_GROUP16)
 
 
-u4_rows, u8_rows32, u8_rows16 = row_dots()
+u4_rows, u5_rows, u8_rows32, u8_rows16 = row_dots()
