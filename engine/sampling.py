@@ -121,14 +121,16 @@ class Sampler:
 
     def _draw(self, logits: np.ndarray) -> int:
         p = self.params
-        scaled = logits.astype(np.float64) / p.temperature
-        candidates = np.arange(scaled.shape[0])
-        if 0 < p.top_k < scaled.shape[0]:
-            candidates = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
-        # Sort the surviving candidates by descending logit (stable: ties keep id order).
-        order = candidates[np.argsort(-scaled[candidates], kind="stable")]
-        probs = np.exp(scaled[order] - scaled[order[0]])
-        probs /= probs.sum()
+        vocab = logits.shape[0]
+        top_k = 0 < p.top_k < vocab
+        if not top_k and (p.top_p < 1.0 or p.min_p > 0.0):
+            order, probs = self._nucleus(logits.astype(np.float64) / p.temperature)
+        else:  # the top_k candidates (dividing by the temperature keeps the order), or every token
+            ids = np.argpartition(logits, vocab - p.top_k)[vocab - p.top_k:] if top_k else np.arange(vocab)
+            order = _descending(logits, ids)
+            scaled = logits[order].astype(np.float64) / p.temperature
+            probs = np.exp(scaled - scaled[0])
+            probs /= probs.sum()
         keep = len(order)
         if p.top_p < 1.0:
             # Smallest prefix whose mass reaches top_p (always at least one token).
@@ -137,6 +139,33 @@ class Sampler:
             keep = min(keep, max(1, int(np.sum(probs >= p.min_p * probs[0]))))
         probs = probs[:keep] / probs[:keep].sum()
         return int(order[self._rng.choice(keep, p=probs)])
+
+    def _nucleus(self, scaled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(order, probs) without top_k but with top_p or min_p: the head of the whole vocabulary's
+        descending order long enough to decide both filters, and its probabilities over the whole
+        vocabulary. Sorting all of a 152K vocabulary took 20 ms a token; the head is found by partitioning,
+        its length growing 8-fold until the mass reaches top_p or a token falls below min_p's bar."""
+        p, vocab = self.params, scaled.shape[0]
+        top = scaled.max()
+        total = np.exp(scaled - top).sum()
+        n = _NUCLEUS_FIRST
+        while True:
+            ids = np.arange(vocab) if n >= vocab else np.flatnonzero(scaled >= np.partition(scaled, vocab - n)[vocab - n])
+            order = _descending(scaled, ids)  # every token as large as the n-th largest: ties all in
+            probs = np.exp(scaled[order] - top) / total
+            if (len(order) == vocab or (p.top_p < 1.0 and probs.sum() >= p.top_p)
+                    or (p.min_p > 0.0 and probs[-1] < p.min_p * probs[0])):
+                return order, probs
+            n *= 8
+
+
+_NUCLEUS_FIRST = 64  # the first head _nucleus tries
+
+
+def _descending(scaled: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """ids by descending value, ties by ascending id (as a stable sort of the whole vocabulary orders them)."""
+    ids = np.sort(ids)
+    return ids[np.argsort(-scaled[ids], kind="stable")]
 
 
 def allowed_tokens(mask: np.ndarray, vocab: int) -> np.ndarray:

@@ -188,3 +188,35 @@ def test_allowed_tokens_with_only_minus_inf_logits_still_returns_an_allowed_one(
         logits = np.full(64, -np.inf, dtype=np.float32)
         logits[0] = 1.0
         assert Sampler(params).sample(logits, _bitmask([40, 50], 64)) == 40
+
+
+def _full_sort_draws(logits, params, n):
+    """The draw as a sort of the whole vocabulary computes it (the reference _nucleus and top_k's partition
+    must agree with): n tokens from one seeded generator."""
+    rng = np.random.default_rng(params.seed)
+    scaled = logits.astype(np.float64) / params.temperature
+    order = np.argsort(-scaled, kind="stable")
+    if 0 < params.top_k < len(order):
+        order = order[: params.top_k]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    keep = len(order)
+    if params.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), params.top_p) + 1))
+    if params.min_p > 0.0:
+        keep = min(keep, max(1, int(np.sum(probs >= params.min_p * probs[0]))))
+    probs = probs[:keep] / probs[:keep].sum()
+    return [int(order[rng.choice(keep, p=probs)]) for _ in range(n)]
+
+
+@pytest.mark.parametrize("fields", [dict(top_k=0, top_p=0.9), dict(top_k=0, top_p=0.999), dict(top_k=0, min_p=0.2),
+                                    dict(top_k=0, top_p=0.95, min_p=0.01), dict(top_k=40, top_p=0.95, min_p=0.05),
+                                    dict(top_k=0), dict(top_k=3000, top_p=0.5)])
+@pytest.mark.parametrize("spread", [0.5, 4.0], ids=["flat", "peaked"])
+def test_the_draw_equals_a_sort_of_the_whole_vocabulary(fields, spread):
+    """The sampler sorts only the head of the distribution the filters can keep; the tokens drawn are those
+    of a full sort with the same seed (flat logits make top_p's head grow past its first tries)."""
+    logits = (np.random.default_rng(5).standard_normal(50_000) * spread).astype(np.float32)
+    params = SamplingParams(temperature=0.8, seed=11, **fields)
+    sampler = Sampler(params)
+    assert [sampler.sample(logits) for _ in range(40)] == _full_sort_draws(logits, params, 40)
