@@ -19,8 +19,9 @@ The mins: `m * m_factor` per group. Types with mins of their own (q4_1, q5_1, q4
 -128 d): their m is d itself, not stored twice, and m_factor the power of two, so every product is what the
 stored mins gave (a power-of-two factor is exact in float32), and the float16 scales need no range check.
 
-Bytes per 32 weights (float32 / float16 scales): q4_0, q4_1, q4_k 24 / 20 (q4_0's file 18, q4_1's 20); q5_0
-24 / 22 (file 22); q5_1, q5_k 28 / 24; q8_0 36 / 34 (file 34); q6_k 40 (file 26.25). The fifth bits stay a
+Bytes per 32 weights (float32 / float16 scales; the file's in brackets): q4_0 20 / 18 (18), q4_1 24 / 20 (20),
+q5_0 24 / 22 (22), q5_1 28 / 24 (24), q8_0 36 / 34 (34); float32 only: q4_k 24 (18), q5_k 28 (22), q6_k 40
+(26.25). The fifth bits stay a
 plane of bits: widened to a byte a weight (the earlier U8 form of q5_0) they made Qwen2.5-Coder-0.5B's
 linears 40 bytes a group against the file's 22. Unsigned integers with the offset moved into m: LLVM's
 products of zero-extended bytes ran at 8.4 Gweights/s, of sign-extended int8 at 7.2 (one thread, SmolLM2's
